@@ -1,0 +1,37 @@
+# The two commands that matter on a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+export DS_ACCELERATOR := cpu
+export HF_HUB_OFFLINE := 1
+export MLFLOW_DISABLE_TELEMETRY := true
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo test bench sample clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pipeline.warmup
+	touch $@
+
+sample: install data/sample/_SUCCESS
+
+data/sample/_SUCCESS:
+	$(BIN)/python -m preprocessing.sample --out data/sample
+
+demo: sample
+	$(BIN)/dipaco run --config configs/demo.yaml
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+bench: sample
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,66 @@
+"""The module grid: which modules exist, which paths run through them, and how paths are named.
+
+A grid `[4, 2]` has 4 modules at level 0 and 2 at level 1; a path picks one module per level,
+so there are 8 paths, named `p<k_0>-<k_1>` (DESIGN.md). Path ids arrive from configs, shard
+directory names and CLI arguments, so parsing them is also where untrusted names are checked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+
+_PATH_ID = re.compile(r"^p(\d+(?:-\d+)*)$")
+
+
+@dataclass(frozen=True, order=True)
+class ModuleKey:
+    level: int
+    index: int
+
+    def __str__(self) -> str:
+        return f"level={self.level}/module={self.index}"
+
+
+def path_id(modules: tuple[int, ...]) -> str:
+    """(3, 1) -> 'p3-1'."""
+    return "p" + "-".join(str(k) for k in modules)
+
+
+def parse_path_id(text: str, grid: list[int]) -> tuple[int, ...]:
+    """'p3-1' -> (3, 1), refusing anything that is not a path of this grid."""
+    match = _PATH_ID.match(text)
+    if not match:
+        raise ValueError(f"path id {text!r} is not of the form p<k0>-<k1>-... (e.g. p3-1)")
+    modules = tuple(int(k) for k in match.group(1).split("-"))
+    if len(modules) != len(grid) or any(k >= n for k, n in zip(modules, grid)):
+        raise ValueError(f"path id {text!r} is not a path of the grid {grid}")
+    return modules
+
+
+def all_paths(grid: list[int]) -> list[tuple[int, ...]]:
+    """Every path of the grid in a fixed order (level 0 slowest)."""
+    return list(itertools.product(*(range(n) for n in grid)))
+
+
+def all_path_ids(grid: list[int]) -> list[str]:
+    return [path_id(p) for p in all_paths(grid)]
+
+
+def all_modules(grid: list[int]) -> list[ModuleKey]:
+    return [ModuleKey(level, k) for level, n in enumerate(grid) for k in range(n)]
+
+
+def path_modules(modules: tuple[int, ...]) -> list[ModuleKey]:
+    return [ModuleKey(level, k) for level, k in enumerate(modules)]
+
+
+def paths_through(module: ModuleKey, grid: list[int]) -> list[tuple[int, ...]]:
+    """The paths that share a module: prod(grid) / grid[level] of them."""
+    return [p for p in all_paths(grid) if p[module.level] == module.index]
+
+
+def n_paths(grid: list[int]) -> int:
+    return math.prod(grid)

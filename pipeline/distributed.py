@@ -1,0 +1,51 @@
+"""Process-group bootstrap shared by launched ranks and in-process runs: one code path for both.
+
+The `deepspeed` launcher sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; an
+in-process run (tests, debugging, the warm-up) gets the single-rank equivalent here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+
+def set_runtime_env() -> None:
+    """Defaults every rank needs before deepspeed is imported (all overridable by the user)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
+    # The CPU accelerator JIT-compiles a shared-memory op on first start (35-63 s); keep the
+    # build inside the virtual environment so `make install` pays for it once.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int]:
+    """Start (or reuse) the process group; returns (rank, world_size)."""
+    set_runtime_env()
+    import deepspeed
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # not launched: become a one-rank job
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        backend = "nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return False

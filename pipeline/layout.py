@@ -1,0 +1,55 @@
+"""Relative paths of the run-root layout (DESIGN.md, storage layout): the contract between stages.
+
+Every stage names its inputs and outputs through these functions and nothing else, so the
+layout lives in one place.
+"""
+
+from __future__ import annotations
+
+from models.grid import ModuleKey
+
+RUN_CONFIG = "run.yaml"
+ROUTER_DIR = "router"
+SHARDS_DIR = "shards"
+MANIFEST = "shards/manifest.json"
+REJECTED_DIR = "shards/rejected"
+EVAL_DIR = "eval"
+LOCK = ".lock"
+
+
+def shard_dir(path_id: str, split: str = "train") -> str:
+    """shards/path=<id> for training, shards/validation/path=<id> for the held-out split."""
+    return f"shards/path={path_id}" if split == "train" else f"shards/{split}/path={path_id}"
+
+
+def round_dir(round_index: int) -> str:
+    return f"rounds/round={round_index}"
+
+
+def modules_dir(round_index: int) -> str:
+    """Module parameters at the start of a round; committed by init (round 0) or the merge."""
+    return f"{round_dir(round_index)}/modules"
+
+
+def module_file(module: ModuleKey) -> str:
+    """A module's file name inside modules_dir."""
+    return f"level={module.level}/module={module.index}.safetensors"
+
+
+def outer_state_dir(round_index: int) -> str:
+    """Nesterov momentum buffers at the start of a round (absent for round 0)."""
+    return f"{round_dir(round_index)}/outer_state"
+
+
+def path_dir(round_index: int, path_id: str) -> str:
+    """A path's training output in a round: weights, metrics.json, its DeepSpeed checkpoint."""
+    return f"{round_dir(round_index)}/paths/path={path_id}"
+
+
+def attempts_dir(round_index: int, path_id: str) -> str:
+    """Failed launch records for a path in a round (kept outside the path's own directory)."""
+    return f"{round_dir(round_index)}/attempts/path={path_id}"
+
+
+def eval_file(round_index: int) -> str:
+    return f"{EVAL_DIR}/round={round_index}.json"

@@ -1,0 +1,212 @@
+"""The run root: every read and write of pipeline state goes through here.
+
+Two rules make every stage crash-safe and rerunnable (DESIGN.md, storage layout):
+- a file is written under a temporary name and renamed into place, so a reader sees the old
+  file or the new one, never half of one;
+- a directory counts only once its `_SUCCESS` marker exists. The marker is written last and
+  records the SHA-256 of each file, and a committed file is checked against it when read, so a
+  corrupted or truncated file is refused with its name rather than loaded.
+
+The root is a local path or any fsspec URL (`file://`, `s3://`, `gs://`, `memory://`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from pipeline.errors import CorruptStateError, InputError
+
+SUCCESS = "_SUCCESS"
+_TMP_TAG = ".tmp-"
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class RunRoot:
+    """One run's storage. Paths given to its methods are relative to the root, '/'-separated."""
+
+    def __init__(self, url: str | Path):
+        self.url = str(url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"RunRoot({self.url!r})"
+
+    def path(self, *parts: str) -> str:
+        """The full path of a file under the root (a filesystem path when local)."""
+        return posixpath.join(self.root, *parts) if parts else self.root
+
+    def local_path(self, *parts: str) -> Path:
+        """A path usable with plain open(); only for local roots (DeepSpeed, SQLite need one)."""
+        if not self.is_local:
+            raise InputError(f"{self.url}: this operation needs a local run root")
+        return Path(self.path(*parts))
+
+    # -- reading -------------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        try:
+            with self.fs.open(self.path(rel), "rb") as handle:
+                return handle.read()
+        except FileNotFoundError:
+            raise InputError(f"{self.path(rel)}: file not found") from None
+
+    def read_json(self, rel: str) -> Any:
+        try:
+            return json.loads(self.read_bytes(rel))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CorruptStateError(f"{self.path(rel)}: not valid JSON ({exc})") from None
+
+    def listdir(self, rel: str) -> list[str]:
+        """Names (not paths) in a directory, sorted; empty when it does not exist."""
+        full = self.path(rel)
+        if not self.fs.isdir(full):
+            return []
+        names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(full, detail=False)]
+        return sorted(n for n in names if _TMP_TAG not in n)
+
+    def glob(self, pattern: str) -> list[str]:
+        """Relative paths matching a glob under the root, sorted, temporaries excluded."""
+        base = self.root.rstrip("/") + "/"
+        found = [p[len(base):] if p.startswith(base) else p for p in self.fs.glob(self.path(pattern))]
+        return sorted(p for p in found if _TMP_TAG not in p)
+
+    # -- writing -------------------------------------------------------------------------------
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write through a temporary name and rename into place."""
+        final = self.path(rel)
+        tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+        if self.is_local:
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, final)
+            return
+        with self.fs.open(tmp, "wb") as handle:
+            handle.write(data)
+        self.fs.mv(tmp, final)
+
+    def write_json(self, rel: str, data: Any) -> None:
+        self.write_bytes(rel, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
+
+    def write_text(self, rel: str, text: str) -> None:
+        self.write_bytes(rel, text.encode())
+
+    def put_file(self, local: str | Path, rel: str) -> None:
+        """Upload (or copy) a local file into the root, atomically."""
+        if self.is_local:
+            final = self.path(rel)
+            os.makedirs(posixpath.dirname(final), exist_ok=True)
+            tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            with open(local, "rb") as src, open(tmp, "wb") as dst:
+                for block in iter(lambda: src.read(1 << 22), b""):
+                    dst.write(block)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, final)
+            return
+        self.write_bytes(rel, Path(local).read_bytes())
+
+    def put_dir(self, local_dir: str | Path, rel: str) -> None:
+        for file in sorted(Path(local_dir).rglob("*")):
+            if file.is_file():
+                self.put_file(file, posixpath.join(rel, file.relative_to(local_dir).as_posix()))
+
+    def get_dir(self, rel: str, local_dir: str | Path) -> None:
+        for name in self.files_under(rel):
+            target = Path(local_dir) / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(self.read_bytes(posixpath.join(rel, name)))
+
+    def remove(self, rel: str) -> None:
+        full = self.path(rel)
+        if self.fs.exists(full):
+            self.fs.rm(full, recursive=True)
+
+    def files_under(self, rel: str) -> list[str]:
+        """Every file below a directory, relative to it, sorted; temporaries and marker excluded."""
+        full = self.path(rel).rstrip("/")
+        if not self.fs.isdir(full):
+            return []
+        names = []
+        for path in self.fs.find(full):
+            name = path[len(full) + 1:] if path.startswith(full + "/") else posixpath.relpath(path, full)
+            if _TMP_TAG not in name and posixpath.basename(name) != SUCCESS:
+                names.append(name)
+        return sorted(names)
+
+    # -- commit markers ------------------------------------------------------------------------
+    def commit(self, rel: str, info: dict[str, Any] | None = None, files: list[str] | None = None) -> dict:
+        """Mark a directory complete: `_SUCCESS` with the checksum of each file, written last."""
+        names = self.files_under(rel) if files is None else sorted(files)
+        record = {
+            "committed_at": time.time(),
+            "files": {n: self._file_record(posixpath.join(rel, n)) for n in names},
+            **(info or {}),
+        }
+        self.write_json(posixpath.join(rel, SUCCESS), record)
+        return record
+
+    def is_committed(self, rel: str) -> bool:
+        return self.exists(posixpath.join(rel, SUCCESS))
+
+    def marker(self, rel: str) -> dict[str, Any]:
+        """The _SUCCESS record of a committed directory (refused when it is missing)."""
+        marker = posixpath.join(rel, SUCCESS)
+        if not self.exists(marker):
+            raise InputError(f"{self.path(rel)}: not committed (no {SUCCESS})")
+        record = self.read_json(marker)
+        if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+            raise CorruptStateError(f"{self.path(marker)}: not a valid commit marker")
+        return record
+
+    def read_committed(self, rel_dir: str, name: str) -> bytes:
+        """Read a file of a committed directory, refusing it unless it matches its checksum."""
+        expected = self.marker(rel_dir)["files"].get(name)
+        full = self.path(rel_dir, name)
+        if expected is None:
+            raise CorruptStateError(f"{full}: not listed in its directory's {SUCCESS}")
+        data = self.read_bytes(posixpath.join(rel_dir, name))
+        if len(data) != expected["bytes"] or sha256_bytes(data) != expected["sha256"]:
+            raise CorruptStateError(
+                f"{full}: checksum does not match its {SUCCESS} record "
+                f"({len(data)} bytes, expected {expected['bytes']}); refusing to load it"
+            )
+        return data
+
+    def verify(self, rel: str) -> None:
+        """Check every file of a committed directory against its marker."""
+        for name in self.marker(rel)["files"]:
+            self.read_committed(rel, name)
+
+    def _file_record(self, rel: str) -> dict[str, Any]:
+        full = self.path(rel)
+        if self.is_local:
+            return {"sha256": sha256_file(full), "bytes": os.path.getsize(full)}
+        data = self.read_bytes(rel)
+        return {"sha256": sha256_bytes(data), "bytes": len(data)}
