@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from pipeline.errors import ConfigError
+from pipeline.zero import resolve_ds_config
 
 
 @dataclass
@@ -84,7 +85,7 @@ class OuterConfig:
 
 @dataclass
 class EvalConfig:
-    max_docs: int | None = None  # cap on held-out documents scored per round
+    max_docs: int | None = None  # cap on held-out documents scored per path
     batch_size: int = 8
 
 
@@ -278,7 +279,7 @@ def validate(config: Config) -> None:
     need(t.procs_per_path >= 1, "train.procs_per_path", "must be >= 1")
     need(t.parallel_paths >= 1, "train.parallel_paths", "must be >= 1")
     need(t.max_attempts >= 1, "train.max_attempts", "must be >= 1")
-    need(Path(t.ds_config).is_file(), "train.ds_config", f"names a missing file {t.ds_config}")
+    need(resolve_ds_config(t.ds_config).is_file(), "train.ds_config", f"names a missing file {t.ds_config}")
     need(o.lr > 0, "outer.lr", "must be positive")
     need(0 <= o.momentum < 1, "outer.momentum", "must be within [0, 1)")
     need(config.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")

@@ -1,0 +1,150 @@
+"""A path is a standard `LlamaForCausalLM`; a module is the slice of its state dict one level owns.
+
+Level l owns a run of consecutive decoder blocks; level 0 also owns the token embedding and the
+last level the final norm and LM head (DESIGN.md, vocabulary). Splitting and assembling is an
+explicit key map, so a path assembled from modules gives exactly the logits of the path it came
+from, and `save_pretrained`, `generate` and MLflow's transformers flavour work on it unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ModuleState = dict[str, torch.Tensor]  # module-local key -> tensor
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.(.+)$")
+EMBED, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+EOS_TOKEN_ID = 50256  # GPT-2's <|endoftext|>
+
+
+def eos_token_id(vocab_size: int) -> int:
+    """GPT-2's EOS; the last id when a test shrinks the vocabulary below GPT-2's."""
+    return min(EOS_TOKEN_ID, vocab_size - 1)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What an assembled path looks like; built from the `model` config section."""
+
+    blocks_per_level: tuple[int, ...]
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int
+
+    @classmethod
+    def from_config(cls, model_config) -> "ModelShape":
+        hidden = model_config.hidden_size
+        # Llama's SwiGLU width: 8/3 of the hidden size, rounded up to a multiple of 64.
+        intermediate = model_config.intermediate_size or 64 * -(-(8 * hidden // 3) // 64)
+        return cls(
+            blocks_per_level=tuple(model_config.blocks_per_level),
+            hidden_size=hidden,
+            num_heads=model_config.num_heads,
+            intermediate_size=intermediate,
+            vocab_size=model_config.vocab_size,
+            max_positions=model_config.seq_len,
+        )
+
+    @property
+    def n_levels(self) -> int:
+        return len(self.blocks_per_level)
+
+    def first_block(self, level: int) -> int:
+        return sum(self.blocks_per_level[:level])
+
+    def level_of_block(self, block: int) -> int:
+        for level in range(self.n_levels):
+            if block < self.first_block(level + 1):
+                return level
+        raise KeyError(f"block {block} is beyond the {sum(self.blocks_per_level)} blocks of the path")
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=sum(self.blocks_per_level),
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_heads,
+            max_position_embeddings=self.max_positions,
+            # Embedding and head belong to different levels, so they cannot share one tensor.
+            tie_word_embeddings=False,
+            bos_token_id=eos_token_id(self.vocab_size),
+            eos_token_id=eos_token_id(self.vocab_size),
+            pad_token_id=eos_token_id(self.vocab_size),
+            attn_implementation="sdpa",
+        )
+
+
+def to_module_key(shape: ModelShape, hf_key: str) -> tuple[int, str]:
+    """A Hugging Face key -> (level, module-local key). The explicit half of the key map."""
+    if hf_key == EMBED:
+        return 0, "embed_tokens.weight"
+    if hf_key == NORM:
+        return shape.n_levels - 1, "norm.weight"
+    if hf_key == HEAD:
+        return shape.n_levels - 1, "lm_head.weight"
+    match = _LAYER_KEY.match(hf_key)
+    if not match:
+        raise KeyError(f"{hf_key!r} belongs to no module")
+    block = int(match.group(1))
+    level = shape.level_of_block(block)
+    return level, f"blocks.{block - shape.first_block(level)}.{match.group(2)}"
+
+
+def to_hf_key(shape: ModelShape, level: int, local_key: str) -> str:
+    """(level, module-local key) -> the Hugging Face key. The inverse of to_module_key."""
+    if local_key == "embed_tokens.weight" and level == 0:
+        return EMBED
+    if local_key == "norm.weight" and level == shape.n_levels - 1:
+        return NORM
+    if local_key == "lm_head.weight" and level == shape.n_levels - 1:
+        return HEAD
+    match = _BLOCK_KEY.match(local_key)
+    if not match or int(match.group(1)) >= shape.blocks_per_level[level]:
+        raise KeyError(f"{local_key!r} is not a key of a level-{level} module")
+    return f"model.layers.{shape.first_block(level) + int(match.group(1))}.{match.group(2)}"
+
+
+def split_path_state(shape: ModelShape, state: dict[str, torch.Tensor]) -> list[ModuleState]:
+    """A path's state dict -> one module state per level."""
+    modules: list[ModuleState] = [{} for _ in range(shape.n_levels)]
+    for hf_key, tensor in state.items():
+        level, local_key = to_module_key(shape, hf_key)
+        modules[level][local_key] = tensor
+    return modules
+
+
+def assemble_path_state(shape: ModelShape, modules: list[ModuleState]) -> dict[str, torch.Tensor]:
+    """One module state per level -> a path's Hugging Face state dict."""
+    if len(modules) != shape.n_levels:
+        raise ValueError(f"a path needs {shape.n_levels} modules, got {len(modules)}")
+    return {to_hf_key(shape, level, k): t for level, module in enumerate(modules) for k, t in module.items()}
+
+
+def build_path_model(shape: ModelShape, modules: list[ModuleState] | None = None, seed: int = 0) -> LlamaForCausalLM:
+    """A LlamaForCausalLM for one path: seeded fresh weights, or the given modules loaded strictly."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(shape.llama_config())
+    if modules is not None:
+        missing, unexpected = model.load_state_dict(assemble_path_state(shape, modules), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"modules do not fit the path model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model
+
+
+def path_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The trainable state of a path (buffers such as rotary frequencies are rebuilt, not stored)."""
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+def initial_level_states(shape: ModelShape, seed: int) -> list[ModuleState]:
+    """Round-0 weights, one state per level: every module of a level starts from the same tensors,
+    so every path starts from the same shared model (DESIGN.md, module store)."""
+    return split_path_state(shape, path_state(build_path_model(shape, seed=seed)))

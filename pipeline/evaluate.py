@@ -1,0 +1,78 @@
+"""Routed perplexity: each held-out document scored by the path its prefix routes to.
+
+The prepare job already routed the validation split with the training router
+(`shards/validation/path=<id>/`), so evaluation reads each path's held-out documents and scores
+them with that path's model at the start of round r. As in the DiPaCo paper, the first
+`router.prefix_tokens` tokens are context only: every token after them is scored, for every model
+(dense baselines included), so all numbers are over the same tokens. Documents longer than
+`model.seq_len + 1` tokens are scored on their first `seq_len + 1` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models.grid import all_path_ids
+from models.modular import EOS_TOKEN_ID, eos_token_id
+from pipeline import layout
+from pipeline.module_store import load_path_model
+from pipeline.shards import read_path_documents, shard_parts
+from pipeline.storage import RunRoot
+
+log = logging.getLogger("dipaco.eval")
+
+
+@torch.no_grad()
+def score_documents(model: torch.nn.Module, docs: list[np.ndarray], prefix: int, seq_len: int, batch_size: int,
+                    pad_id: int = EOS_TOKEN_ID) -> tuple[float, int]:
+    """(summed negative log-likelihood, tokens scored) over the tokens after each prefix."""
+    model.eval()
+    nll, count = 0.0, 0
+    docs = [d[: seq_len + 1] for d in docs if len(d) > prefix]
+    for start in range(0, len(docs), batch_size):
+        batch = docs[start:start + batch_size]
+        width = max(len(d) for d in batch) - 1
+        inputs = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        targets = torch.full((len(batch), width), -100, dtype=torch.long)  # -100: not scored
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, doc in enumerate(batch):
+            tokens = torch.as_tensor(doc, dtype=torch.long)
+            n = len(tokens) - 1
+            inputs[row, :n], mask[row, :n] = tokens[:-1], 1
+            targets[row, prefix - 1:n] = tokens[prefix:]  # target j is token j+1: score tokens >= prefix
+        logits = model(input_ids=inputs, attention_mask=mask).logits  # (B, T, V)
+        nll += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum").item()
+        count += int((targets != -100).sum())
+    return nll, count
+
+
+def evaluate_round(config, round_index: int) -> dict:
+    """Perplexity per path and overall of the modules at the start of round r; eval/round=<r>.json."""
+    root = RunRoot(config.run_root)
+    prefix, seq_len = config.router.prefix_tokens, config.model.seq_len
+    paths, total_nll, total_tokens = {}, 0.0, 0
+    for path_id in all_path_ids(config.model.grid):
+        if not shard_parts(root, path_id, split="validation"):
+            continue
+        docs = read_path_documents(root, path_id, split="validation")[: config.eval.max_docs]
+        model = load_path_model(root, config, round_index, path_id)
+        nll, tokens = score_documents(model, docs, prefix, seq_len, config.eval.batch_size,
+                                      pad_id=eos_token_id(config.model.vocab_size))
+        if tokens:
+            paths[path_id] = {"perplexity": math.exp(nll / tokens), "tokens": tokens, "docs": len(docs)}
+            total_nll, total_tokens = total_nll + nll, total_tokens + tokens
+    result = {
+        "round": round_index,
+        "perplexity": math.exp(total_nll / total_tokens) if total_tokens else None,
+        "tokens": total_tokens,
+        "paths": paths,
+    }
+    root.write_json(layout.eval_file(round_index), result)
+    if total_tokens:
+        log.info("round %d: routed perplexity %.2f over %d tokens", round_index, result["perplexity"], total_tokens)
+    return result

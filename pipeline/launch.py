@@ -1,0 +1,108 @@
+"""Start path trainers: one `deepspeed` launch per path, retried, several paths at once.
+
+Each path is its own DeepSpeed job (its island), run as a subprocess so torch.distributed never
+starts inside the orchestrator (the CLI or an Airflow worker). A launch that fails or dies is
+retried up to `train.max_attempts`; after that the round commits without the path and the merge
+names it. Leftovers of a failed attempt are removed before the next, so no partial file is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from pipeline import layout
+from pipeline.distributed import free_port, set_runtime_env
+from pipeline.storage import RunRoot
+
+log = logging.getLogger("dipaco.launch")
+_FORWARD = ("dipaco.", "Error", "error", "Traceback", "Killed")
+
+
+def launcher_command(run_root: str, round_index: int, path_id: str, procs: int, port: int) -> list[str]:
+    """The `deepspeed` launcher command for one path (add `--hostfile` for several nodes)."""
+    launcher = Path(sys.executable).with_name("deepspeed")
+    return [
+        str(launcher), "--num_nodes", "1", "--num_gpus", str(procs), "--master_port", str(port),
+        "--no_local_rank", "--module", "pipeline.train_path",
+        "--run-root", run_root, "--round", str(round_index), "--path", path_id,
+    ]
+
+
+def rank_threads(train) -> int:
+    """OMP threads per rank: the machine's cores shared by every rank running at once."""
+    if train.threads_per_proc:
+        return train.threads_per_proc
+    busy = train.procs_per_path * train.parallel_paths
+    return max(1, (os.cpu_count() or 1) // busy)
+
+
+def train_path_job(config, round_index: int, path_id: str) -> dict | None:
+    """Train one path with retries; its metrics once committed, None if every attempt failed."""
+    root = RunRoot(config.run_root)
+    rel = layout.path_dir(round_index, path_id)
+    for attempt in range(1, config.train.max_attempts + 1):
+        if root.is_committed(rel):
+            return root.read_json(f"{rel}/metrics.json")
+        root.remove(rel)  # an earlier attempt's partial output is never read, only replaced
+        started = time.perf_counter()
+        returncode, tail = _run_attempt(config, round_index, path_id)
+        if returncode == 0 and root.is_committed(rel):
+            return root.read_json(f"{rel}/metrics.json")
+        root.write_json(f"{layout.attempts_dir(round_index, path_id)}/attempt-{attempt}.json", {
+            "returncode": returncode, "seconds": time.perf_counter() - started, "output_tail": tail,
+        })
+        log.warning("path %s round %d attempt %d/%d failed (exit %s)%s", path_id, round_index, attempt,
+                    config.train.max_attempts, returncode, (": " + tail[-1]) if tail else "")
+    return root.read_json(f"{rel}/metrics.json") if root.is_committed(rel) else None
+
+
+def _run_attempt(config, round_index: int, path_id: str) -> tuple[int, list[str]]:
+    if config.train.launcher == "inprocess":
+        from pipeline.train_path import train_path
+
+        try:
+            train_path(config, round_index, path_id)
+            return 0, []
+        except Exception as exc:  # an in-process attempt fails like a launch would: recorded, retried
+            log.exception("path %s failed in process", path_id)
+            return 1, [f"{type(exc).__name__}: {exc}"]
+    set_runtime_env()
+    env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads(config.train)), "PYTHONUNBUFFERED": "1"}
+    root = RunRoot(config.run_root)
+    run_root = root.path() if root.is_local else root.url  # absolute: ranks may start elsewhere
+    command = launcher_command(run_root, round_index, path_id, config.train.procs_per_path, free_port())
+    log.info("launch %s: %s", path_id, " ".join(command))
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    tail: list[str] = []
+    reader = threading.Thread(target=_forward_output, args=(process, path_id, tail), daemon=True)
+    reader.start()
+    returncode = process.wait()
+    reader.join()
+    return returncode, tail[-20:]
+
+
+def _forward_output(process: subprocess.Popen, path_id: str, tail: list[str]) -> None:
+    """Show the trainer's own progress lines, prefixed by path; keep a tail for failure reports."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        line = line.rstrip()
+        tail.append(line)
+        del tail[:-40]
+        if any(marker in line for marker in _FORWARD):
+            log.info("[%s] %s", path_id, line.split("dipaco.train ")[-1])
+
+
+def train_paths(config, round_index: int, path_ids: list[str]) -> dict[str, dict | None]:
+    """Train the given paths, `train.parallel_paths` at a time; {path id: metrics or None}."""
+    workers = 1 if config.train.launcher == "inprocess" else config.train.parallel_paths
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = pool.map(lambda pid: (pid, train_path_job(config, round_index, pid)), path_ids)
+        return dict(results)

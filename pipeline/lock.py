@@ -1,0 +1,81 @@
+"""One orchestrator per run root: a second `dipaco run` (or DAG run) on the same root is refused.
+
+Local roots use an advisory `flock` on `<run_root>/.lock`: the kernel drops it when the holder
+dies, even by `kill -9`, so a crash never leaves the run stuck. Object-store roots have no
+locks, so there the lock is a JSON record refreshed by a heartbeat and taken over once stale.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from pipeline import layout
+from pipeline.errors import RunLockedError
+from pipeline.storage import RunRoot
+
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 300.0
+
+
+def _holder() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": time.time()}
+
+
+@contextmanager
+def run_lock(root: RunRoot) -> Iterator[None]:
+    if root.is_local:
+        with _flock(root):
+            yield
+    else:
+        with _heartbeat_lock(root):
+            yield
+
+
+@contextmanager
+def _flock(root: RunRoot) -> Iterator[None]:
+    path = root.local_path(layout.LOCK)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            raise RunLockedError(f"{root.path()}: another dipaco run holds this run root ({handle.read().strip() or 'unknown holder'})") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(_holder()))
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing releases the flock
+
+
+@contextmanager
+def _heartbeat_lock(root: RunRoot) -> Iterator[None]:
+    if root.exists(layout.LOCK):
+        held = root.read_json(layout.LOCK)
+        if time.time() - float(held.get("heartbeat", 0)) < STALE_AFTER_S:
+            raise RunLockedError(f"{root.url}: another dipaco run holds this run root ({held})")
+    root.write_json(layout.LOCK, _holder())
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(HEARTBEAT_S):
+            root.write_json(layout.LOCK, _holder())
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        root.remove(layout.LOCK)

@@ -1,0 +1,146 @@
+"""The DiLoCo outer step over the module grid (DiPaCo, Douillard et al. 2024, arXiv 2403.10616 §2;
+DiLoCo, Douillard et al. 2023, arXiv 2311.08105, Algorithm 1).
+
+For module m: delta_p = theta_m(before) - theta_{p,m}(after) for every path p through m that
+committed; the outer gradient g_m = sum_p alpha_p * delta_p with alpha_p the path's share of the
+tokens (or uniform); optionally g_m *= sqrt(paths through m); then a stock
+torch.optim.SGD(nesterov=True) step with the module's persisted momentum buffer. A module that
+no path finished keeps its parameters and its buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from models.grid import ModuleKey, all_modules, all_path_ids, parse_path_id, path_modules
+from models.modular import ModelShape, ModuleState, split_path_state
+from pipeline import layout
+from pipeline.module_store import decode, load_modules, load_outer_state, write_states
+from pipeline.storage import RunRoot
+
+log = logging.getLogger("dipaco.merge")
+
+
+class OuterOptimizer:
+    """One outer step for one module: the math of the papers, written literally."""
+
+    def __init__(self, lr: float, momentum: float, nesterov: bool, sqrt_paths_rescale: bool = False):
+        if lr <= 0:
+            raise ValueError(f"outer lr must be positive, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
+        self.lr, self.momentum = lr, momentum
+        self.nesterov = nesterov and momentum > 0  # torch refuses Nesterov without momentum
+        self.sqrt_paths_rescale = sqrt_paths_rescale
+
+    def outer_gradient(self, before: ModuleState, afters: list[ModuleState], weights: list[float]) -> ModuleState:
+        """g = sum_p alpha_p * (before - after_p), alpha normalised to sum to 1."""
+        total = sum(weights)
+        grad = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in before.items()}
+        for after, weight in zip(afters, weights):
+            for key, tensor in before.items():
+                grad[key] += (weight / total) * (tensor.float() - after[key].float())  # pseudo-gradient
+        if self.sqrt_paths_rescale:
+            # Averaging n roughly independent deltas shrinks the norm by ~sqrt(n) (DiPaCo §2.7).
+            grad = {k: g * math.sqrt(len(afters)) for k, g in grad.items()}
+        return grad
+
+    def outer_step(self, before: ModuleState, grad: ModuleState, momentum: ModuleState | None) -> tuple[ModuleState, ModuleState]:
+        """SGD(lr, momentum, nesterov) from torch: returns (new parameters, new momentum buffers)."""
+        params = {k: v.detach().float().clone().requires_grad_(True) for k, v in before.items()}
+        sgd = torch.optim.SGD(params.values(), lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
+        for key, param in params.items():
+            param.grad = grad[key].clone()
+            if momentum is not None and self.momentum > 0:
+                sgd.state[param]["momentum_buffer"] = momentum[key].float().clone()
+        sgd.step()
+        new_buffers = {k: sgd.state[p]["momentum_buffer"].detach() for k, p in params.items()} if self.momentum > 0 else {}
+        return {k: p.detach() for k, p in params.items()}, new_buffers
+
+
+def module_bytes(state: ModuleState) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def merge_round(config, round_index: int) -> dict:
+    """Merge round r into round r+1's modules and momentum; commits `rounds/round=<r>/_SUCCESS`.
+
+    Rerunning after a crash recomputes the same result from round r's committed state, so an
+    interrupted merge leaves nothing a rerun could misread.
+    """
+    root = RunRoot(config.run_root)
+    rel_round = layout.round_dir(round_index)
+    if root.is_committed(rel_round):
+        return root.read_json(f"{rel_round}/merge.json")
+    start = time.perf_counter()
+    grid, shape = config.model.grid, ModelShape.from_config(config.model)
+    keys = all_modules(grid)
+    before = load_modules(root, round_index, keys)
+    momentum = load_outer_state(root, round_index, keys)
+    committed, left_out = committed_paths(root, config, round_index)
+
+    # Accumulate each module's contributions one path at a time (a path's file is read once).
+    contributions: dict[ModuleKey, list[tuple[ModuleState, float]]] = {key: [] for key in keys}
+    for path_id, tokens in committed.items():
+        weights = root.read_committed(layout.path_dir(round_index, path_id), "model.safetensors")
+        trained = split_path_state(shape, decode(weights, root.path(layout.path_dir(round_index, path_id), "model.safetensors")))
+        weight = float(tokens) if config.outer.weighting == "tokens" else 1.0
+        for key in path_modules(parse_path_id(path_id, grid)):
+            contributions[key].append((trained[key.level], weight))
+
+    outer = OuterOptimizer(config.outer.lr, config.outer.momentum, config.outer.nesterov, config.outer.sqrt_paths_rescale)
+    new_modules, new_momentum, grad_norms, untouched = {}, {}, {}, []
+    for key in keys:
+        parts = contributions[key]
+        if not parts:  # no path through this module finished: it keeps its parameters
+            new_modules[key] = before[key]
+            if key in momentum:
+                new_momentum[key] = momentum[key]
+            untouched.append(str(key))
+            continue
+        grad = outer.outer_gradient(before[key], [p for p, _ in parts], [w for _, w in parts])
+        new_modules[key], buffers = outer.outer_step(before[key], grad, momentum.get(key))
+        if buffers:
+            new_momentum[key] = buffers
+        grad_norms[str(key)] = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grad.values()))
+
+    next_round = round_index + 1
+    info = {"round": next_round, "grid": list(grid), "merged_from_round": round_index}
+    write_states(root, layout.modules_dir(next_round), new_modules, info)
+    write_states(root, layout.outer_state_dir(next_round), new_momentum, info)
+
+    path_bytes = {pid: sum(module_bytes(before[k]) for k in path_modules(parse_path_id(pid, grid))) for pid in committed}
+    bytes_outer = 2 * sum(path_bytes.values())  # each island sends its outer gradient, receives its modules
+    report = {
+        "round": round_index,
+        "paths_merged": sorted(committed),
+        "paths_left_out": left_out,
+        "modules_untouched": untouched,
+        "module_grad_norms": grad_norms,
+        "tokens": {pid: int(t) for pid, t in committed.items()},
+        "bytes_outer": bytes_outer,
+        # Data-parallel training of the same islands all-reduces gradients every inner step.
+        "bytes_data_parallel": bytes_outer * config.train.inner_steps,
+        "seconds": time.perf_counter() - start,
+    }
+    root.write_json(f"{rel_round}/merge.json", report)
+    root.commit(rel_round, info={"round": round_index, "next_round": next_round}, files=["merge.json"])
+    log.info("merged round %d: %d paths in, %d left out %s; %.1f MB outer vs %.1f MB data-parallel",
+             round_index, len(committed), len(left_out), left_out or "", bytes_outer / 1e6, report["bytes_data_parallel"] / 1e6)
+    return report
+
+
+def committed_paths(root: RunRoot, config, round_index: int) -> tuple[dict[str, int], list[str]]:
+    """({path id: tokens trained} for paths that committed, [path ids that did not])."""
+    committed, left_out = {}, []
+    for path_id in all_path_ids(config.model.grid):
+        rel = layout.path_dir(round_index, path_id)
+        if root.is_committed(rel):
+            committed[path_id] = int(root.marker(rel)["tokens"])
+        else:
+            left_out.append(path_id)
+    return committed, left_out

@@ -1,0 +1,145 @@
+"""The pipeline's stages as plain functions: the CLI and the Airflow DAG call exactly these.
+
+Each stage reads committed state from the run root, does its work, commits its output and
+reports to the tracker; each can be rerun and resumes where it stopped (a committed stage
+returns its recorded result at once).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import yaml
+
+from models.grid import all_path_ids
+from pipeline import layout
+from pipeline.config import Config, config_from_dict, dump_yaml
+from pipeline.errors import ConfigError
+from pipeline.evaluate import evaluate_round
+from pipeline.launch import train_path_job, train_paths
+from pipeline.lock import run_lock
+from pipeline.merge import merge_round
+from pipeline.module_store import init_modules
+from pipeline.storage import RunRoot
+
+log = logging.getLogger("dipaco")
+# Sections that fix what the committed state means; a run root refuses a config that changes them.
+_FIXED = ("model", "router")
+
+
+def init_run(config: Config) -> RunRoot:
+    """Write run.yaml and the round-0 modules, unless the run root already holds them."""
+    root = RunRoot(config.run_root)
+    if root.exists(layout.RUN_CONFIG):
+        previous = config_from_dict(yaml.safe_load(root.read_bytes(layout.RUN_CONFIG)), root.path(layout.RUN_CONFIG))
+        for section in _FIXED:
+            if getattr(previous, section) != getattr(config, section):
+                raise ConfigError(f"{config.source}: {section} differs from the run in {root.path()} "
+                                  f"(its run.yaml); use a new run_root to change it")
+    root.write_text(layout.RUN_CONFIG, dump_yaml(config))
+    if init_modules(root, config.model, config.model.grid):
+        log.info("initialised round 0: %d modules for %d paths", sum(config.model.grid), config.n_paths)
+    return root
+
+
+def prepare(config: Config) -> dict:
+    """The Beam job: router and shards (skipped when shards/ is committed)."""
+    from preprocessing.prepare import run_prepare
+    from pipeline.tracking import get_tracker
+
+    manifest = run_prepare(config)
+    get_tracker(config).log_prepare(manifest)
+    return manifest
+
+
+def list_paths(config: Config) -> list[str]:
+    return all_path_ids(config.model.grid)
+
+
+def next_round(config: Config) -> int:
+    """The first round whose merge has not committed."""
+    root = RunRoot(config.run_root)
+    r = 0
+    while root.is_committed(layout.round_dir(r)):
+        r += 1
+    return r
+
+
+def train_path(config: Config, round_index: int, path_id: str) -> dict | None:
+    """One path's DeepSpeed job with retries; its metrics, or None when every attempt failed."""
+    from pipeline.tracking import get_tracker
+
+    metrics = train_path_job(config, round_index, path_id)
+    if metrics is not None:
+        get_tracker(config).log_path(round_index, path_id, metrics)
+    return metrics
+
+
+def merge(config: Config, round_index: int) -> dict:
+    from pipeline.tracking import get_tracker
+
+    report = merge_round(config, round_index)
+    get_tracker(config).log_merge(round_index, report)
+    return report
+
+
+def evaluate(config: Config, round_index: int) -> dict:
+    """Routed perplexity of the modules at the start of a round (round r+1 after merge r)."""
+    from pipeline.tracking import get_tracker
+
+    result = evaluate_round(config, round_index)
+    get_tracker(config).log_eval(round_index, result)
+    return result
+
+
+def register(config: Config, round_index: int, result: dict) -> str | None:
+    from pipeline.tracking import get_tracker
+
+    return get_tracker(config).register(round_index, result)
+
+
+def train_round(config: Config, round_index: int) -> dict:
+    """Train every path (parallel launches), merge, evaluate, register: one outer round."""
+    from pipeline.tracking import get_tracker
+
+    pending = [p for p in list_paths(config) if not RunRoot(config.run_root).is_committed(layout.path_dir(round_index, p))]
+    log.info("round %d: training %d of %d paths", round_index, len(pending), config.n_paths)
+    for path_id, metrics in train_paths(config, round_index, list_paths(config)).items():
+        if metrics is not None:
+            get_tracker(config).log_path(round_index, path_id, metrics)
+    report = merge(config, round_index)
+    result = evaluate(config, round_index + 1)
+    version = register(config, round_index + 1, result)
+    return {"merge": report, "eval": result, "model_version": version}
+
+
+def run(config: Config, rounds: int | None = None) -> dict:
+    """Every stage that has not committed: prepare, then rounds up to `train.rounds` (or `rounds`
+    more, as a scheduled DAG run does), evaluation and registration after each merge."""
+    from pipeline.tracking import get_tracker
+
+    root = RunRoot(config.run_root)
+    with run_lock(root):
+        init_run(config)
+        tracker = get_tracker(config)
+        tracker.log_run_config()
+        prepare(config)
+        first = next_round(config)
+        last = config.train.rounds if rounds is None else first + rounds
+        if first == 0 and not root.exists(layout.eval_file(0)):
+            evaluate(config, 0)
+        history = {}
+        for round_index in range(first, last):
+            history[round_index] = train_round(config, round_index)
+        summary = summarize(config)
+        tracker.finish(summary)
+        return summary
+
+
+def summarize(config: Config) -> dict:
+    """Perplexity per path and overall by round, from the committed eval files."""
+    root = RunRoot(config.run_root)
+    rounds = sorted(int(n.split("=")[1].split(".")[0]) for n in root.listdir(layout.EVAL_DIR) if n.startswith("round="))
+    return {"run_root": root.path() if root.is_local else root.url,
+            "rounds_committed": next_round(config),
+            "eval": {r: root.read_json(layout.eval_file(r)) for r in rounds}}

@@ -1,0 +1,216 @@
+"""Train one path for one round on its island: the process every DeepSpeed rank runs.
+
+Launched as `deepspeed --num_gpus N --no_local_rank --module pipeline.train_path --run-root URL
+--round R --path ID` (N CPU ranks with gloo here, N GPUs with NCCL elsewhere), or called in
+process with one rank. Reads the round's modules and the path's shard, runs `inner_steps` AdamW
+steps under ZeRO, writes the trained path and its metrics, and commits the path's directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from models.grid import parse_path_id
+from models.modular import ModelShape, build_path_model, eos_token_id
+from pipeline import layout
+from pipeline.config import Config, config_from_dict
+from pipeline.data import RowStream, micro_batch_start, pack_documents
+from pipeline.distributed import init_distributed
+from pipeline.errors import ConfigError, DipacoError, InputError
+from pipeline.module_store import load_path_modules
+from pipeline.shards import read_path_documents
+from pipeline.storage import RunRoot
+from pipeline.zero import full_state, load_ds_config, set_full_state, wrap_with_zero
+
+log = logging.getLogger("dipaco.train")
+CKPT = "ds_checkpoint"
+
+
+def lr_at(step: int, total_steps: int, train) -> float:
+    """Linear warmup, then cosine decay to lr * min_lr_ratio over the whole run (all rounds)."""
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    progress = min(1.0, (step - train.warmup_steps) / max(1, total_steps - train.warmup_steps))
+    floor = train.lr * train.min_lr_ratio
+    return floor + 0.5 * (train.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def adamw_for(model: torch.nn.Module, train) -> torch.optim.AdamW:
+    """Torch AdamW (DeepSpeed's config-declared optimizers JIT-compile for ~95 s on the CPU).
+    Weight decay on matrices only, as in nanoGPT and Llama: not on norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": train.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas))
+
+
+def train_path(config: Config, round_index: int, path_id: str) -> dict:
+    """Run on every rank of the island; returns the path's metrics (committed by rank 0)."""
+    root = RunRoot(config.run_root)
+    try:
+        modules = parse_path_id(path_id, config.model.grid)
+    except ValueError as exc:
+        raise ConfigError(f"--path: {exc}") from None
+    rank, world = init_distributed()
+    train, shape = config.train, ModelShape.from_config(config.model)
+    torch.manual_seed(train.seed + round_index)
+
+    docs = read_path_documents(root, path_id)
+    rows = pack_documents(docs, config.model.seq_len, seed=train.seed, eos=eos_token_id(shape.vocab_size))
+    if len(rows) == 0:
+        raise InputError(f"{root.path(layout.shard_dir(path_id))}: too few tokens for one row of {config.model.seq_len + 1}")
+    stream = RowStream(rows, seed=train.seed)
+
+    merged = load_path_modules(root, round_index, modules)
+    model = build_path_model(shape, merged, seed=train.seed)
+    start_state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ds_config = load_ds_config(train, shape.hidden_size, world)
+    engine = wrap_with_zero(model, adamw_for(model, train), ds_config)
+    resumed_from = resume_inner_state(engine, root, round_index, path_id, start_state)
+
+    metrics = run_inner_loop(engine, stream, config, round_index, rank, world)
+    metrics.update(
+        round=round_index, path=path_id, modules=[[lvl, k] for lvl, k in enumerate(modules)],
+        world_size=world, ds_config=ds_config, resumed_inner_state_from=resumed_from,
+        shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
+    )
+    commit_path(engine, root, round_index, path_id, shape, metrics, rank)
+    return metrics
+
+
+def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, rank: int, world: int) -> dict:
+    """`inner_steps` optimizer steps; the order of work per step is fixed: lr -> fwd/bwd -> step -> log."""
+    import torch.distributed as dist
+
+    train = config.train
+    total_steps = train.rounds * train.inner_steps
+    losses, lrs = [], []
+    start = time.perf_counter()
+    for step in range(train.inner_steps):
+        global_step = round_index * train.inner_steps + step
+        lr = lr_at(global_step, total_steps, train)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        step_loss = torch.zeros(())
+        for micro in range(train.gradient_accumulation_steps):
+            first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, train.gradient_accumulation_steps, world)
+            inputs, labels = stream.micro_batch(first, train.micro_batch_size)  # (B, T) each
+            logits = engine(input_ids=inputs).logits  # (B, T, V)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            engine.backward(loss)
+            engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+            step_loss += loss.detach() / train.gradient_accumulation_steps
+        dist.all_reduce(step_loss)  # sync point: the island's mean loss, for logging only
+        losses.append(step_loss.item() / world)
+        lrs.append(lr)
+        if rank == 0 and (step % max(1, train.inner_steps // 5) == 0 or step == train.inner_steps - 1):
+            log.info("round %d step %d/%d loss %.4f lr %.2e", round_index, step + 1, train.inner_steps, losses[-1], lr)
+    seconds = time.perf_counter() - start
+    tokens = train.inner_steps * train.micro_batch_size * train.gradient_accumulation_steps * world * config.model.seq_len
+    return {"loss": losses, "lr": lrs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str, merged: dict[str, torch.Tensor]) -> int | None:
+    """Load the path's newest inner optimizer state, then make the merged modules win.
+
+    DeepSpeed's checkpoint restores its fp32 master weights, which are the path's weights at the
+    end of an earlier round; the merged modules of this round must replace them. A path without
+    usable state (new worker, preempted, corrupted file) restarts its optimizer and still trains.
+    """
+    source = latest_inner_state(root, round_index, path_id)
+    if source is None:
+        return None
+    rel = f"{layout.path_dir(source, path_id)}/{CKPT}"
+    try:
+        root.verify(rel)
+    except DipacoError as exc:
+        log.warning("ignoring inner optimizer state: %s", exc)
+        return None
+    with tempfile.TemporaryDirectory(prefix="dipaco-ckpt-") as scratch:
+        local = root.local_path(rel) if root.is_local else Path(scratch)
+        if not root.is_local:
+            root.get_dir(rel, local)
+        engine.load_checkpoint(str(local), tag=f"round-{source}", load_optimizer_states=True,
+                               load_lr_scheduler_states=False, load_module_strict=True)
+    set_full_state(engine, merged)
+    return source
+
+
+def latest_inner_state(root: RunRoot, round_index: int, path_id: str) -> int | None:
+    for earlier in range(round_index - 1, -1, -1):
+        if root.is_committed(f"{layout.path_dir(earlier, path_id)}/{CKPT}"):
+            return earlier
+    return None
+
+
+def commit_path(engine, root: RunRoot, round_index: int, path_id: str, shape: ModelShape, metrics: dict, rank: int) -> None:
+    """Write weights + inner state, then metrics, then `_SUCCESS` (rank 0 writes, all ranks gather)."""
+    import torch.distributed as dist
+
+    rel = layout.path_dir(round_index, path_id)
+    state = full_state(engine)  # collective under ZeRO-3
+    with tempfile.TemporaryDirectory(prefix="dipaco-path-") as scratch:
+        ckpt_local = root.local_path(rel, CKPT) if root.is_local else Path(scratch) / CKPT
+        engine.save_checkpoint(str(ckpt_local), tag=f"round-{round_index}", save_latest=False)  # collective
+        dist.barrier()
+        if rank == 0:
+            if not root.is_local:
+                root.put_dir(ckpt_local, f"{rel}/{CKPT}")
+            root.commit(f"{rel}/{CKPT}", info={"round": round_index, "path": path_id})
+            model = build_path_model(shape, None)
+            model.load_state_dict(state, strict=False)
+            out = Path(scratch) / "model"
+            model.save_pretrained(out)  # config.json + model.safetensors: loads anywhere
+            root.put_dir(out, rel)
+            root.write_json(f"{rel}/metrics.json", metrics)
+            root.commit(rel, info={"round": round_index, "path": path_id, "tokens": metrics["tokens"]},
+                        files=["config.json", "model.safetensors", "metrics.json"])
+            prune_inner_state(root, round_index, path_id)
+    dist.barrier()
+
+
+def prune_inner_state(root: RunRoot, round_index: int, path_id: str) -> None:
+    """Only the newest inner state is ever resumed; older ones go (marker first, then files)."""
+    for earlier in range(round_index):
+        rel = f"{layout.path_dir(earlier, path_id)}/{CKPT}"
+        if root.exists(rel):
+            root.remove(f"{rel}/_SUCCESS")
+            root.remove(rel)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of each launched rank."""
+    parser = argparse.ArgumentParser(prog="python -m pipeline.train_path")
+    parser.add_argument("--run-root", required=True)
+    parser.add_argument("--round", type=int, required=True)
+    parser.add_argument("--path", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    try:
+        root = RunRoot(args.run_root)
+        import yaml
+
+        config = config_from_dict(yaml.safe_load(root.read_bytes(layout.RUN_CONFIG)), root.path(layout.RUN_CONFIG))
+        metrics = train_path(config, args.round, args.path)
+        log.info("path %s round %d: %d tokens, %.0f tokens/s", args.path, args.round, metrics["tokens"], metrics["tokens_per_s"])
+        return 0
+    except DipacoError as exc:
+        print(f"dipaco train-path: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""ZeRO wrapping, in one place: the model code knows nothing of DeepSpeed (STYLE.md, torchtitan).
+
+The shipped `ds_configs/*.json` use `"auto"` values the way the Hugging Face integration does;
+they are filled here from the run config so one JSON serves every model size and island width.
+Parameters are read and written through DeepSpeed's full-fp32 accessors because DeepSpeed keeps
+its own fp32 master copy: a plain write into a live engine is undone at the next step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_ds_config(path: str) -> Path:
+    """A ds_config path as given, or relative to the project (so DAG tasks can run anywhere)."""
+    candidate = Path(path)
+    if candidate.is_file() or candidate.is_absolute():
+        return candidate
+    return REPO_ROOT / path
+
+
+def fill_ds_config(raw: dict[str, Any], train, hidden_size: int, world_size: int, source: str) -> dict[str, Any]:
+    """Replace every "auto" with the value our config implies; refuse contradictions by key."""
+    config = copy.deepcopy(raw)
+    batch = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
+        "gradient_clipping": train.grad_clip,
+    }
+    for key, value in batch.items():
+        given = config.get(key, "auto")
+        if given == "auto":
+            config[key] = value
+        elif given != value:
+            raise ConfigError(f"{source}: {key} is {given} but the run config implies {value}; use \"auto\"")
+    zero_auto = {
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "allgather_bucket_size": int(5e8),
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
+    zero = config.setdefault("zero_optimization", {"stage": 0})
+    for key, value in list(zero.items()):
+        if value == "auto":
+            if key not in zero_auto:
+                raise ConfigError(f"{source}: zero_optimization.{key} cannot be \"auto\"")
+            zero[key] = zero_auto[key]
+    if "optimizer" in config:
+        # A config-declared optimizer JIT-compiles FusedAdam/CPUAdam (~95 s on this CPU); the
+        # trainer passes a torch AdamW instead, built from train.lr/betas/weight_decay.
+        raise ConfigError(f"{source}: remove the optimizer section; dipaco passes torch AdamW from the train config")
+    leftover = [k for k, v in _walk(config) if v == "auto"]
+    if leftover:
+        raise ConfigError(f"{source}: {leftover[0]} cannot be \"auto\"")
+    return config
+
+
+def load_ds_config(train, hidden_size: int, world_size: int) -> dict[str, Any]:
+    path = resolve_ds_config(train.ds_config)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"train.ds_config: cannot read {path} ({exc})") from None
+    return fill_ds_config(raw, train, hidden_size, world_size, str(path))
+
+
+def wrap_with_zero(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict[str, Any]):
+    """deepspeed.initialize with our torch optimizer; returns the engine."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine
+
+
+def full_state(engine) -> dict[str, torch.Tensor]:
+    """Every parameter as a full fp32 tensor on every rank (a collective under ZeRO-3)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    state = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        state[name] = (full if full is not None else param.detach()).detach().cpu().clone()
+    return state
+
+
+def set_full_state(engine, state: dict[str, torch.Tensor]) -> None:
+    """Write parameters so that they persist: DeepSpeed's master copy and the module's tensors.
+
+    Call on every rank. This is what makes merged modules win over the weights inside a resumed
+    DeepSpeed checkpoint (DESIGN.md, known traps).
+    """
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    stage = engine.zero_optimization_stage()
+    for name, param in engine.module.named_parameters():
+        value = state[name].to(torch.float32)
+        if stage > 0:
+            safe_set_full_fp32_param(param, value)
+        if stage < 3:
+            with torch.no_grad():
+                param.data.copy_(value.to(param.dtype))
+
+
+def _walk(node: Any, prefix: str = ""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _walk(value, f"{prefix}{key}.")
+    else:
+        yield prefix.rstrip("."), node
