@@ -27,6 +27,7 @@ class DataConfig:
     eval: str | list[str] | None = "data/sample/validation/*.json.gz"  # held-out split
     max_docs: int | None = None  # optional cap per split, for quick runs
     max_doc_bytes: int = 1_000_000  # longer documents are rejected, never silently truncated
+    parts_per_path: int = 1  # Parquet parts per path shard; raise it so no worker holds a whole shard
 
 
 @dataclass
@@ -38,6 +39,10 @@ class RouterConfig:
     seed: int = 0
     kmeans_iters: int = 50
     batch_size: int = 64  # embedder batch size inside RunInference
+    capacity_factor: float = 1.5  # balanced: a path holds between 1/f and f times an equal share
+    tfidf_dim: int = 64  # tfidf embedder: truncated-SVD dimensions (c-BTM style)
+    model_round: int = 0  # model embedder: the committed round whose path model embeds
+    model_path: str | None = None  # model embedder: that path's id; default the first path
 
 
 @dataclass
