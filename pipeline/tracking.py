@@ -1,0 +1,478 @@
+"""Experiment tracking behind one small interface, so the engine never branches on "is it on".
+
+`get_tracker(config)` returns an `MlflowTracker` or, when `mlflow.enabled` is false, a
+`NullTracker` with the same methods doing nothing. The tracker is called by the orchestrating
+process only (never by DeepSpeed ranks), after a stage has committed, from its committed JSON.
+
+Every call may come from a different process (each Airflow task is one), so the tracker keeps no
+state in memory: the runs it logs into are found again through MLflow tags. Each run carries
+`dipaco.run_key` (a hash of the run root) and `dipaco.key` (its place in the run: `prepare`,
+`round=0`, `round=0/path=p0-1`, `round=0/merge`, ...). Finding or creating a run is idempotent:
+a finished leaf run means "already logged" (a rerun logs nothing twice), and two processes that
+create the same container run at once both keep the oldest and the loser deletes its own.
+`tracking.json` in the run root records the experiment and parent run for people and tools.
+
+Layout in MLflow: one parent run per run root; nested runs for prepare, each round (with a nested
+run per path and one for the merge) and each registration. Credentials in a tracking URI
+(user:password@) are redacted from everything written: logs, params, artifacts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline import layout
+from pipeline.config import Config, flatten
+from pipeline.errors import ConfigError
+from pipeline.storage import RunRoot
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "tracking.json"  # under the run root: where this run's MLflow records live
+KIND, KEY, RUN_KEY = "dipaco.kind", "dipaco.key", "dipaco.run_key"
+PARENT_TAG = "mlflow.parentRunId"
+_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][\w+.-]*://)[^/@\s]+@")
+_BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
+
+
+# -- helpers shared by the implementations --------------------------------------------------------
+def redact(text: str) -> str:
+    """'https://user:pw@host/x' -> 'https://***@host/x': a tracking URI may carry a password."""
+    return _CREDENTIALS.sub(r"\g<scheme>***@", text)
+
+
+def redact_data(obj: Any) -> Any:
+    """redact() applied to every string inside nested dicts and lists."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, dict):
+        return {k: redact_data(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact_data(v) for v in obj]
+    return obj
+
+
+def metric_name(text: str) -> str:
+    """MLflow names allow [/\\w.- :] only: 'level=0/module=1' -> 'level_0/module_1'."""
+    return _BAD_NAME_CHARS.sub("_", text)
+
+
+def tracking_uri(config: Config) -> str:
+    """mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else SQLite in the run root."""
+    if config.mlflow.tracking_uri:
+        return config.mlflow.tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    root = RunRoot(config.run_root)
+    if not root.is_local:
+        raise ConfigError(
+            f"{config.source}: mlflow.tracking_uri must be set when run_root is not local "
+            f"({redact(config.run_root)}): the embedded SQLite store needs a local file"
+        )
+    db = root.local_path("mlflow.db").resolve()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{db}"
+
+
+def run_key(config: Config) -> str:
+    """The identity of a run root in MLflow tags: stable across processes and machines."""
+    return hashlib.sha256(config.run_root.rstrip("/").encode()).hexdigest()[:16]
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# -- the interface --------------------------------------------------------------------------------
+class Tracker:
+    """What the engine may tell the tracker. The base class is the null tracker: every method a
+    no-op, so call sites never test whether tracking is on."""
+
+    def log_run_config(self) -> None:
+        """Params (the flattened config), run.yaml and the DeepSpeed config as artifacts."""
+
+    def log_prepare(self, manifest: dict) -> None:
+        """The shard manifest, the router and shard sizes, after prepare committed."""
+
+    def log_path(self, round_index: int, path_id: str, metrics: dict) -> None:
+        """One path's training in a round, from its committed metrics.json."""
+
+    def log_merge(self, round_index: int, report: dict) -> None:
+        """One outer step: grad norms per module, paths left out, bytes communicated."""
+
+    def log_eval(self, round_index: int, result: dict) -> None:
+        """Routed perplexity of the modules at the start of round_index."""
+
+    def register(self, round_index: int, result: dict) -> str | None:
+        """Register round_index's modules as a model version; returns the version or None."""
+        return None
+
+    def finish(self, summary: dict) -> None:
+        """Plots of the whole run, then close the parent run."""
+
+
+class NullTracker(Tracker):
+    """Tracking switched off (mlflow.enabled: false)."""
+
+
+def get_tracker(config: Config) -> Tracker:
+    if not config.mlflow.enabled:
+        return NullTracker()
+    return MlflowTracker(config)
+
+
+# -- MLflow ---------------------------------------------------------------------------------------
+class MlflowTracker(Tracker):
+    """Logs through `MlflowClient` (no fluent active-run state, which is per process)."""
+
+    def __init__(self, config: Config):
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        self.config = config
+        self.root = RunRoot(config.run_root)
+        self.uri = tracking_uri(config)
+        self.key = run_key(config)
+        self._mlflow = mlflow
+        self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+        self._experiment_id: str | None = None
+        self._parent_id: str | None = None
+
+    # ---- public methods --------------------------------------------------------------------
+    def log_run_config(self) -> None:
+        parent = self._parent()
+        config = redact_data(self.config.to_dict())
+        self._log_params(parent, {k: _param(v) for k, v in flatten(config).items()})
+        self.client.log_text(parent, self._run_yaml(), "run.yaml")
+        ds_path = _ds_config_path(self.config.train.ds_config)
+        if ds_path.is_file():
+            self.client.log_artifact(parent, str(ds_path), "ds_configs")
+        log.info("MLflow: run %s in experiment %s at %s", parent, self.config.mlflow.experiment, redact(self.uri))
+
+    def log_prepare(self, manifest: dict) -> None:
+        parent = self._parent()
+        run = self._leaf("prepare", "prepare", "prepare", parent, {})
+        if run is None:
+            return
+        metrics = {metric_name(k): float(v) for k, v in flatten(manifest).items() if _numeric(v)}
+        self._log_metrics(run, {k: [(0, v)] for k, v in list(metrics.items())[:5000]})
+        self.client.log_dict(run, redact_data(manifest), "shard_manifest.json")
+        # The parent holds the run's reference artifacts: the router and the manifest.
+        self.client.log_dict(parent, redact_data(manifest), "shard_manifest.json")
+        if self.root.is_committed(layout.ROUTER_DIR):
+            with tempfile.TemporaryDirectory() as tmp:
+                self.root.get_dir(layout.ROUTER_DIR, tmp)
+                self.client.log_artifacts(parent, tmp, "router")
+        self.client.set_terminated(run, "FINISHED")
+
+    def log_path(self, round_index: int, path_id: str, metrics: dict) -> None:
+        round_run = self._round(round_index)
+        run = self._leaf(
+            "path", f"round={round_index}/path={path_id}", f"path {path_id}", round_run,
+            {"dipaco.round": str(round_index), "dipaco.path": path_id},
+        )
+        if run is None:
+            return
+        ds_config = metrics.get("ds_config") or {}
+        params = {k: _param(v) for k, v in flatten(redact_data(self.config.to_dict())).items()}
+        params.update({
+            "path.id": path_id,
+            "path.modules": json.dumps(metrics.get("modules")),
+            "path.world_size": str(metrics.get("world_size")),
+            **{f"ds.{k}": _param(v) for k, v in flatten(ds_config).items()},
+        })
+        self._log_params(run, params)
+        series = {name: list(enumerate(metrics.get(name) or [])) for name in ("loss", "lr")}
+        for name in ("tokens", "tokens_per_s", "seconds", "shard_docs", "shard_tokens"):
+            if _numeric(metrics.get(name)):
+                series[name] = [(0, float(metrics[name]))]
+        if metrics.get("loss"):
+            series["final_loss"] = [(0, float(metrics["loss"][-1]))]
+        self._log_metrics(run, series)
+        self.client.log_dict(run, redact_data(ds_config), "ds_config.json")
+        self.client.log_dict(run, redact_data(metrics), "metrics.json")
+        self.client.set_terminated(run, "FINISHED")
+
+    def log_merge(self, round_index: int, report: dict) -> None:
+        parent, round_run = self._parent(), self._round(round_index)
+        run = self._leaf("merge", f"round={round_index}/merge", "merge", round_run, {"dipaco.round": str(round_index)})
+        if run is None:
+            return
+        norms = {f"outer_grad_norm/{metric_name(m)}": float(v)
+                 for m, v in (report.get("module_grad_norms") or {}).items() if _numeric(v)}
+        scalars = {metric_name(k): float(v) for k, v in report.items() if _numeric(v) and k != "round"}
+        merged, left_out = report.get("paths_merged") or [], report.get("paths_left_out") or []
+        scalars.update({"paths_merged": float(len(merged)), "paths_left_out": float(len(left_out))})
+        if report.get("bytes_outer") and _numeric(report.get("bytes_data_parallel")):
+            # how many times less than data-parallel training would have sent
+            scalars["communication_saving"] = report["bytes_data_parallel"] / report["bytes_outer"]
+        self._log_metrics(run, {k: [(0, v)] for k, v in {**norms, **scalars}.items()})
+        self._log_params(run, {
+            "paths_merged": ",".join(merged) or "none", "paths_left_out": ",".join(left_out) or "none",
+        })
+        self.client.log_dict(run, redact_data(report), "merge_report.json")
+        self.client.set_terminated(run, "FINISHED")
+        # Round-indexed copies on the parent: charts over rounds and the grad-norm heatmap.
+        self._log_metrics(parent, {k: [(round_index, v)] for k, v in {**norms, **scalars}.items()})
+        self.client.set_terminated(round_run, "FINISHED")
+
+    def log_eval(self, round_index: int, result: dict) -> None:
+        parent = self._parent()
+        done_tag = f"dipaco.eval_logged.round_{round_index}"
+        if done_tag in self.client.get_run(parent).data.tags:
+            return
+        series = {"perplexity": [(round_index, float(result["perplexity"]))]}
+        if _numeric(result.get("tokens")):
+            series["eval_tokens"] = [(round_index, float(result["tokens"]))]
+        for pid, scores in (result.get("paths") or {}).items():
+            if _numeric(scores.get("perplexity")):
+                series[f"perplexity/{metric_name(pid)}"] = [(round_index, float(scores["perplexity"]))]
+        self._log_metrics(parent, series)
+        if round_index >= 1:  # round r's modules are what the merge of round r-1 produced
+            merge = self._find(f"round={round_index - 1}/merge", self._round(round_index - 1))
+            if merge is not None:
+                self._log_metrics(merge.info.run_id, {k: [(0, v[0][1])] for k, v in series.items()})
+        self.client.log_dict(parent, redact_data(result), f"eval/round={round_index}.json")
+        self.client.set_tag(parent, done_tag, "1")
+
+    def register(self, round_index: int, result: dict) -> str | None:
+        from pipeline import registry
+
+        name = self.config.mlflow.registered_model
+        existing = self._versions(name, {RUN_KEY: self.key, "dipaco.round": str(round_index)})
+        if existing:
+            version = existing[0].version
+        else:
+            version = self._register_new(name, round_index, result, registry)
+            self.client.set_registered_model_alias(name, "latest", version)
+        self._set_champion(name)
+        log.info("MLflow: %s version %s holds round %d", name, version, round_index)
+        return str(version)
+
+    def finish(self, summary: dict) -> None:
+        from pipeline import plots
+
+        parent = self._parent()
+        figures = {
+            "loss_curves.png": lambda: plots.loss_curves(self._path_series("loss"), self.config.train.inner_steps),
+            "docs_per_path.png": lambda: plots.docs_per_path(self._docs_per_path()),
+            "perplexity_by_round.png": lambda: plots.perplexity_by_round(*self._perplexities(parent)),
+            "outer_grad_norm_heatmap.png": lambda: plots.grad_norm_heatmap(self._grad_norms(parent)),
+        }
+        for file_name, build in figures.items():
+            fig = build()
+            self.client.log_figure(parent, fig, f"plots/{file_name}")
+            plots.close(fig)
+        self.client.log_dict(parent, redact_data(_jsonable(summary)), "summary.json")
+        self.client.set_terminated(parent, "FINISHED")
+        log.info("MLflow: run %s finished, plots logged", parent)
+
+    # ---- where runs live -------------------------------------------------------------------
+    def _experiment(self) -> str:
+        if self._experiment_id is None:
+            from mlflow.exceptions import MlflowException
+
+            name = self.config.mlflow.experiment
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                try:
+                    self._experiment_id = self.client.create_experiment(name, artifact_location=self._artifacts())
+                except MlflowException:  # another process created it a moment ago
+                    found = self.client.get_experiment_by_name(name)
+            if found is not None:
+                if found.lifecycle_stage == "deleted":
+                    self.client.restore_experiment(found.experiment_id)
+                self._experiment_id = found.experiment_id
+        return self._experiment_id
+
+    def _artifacts(self) -> str | None:
+        """A database-backed store keeps artifacts beside the run; a server decides for itself."""
+        if self.uri.split(":", 1)[0].split("+", 1)[0] not in ("sqlite", "postgresql", "mysql", "mssql"):
+            return None
+        if self.root.is_local:
+            return self.root.local_path("mlartifacts").resolve().as_uri()
+        return self.config.run_root.rstrip("/") + "/mlartifacts"
+
+    def _parent(self) -> str:
+        if self._parent_id is None:
+            tags = {KIND: "pipeline", "dipaco.run_root": redact(self.config.run_root)}
+            run = self._find_or_create("pipeline", None, Path(self.config.run_root.rstrip("/")).name, tags)
+            self._parent_id = run.info.run_id
+            state = {
+                "tracking_uri": redact(self.uri), "experiment": self.config.mlflow.experiment,
+                "experiment_id": self._experiment(), "parent_run_id": self._parent_id, "run_key": self.key,
+            }
+            if not self.root.exists(STATE_FILE) or self.root.read_json(STATE_FILE) != state:
+                self.root.write_json(STATE_FILE, state)
+        return self._parent_id
+
+    def _round(self, round_index: int) -> str:
+        tags = {KIND: "round", "dipaco.round": str(round_index)}
+        return self._find_or_create(f"round={round_index}", self._parent(), f"round {round_index}", tags).info.run_id
+
+    def _search(self, key: str, parent: str | None) -> list:
+        query = f"tags.`{RUN_KEY}` = '{self.key}' and tags.`{KEY}` = '{key}'"
+        if parent is not None:
+            query += f" and tags.`{PARENT_TAG}` = '{parent}'"
+        runs = self.client.search_runs([self._experiment()], query, max_results=100)
+        return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
+
+    def _find(self, key: str, parent: str | None):
+        runs = self._search(key, parent)
+        return runs[0] if runs else None
+
+    def _create(self, key: str, parent: str | None, name: str, tags: dict[str, str]):
+        tags = {RUN_KEY: self.key, KEY: key, **tags, **({PARENT_TAG: parent} if parent else {})}
+        return self.client.create_run(self._experiment(), run_name=name, tags=tags)
+
+    def _find_or_create(self, key: str, parent: str | None, name: str, tags: dict[str, str]):
+        """A container run, created once even when processes race: the oldest one wins."""
+        found = self._find(key, parent)
+        if found is not None:
+            return found
+        mine = self._create(key, parent, name, tags)
+        winner = self._find(key, parent)
+        if winner.info.run_id != mine.info.run_id:
+            self.client.delete_run(mine.info.run_id)
+        return winner
+
+    def _leaf(self, kind: str, key: str, name: str, parent: str, tags: dict[str, str]) -> str | None:
+        """A fresh run to log into, or None when a finished one exists (already logged)."""
+        runs = self._search(key, parent)
+        if any(r.info.status == "FINISHED" for r in runs):
+            log.info("MLflow: %s already logged, skipping", key)
+            return None
+        for stale in runs:  # a logger that died half-way: start over rather than log twice
+            self.client.delete_run(stale.info.run_id)
+        return self._create(key, parent, name, {KIND: kind, **tags}).info.run_id
+
+    # ---- logging in batches ----------------------------------------------------------------
+    def _log_params(self, run_id: str, params: dict[str, str]) -> None:
+        """Params are immutable in MLflow: log the new ones, warn about changed ones."""
+        from mlflow.entities import Param
+
+        have = self.client.get_run(run_id).data.params
+        changed = sorted(k for k, v in params.items() if k in have and have[k] != v)
+        if changed:
+            log.warning("MLflow: params changed since first logged, keeping the first: %s", ", ".join(changed))
+        new = [Param(k, v) for k, v in params.items() if k not in have]
+        for start in range(0, len(new), 100):
+            self.client.log_batch(run_id, params=new[start:start + 100])
+
+    def _log_metrics(self, run_id: str, series: dict[str, list[tuple[int, float]]]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(name, float(value), now, step) for name, points in series.items()
+                   for step, value in points if _numeric(value)]
+        for start in range(0, len(metrics), 1000):
+            self.client.log_batch(run_id, metrics=metrics[start:start + 1000])
+
+    def _run_yaml(self) -> str:
+        """run.yaml as committed (or the live config before init), credentials redacted."""
+        if self.root.exists(layout.RUN_CONFIG):
+            data = yaml.safe_load(self.root.read_bytes(layout.RUN_CONFIG)) or {}
+        else:
+            data = self.config.to_dict()
+        return yaml.safe_dump(redact_data(data), sort_keys=False)
+
+    # ---- the registry ----------------------------------------------------------------------
+    def _versions(self, name: str, tags: dict[str, str]) -> list:
+        query = f"name = '{name}'" + "".join(f" and tags.`{k}` = '{v}'" for k, v in tags.items())
+        return sorted(self.client.search_model_versions(query), key=lambda v: int(v.version))
+
+    def _register_new(self, name: str, round_index: int, result: dict, registry) -> str:
+        parent = self._parent()
+        run = self._leaf("register", f"register/round={round_index}", f"register round {round_index}", parent,
+                         {"dipaco.round": str(round_index)})
+        if run is None:  # logged once, registration lost: find the run again
+            run = self._find(f"register/round={round_index}", parent).info.run_id
+        mlflow = self._mlflow
+        mlflow.set_tracking_uri(self.uri)
+        mlflow.set_registry_uri(self.uri)
+        with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=run):
+            info = registry.log_pyfunc(self.root, self.config, round_index, Path(tmp), self._run_yaml(), name)
+        version = str(info.registered_model_version)
+        tags = {
+            RUN_KEY: self.key, "dipaco.round": str(round_index), "dipaco.run_root": redact(self.config.run_root),
+            "dipaco.parent_run_id": parent, "perplexity": repr(float(result.get("perplexity", math.nan))),
+            "eval_tokens": str(result.get("tokens", "")),
+        }
+        for key, value in tags.items():
+            self.client.set_model_version_tag(name, version, key, value)
+        return version
+
+    def _set_champion(self, name: str) -> None:
+        """champion: the version with the lowest routed perplexity among all evaluated ones."""
+        scored = []
+        for version in self._versions(name, {}):
+            value = float(version.tags.get("perplexity", "nan"))
+            if math.isfinite(value):
+                scored.append((value, int(version.version)))
+        if scored:
+            self.client.set_registered_model_alias(name, "champion", str(min(scored)[1]))
+
+    # ---- what finish() plots ---------------------------------------------------------------
+    def _runs_of_kind(self, kind: str) -> list:
+        query = f"tags.`{RUN_KEY}` = '{self.key}' and tags.`{KIND}` = '{kind}'"
+        return self.client.search_runs([self._experiment()], query, max_results=10000)
+
+    def _path_series(self, metric: str) -> dict[str, dict[int, list[float]]]:
+        out: dict[str, dict[int, list[float]]] = {}
+        for run in self._runs_of_kind("path"):
+            history = sorted(self.client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)
+            pid, rnd = run.data.tags["dipaco.path"], int(run.data.tags["dipaco.round"])
+            out.setdefault(pid, {})[rnd] = [m.value for m in history]
+        return out
+
+    def _docs_per_path(self) -> dict[str, int]:
+        """Shard sizes as each path's trainer saw them (the latest round it logged)."""
+        latest: dict[str, tuple[int, int]] = {}
+        for run in self._runs_of_kind("path"):
+            docs = run.data.metrics.get("shard_docs")
+            pid, rnd = run.data.tags["dipaco.path"], int(run.data.tags["dipaco.round"])
+            if docs is not None and rnd >= latest.get(pid, (-1, 0))[0]:
+                latest[pid] = (rnd, int(docs))
+        return {pid: docs for pid, (_, docs) in latest.items()}
+
+    def _history(self, run_id: str, metric: str) -> dict[int, float]:
+        return {m.step: m.value for m in sorted(self.client.get_metric_history(run_id, metric), key=lambda m: m.timestamp)}
+
+    def _perplexities(self, parent: str) -> tuple[dict[int, float], dict[str, dict[int, float]]]:
+        names = self.client.get_run(parent).data.metrics
+        per_path = {k.split("/", 1)[1]: self._history(parent, k) for k in names if k.startswith("perplexity/")}
+        return self._history(parent, "perplexity"), per_path
+
+    def _grad_norms(self, parent: str) -> dict[str, dict[int, float]]:
+        names = self.client.get_run(parent).data.metrics
+        return {k.split("/", 1)[1]: self._history(parent, k) for k in names if k.startswith("outer_grad_norm/")}
+
+
+def _param(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return text[:6000]  # MLflow's limit on a param value
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _ds_config_path(name: str) -> Path:
+    """The DeepSpeed config template as the trainer resolves it."""
+    try:
+        from pipeline.zero import resolve_ds_config
+    except ImportError:
+        return Path(name)
+    return Path(resolve_ds_config(name))
