@@ -103,6 +103,18 @@ class MlflowConfig:
 
 
 @dataclass
+class AirflowConfig:
+    """Read when the DAG file is parsed (the DAG's shape), except rounds_per_run (at run time)."""
+
+    schedule: str | None = None  # cron or preset (e.g. "@daily"); null: manual triggers only
+    rounds_per_run: int = 1  # further rounds each DAG run trains, from the last committed one
+    pool: str = "dipaco_paths"  # caps path trainers at once: `airflow pools set dipaco_paths 2 ...`
+    pool_slots: int = 1  # pool slots one path trainer takes
+    retries: int = 2  # Airflow retries of a path task (train.max_attempts retries inside it)
+    retry_delay_s: int = 60
+
+
+@dataclass
 class BeamConfig:
     runner: str = "DirectRunner"
     options: list[str] = field(
@@ -120,6 +132,7 @@ class Config:
     outer: OuterConfig = field(default_factory=OuterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    airflow: AirflowConfig = field(default_factory=AirflowConfig)
     beam: BeamConfig = field(default_factory=BeamConfig)
     source: str = field(default="<defaults>", metadata={"internal": True})  # file it came from
 
@@ -288,6 +301,9 @@ def validate(config: Config) -> None:
     need(o.lr > 0, "outer.lr", "must be positive")
     need(0 <= o.momentum < 1, "outer.momentum", "must be within [0, 1)")
     need(config.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")
+    need(config.airflow.rounds_per_run >= 1, "airflow.rounds_per_run", "must be >= 1")
+    need(config.airflow.pool_slots >= 1, "airflow.pool_slots", "must be >= 1")
+    need(config.airflow.retries >= 0, "airflow.retries", "must be >= 0")
     for key in ("train", "eval"):
         globs = getattr(config.data, key)
         need(globs is None or bool(globs), f"data.{key}", "must not be empty")
