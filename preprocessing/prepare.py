@@ -1,0 +1,313 @@
+"""`dipaco prepare`: C4-format documents -> the router artifact and one shard per path.
+
+Two Beam pipelines, because routing needs a fitted router:
+1. fit: read the training files, keep a seeded uniform sample (`router.sample_docs`), then in the
+   driver embed the sample's prefixes, fit (product) k-means and commit `router/`;
+2. route: ReadC4 -> TokenizeDocs -> EmbedPrefix -> AssignPath -> WriteShards (+ WriteRejected,
+   Summarize) over the train and validation files; then the driver writes `shards/manifest.json`
+   and commits `shards/` last.
+
+Rerunnable: a committed `shards/` is returned as is; otherwise the leftovers of a crashed attempt
+are removed first, so no document is written twice. A committed router is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+
+from models.grid import all_path_ids
+from pipeline import layout
+from pipeline.config import Config, load_config
+from pipeline.errors import ConfigError, InputError
+from pipeline.storage import RunRoot
+from preprocessing import c4
+from preprocessing.router import Router
+from preprocessing.tokenizer import TOKENIZER_NAME, encode, prefix_texts
+from preprocessing.transforms import (
+    WORK_DIR,
+    SUMMARY,
+    AssignPath,
+    EmbedPrefix,
+    ReadC4,
+    RouterEmbedderHandler,
+    SampleDocs,
+    Summarize,
+    TokenizeDocs,
+    WriteRejected,
+    WriteShards,
+)
+
+log = logging.getLogger(__name__)
+SPLITS = {"train": "data.train", "validation": "data.eval"}
+ROUTER_WORK = f"{layout.ROUTER_DIR}/_work"
+
+
+# -- Beam plumbing -------------------------------------------------------------------------------
+def pipeline_options(config: Config):
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    try:
+        return PipelineOptions(list(config.beam.options))
+    except (SystemExit, ValueError) as exc:  # argparse inside Beam exits on a bad flag
+        raise ConfigError(f"{config.source}: beam.options {config.beam.options} are not valid Beam options ({exc})") from None
+
+
+def make_runner(name: str):
+    """The runner object for `beam.runner`. 'DirectRunner' means the FnApiRunner directly: Beam
+    2.77's DirectRunner tries Prism first, which downloads a binary and fails offline."""
+    if name in ("DirectRunner", "direct", "FnApiRunner"):
+        from apache_beam.runners.portability.fn_api_runner import fn_runner
+
+        return fn_runner.FnApiRunner()
+    return name  # Dataflow, Flink, Spark, Prism...: Beam resolves the name itself
+
+
+def make_pipeline(config: Config):
+    import apache_beam as beam
+
+    return beam.Pipeline(runner=make_runner(config.beam.runner), options=pipeline_options(config))
+
+
+def worker_threads(config: Config) -> int | None:
+    """Torch threads per embedder: the cores shared among the direct runner's workers."""
+    from apache_beam.options.pipeline_options import DirectOptions
+
+    if config.beam.runner not in ("DirectRunner", "direct", "FnApiRunner"):
+        return None
+    direct = pipeline_options(config).view_as(DirectOptions)
+    workers = direct.direct_num_workers or 1
+    if direct.direct_running_mode == "in_memory":
+        workers = 1
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
+def _read_plan(config: Config) -> list[tuple[str, str, int | None]]:
+    """[(split, file, line limit)]: the files of each split (InputError names a glob matching none)."""
+    plan = []
+    for split, key in SPLITS.items():
+        globs = getattr(config.data, key.split(".")[1])
+        if globs is None:
+            continue
+        files = c4.list_input_files(globs, key)
+        plan.extend((split, file, limit) for file, limit in c4.plan_reads(files, config.data.max_docs))
+    return plan
+
+
+# -- step 1: the router --------------------------------------------------------------------------
+def fit_router(config: Config, root: RunRoot, plan: list[tuple[str, str, int | None]]) -> Router:
+    """Sample, embed, k-means; commits `router/`. A committed router matching the config is reused."""
+    if root.is_committed(layout.ROUTER_DIR):
+        router = Router.load(root, config)
+        _check_router(router, config, root)
+        log.info("router: reusing the committed router in %s", root.path(layout.ROUTER_DIR))
+        return router
+    root.remove(layout.ROUTER_DIR)  # leftovers of a crashed fit
+    r = config.router
+    start = time.time()
+    train_plan = [p for p in plan if p[0] == "train"]
+    pipeline = make_pipeline(config)
+    documents = pipeline | "ReadC4" >> ReadC4(train_plan, config.data.max_doc_bytes)
+    (
+        documents.documents
+        | "SampleDocs" >> SampleDocs(r.sample_docs, r.seed)
+        | "SaveSample" >> _save_json(root.url, f"{ROUTER_WORK}/sample.json")
+    )
+    pipeline.run().wait_until_finish()
+    sample = json.loads(root.read_bytes(f"{ROUTER_WORK}/sample.json"))  # [[key, doc_id, text]] by key
+    texts = [text for _, _, text in sample]
+    log.info("router: sampled %d documents in %.1fs", len(texts), time.time() - start)
+    prefixes = prefix_texts(encode(texts), r.prefix_tokens)
+    embedder, extra = _new_embedder(config, root, prefixes)
+    features = embedder.embed(prefixes)
+    router = Router.fit(
+        features, config.model.grid, embedder=r.embedder, prefix_tokens=r.prefix_tokens, seed=r.seed,
+        iters=r.kmeans_iters, balanced=r.balanced, capacity_factor=r.capacity_factor, extra=extra,
+    )
+    root.remove(ROUTER_WORK)
+    router.save(root, embedder)
+    log.info("router: %s features (dim %d), grid %s, fitted and committed in %.1fs",
+             r.embedder, features.shape[1], config.model.grid, time.time() - start)
+    return Router.load(root, config)
+
+
+def _save_json(url: str, rel: str):
+    import apache_beam as beam
+
+    return beam.Map(lambda data, url, rel: RunRoot(url).write_json(rel, data), url, rel)
+
+
+def _new_embedder(config: Config, root: RunRoot, prefixes: list[str]):
+    from preprocessing import embedders
+
+    r = config.router
+    if r.embedder == "tfidf":
+        return embedders.TfidfEmbedder.fit(prefixes, r.tfidf_dim, r.seed), {}
+    if r.embedder == "model":
+        path = r.model_path or all_path_ids(config.model.grid)[0]
+        try:
+            embedder = embedders.PathModelEmbedder.from_run(root, config, r.model_round, path)
+        except ImportError:
+            raise ConfigError(f"{config.source}: router.embedder=model needs pipeline.module_store") from None
+        return embedder, {"model_round": r.model_round, "model_path": path}
+    return embedders.MiniLMEmbedder(batch_size=r.batch_size), {}
+
+
+def _check_router(router: Router, config: Config, root: RunRoot) -> None:
+    header, r = router.header, config.router
+    wanted = {"embedder": r.embedder, "grid": list(config.model.grid), "prefix_tokens": r.prefix_tokens}
+    for key, value in wanted.items():
+        if header.get(key) != value:
+            raise ConfigError(
+                f"{config.source}: the committed router in {root.path(layout.ROUTER_DIR)} has {key}={header.get(key)!r} "
+                f"but the config says {value!r}; use a new run_root (or remove router/) to change it"
+            )
+
+
+# -- step 2: route and write ---------------------------------------------------------------------
+def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pipeline=None):
+    """The routing pipeline; returns the Beam result (for its metrics)."""
+    import apache_beam as beam
+
+    pipeline = test_pipeline or make_pipeline(config)
+    handler = RouterEmbedderHandler(root.url, config.to_dict() if config.router.embedder == "model" else None,
+                                    config.router.batch_size, worker_threads(config))
+    read = pipeline | "ReadC4" >> ReadC4(plan, config.data.max_doc_bytes)
+    shard_stats = (
+        read.documents
+        | "TokenizeDocs" >> TokenizeDocs(config.router.prefix_tokens)
+        | "EmbedPrefix" >> EmbedPrefix(handler)
+        | "AssignPath" >> AssignPath(root.url, config.data.parts_per_path)
+        | "WriteShards" >> WriteShards(root.url)
+    )
+    rejected_stats = read.rejected | "WriteRejected" >> WriteRejected(root.url, config.data.parts_per_path)
+    (
+        (shard_stats, rejected_stats, read.lines)
+        | "MergeStats" >> beam.Flatten()
+        | "Summarize" >> Summarize(root.url)
+    )
+    result = pipeline.run()
+    result.wait_until_finish()
+    return result
+
+
+def build_manifest(summary: dict, config: Config, router: Router, plan) -> dict[str, Any]:
+    """Docs and tokens per path and split, and an accounting that must add up exactly."""
+    path_ids = all_path_ids(config.model.grid)
+    splits_present = sorted({split for split, _, _ in plan}, key=list(SPLITS).index)
+    paths: dict[str, dict] = {p: {} for p in path_ids}
+    splits: dict[str, dict] = {}
+    for split in splits_present:
+        entry = summary.get(split, {"lines": 0, "paths": {}, "rejected": {}})
+        for p in path_ids:
+            docs, tokens = entry["paths"].get(p, [0, 0])
+            paths[p][split] = {"documents": docs, "tokens": tokens}
+        routed = sum(d for d, _ in entry["paths"].values())
+        rejected = sum(entry["rejected"].values())
+        if routed + rejected != entry["lines"]:  # a bug, never bad input: refuse to commit
+            raise RuntimeError(f"{split}: {entry['lines']} lines read but {routed} routed + {rejected} rejected")
+        splits[split] = {
+            "files": sorted(f for s, f, _ in plan if s == split),
+            "lines_read": entry["lines"],
+            "routed": routed,
+            "rejected": rejected,
+            "rejected_by_reason": dict(sorted(entry["rejected"].items())),
+            "tokens": sum(t for _, t in entry["paths"].values()),
+        }
+    reasons: dict[str, int] = {}
+    for s in splits.values():
+        for reason, n in s["rejected_by_reason"].items():
+            reasons[reason] = reasons.get(reason, 0) + n
+    return {
+        "lines_read": sum(s["lines_read"] for s in splits.values()),
+        "routed": sum(s["routed"] for s in splits.values()),
+        "rejected": sum(s["rejected"] for s in splits.values()),
+        "rejected_by_reason": dict(sorted(reasons.items())),
+        "splits": splits,
+        "paths": paths,
+        "grid": list(config.model.grid),
+        "router": {"checksum": router.checksum, "embedder": router.header["embedder"],
+                   "dim": router.header["dim"], "prefix_tokens": router.header["prefix_tokens"]},
+        "router_checksum": router.checksum,
+        "tokenizer": TOKENIZER_NAME,
+        "max_docs": config.data.max_docs,
+    }
+
+
+def log_summary(manifest: dict, metrics: dict[str, int]) -> None:
+    """The one-screen summary: counters, then documents and tokens per path."""
+    if metrics:
+        log.info("prepare counters: %s", ", ".join(f"{k}={v}" for k, v in sorted(metrics.items())))
+    splits = list(manifest["splits"])
+    header = f"{'path':<12}" + "".join(f"{s + ' docs':>18}{s + ' tokens':>18}" for s in splits)
+    lines = [header, "-" * len(header)]
+    for path, entry in manifest["paths"].items():
+        lines.append(f"{path:<12}" + "".join(f"{entry[s]['documents']:>18,}{entry[s]['tokens']:>18,}" for s in splits))
+    lines.append(
+        f"lines read {manifest['lines_read']:,}, routed {manifest['routed']:,}, "
+        f"rejected {manifest['rejected']:,} {manifest['rejected_by_reason'] or ''}"
+    )
+    log.info("prepare summary\n%s", "\n".join(lines))
+
+
+def _counters(result) -> dict[str, int]:
+    try:
+        from apache_beam.metrics.metric import MetricsFilter
+
+        found = result.metrics().query(MetricsFilter().with_namespace("dipaco.prepare"))["counters"]
+        return {c.key.metric.name: int(c.committed or 0) for c in found}
+    except Exception as exc:  # metrics are for the log only; some runners do not report them
+        log.debug("no Beam metrics: %s", exc)
+        return {}
+
+
+# -- entry points --------------------------------------------------------------------------------
+def run_prepare(config: Config, test_pipeline=None) -> dict:
+    """Router and shards for this config's run root; returns the manifest (skips if committed)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    root = RunRoot(config.run_root)
+    if root.is_committed(layout.SHARDS_DIR):
+        log.info("prepare: %s is committed; skipping", root.path(layout.SHARDS_DIR))
+        return json.loads(root.read_committed(layout.SHARDS_DIR, "manifest.json"))
+    if config.router.prefix_tokens <= 0 or config.data.parts_per_path < 1:
+        raise ConfigError(f"{config.source}: router.prefix_tokens and data.parts_per_path must be >= 1")
+    plan = _read_plan(config)
+    start = time.time()
+    router = fit_router(config, root, plan)
+    root.remove(layout.SHARDS_DIR)  # a crashed attempt's parts: start clean, no document twice
+    result = route_documents(config, root, plan, router, test_pipeline)
+    summary = root.read_json(SUMMARY)
+    root.remove(WORK_DIR)
+    manifest = build_manifest(summary, config, router, plan)
+    manifest["seconds"] = round(time.time() - start, 3)
+    root.write_json(layout.MANIFEST, manifest)
+    root.commit(layout.SHARDS_DIR, info={"routed": manifest["routed"], "rejected": manifest["rejected"],
+                                          "router_checksum": router.checksum})
+    log_summary(manifest, _counters(result))
+    return manifest
+
+
+def run(argv: list[str] | None = None, test_pipeline=None) -> dict:
+    """Beam-examples style entry: `python -m preprocessing.prepare --config FILE [--set k=v] [Beam flags]`.
+
+    Flags this parser does not know are Beam pipeline options and replace `beam.options`.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    known, beam_args = parser.parse_known_args(argv)
+    config = load_config(known.config, known.set)
+    if beam_args:
+        config.beam.options = beam_args
+    return run_prepare(config, test_pipeline=test_pipeline)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    run()

@@ -1,0 +1,340 @@
+"""The Beam steps of the prepare job, each a PTransform (config in __init__, wiring in expand, logic
+in plain functions elsewhere), as in Beam's own examples.
+
+    ReadC4 -> TokenizeDocs -> EmbedPrefix (RunInference) -> AssignPath -> WriteShards
+           \\-> rejected -> WriteRejected                                     |
+           \\-> line counts ----------------------------------------------> Summarize
+
+Writers name their parts after a deterministic key (split, path, bucket) and sort rows, so a
+retried bundle rewrites the same file with the same bytes and the shards do not depend on how
+Beam split the work. Counts come back as data (the Summarize combine), not as Metrics, because
+only committed bundle outputs are exact on every runner; Metrics drive progress logs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult, RunInference
+from apache_beam.metrics import Metrics
+
+from pipeline import layout
+from pipeline.shards import shard_table, write_shard_file
+from pipeline.storage import RunRoot
+from preprocessing import c4
+
+log = logging.getLogger(__name__)
+# Beam logs every string annotation (from __future__ import annotations) at INFO; nothing to act on.
+logging.getLogger("apache_beam.typehints.native_type_compatibility").setLevel(logging.WARNING)
+NAMESPACE = "dipaco.prepare"
+WORK_DIR = f"{layout.SHARDS_DIR}/_work"  # scratch of one attempt; removed before the commit
+SUMMARY = f"{WORK_DIR}/summary.json"
+PROGRESS_EVERY_S = 10.0
+
+
+def stable_bucket(key: str, buckets: int) -> int:
+    """Same bucket in every process and run (Python's hash() is salted per process)."""
+    return int.from_bytes(hashlib.sha1(key.encode("utf-8", "surrogatepass")).digest()[:8], "big") % buckets
+
+
+class _Progress:
+    """Logs a counter at most every PROGRESS_EVERY_S seconds from inside a worker."""
+
+    def __init__(self, what: str):
+        self.what, self.count, self.last = what, 0, time.monotonic()
+
+    def add(self, n: int = 1) -> None:
+        self.count += n
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            log.info("prepare worker: %d %s so far", self.count, self.what)
+
+
+# -- ReadC4 --------------------------------------------------------------------------------------
+class _ReadFileFn(beam.DoFn):
+    """(split, file, line limit) -> Documents; Rejections and the file's line count tagged aside."""
+
+    def __init__(self, max_doc_bytes: int):
+        self.max_doc_bytes = max_doc_bytes
+        self.lines = Metrics.counter(NAMESPACE, "lines_read")
+        self.documents = Metrics.counter(NAMESPACE, "documents_read")
+        self.rejected = Metrics.counter(NAMESPACE, "rejected")
+
+    def setup(self) -> None:
+        self.progress = _Progress("lines read")
+
+    def process(self, element: tuple[str, str, int | None]) -> Iterator[Any]:
+        split, file, limit = element
+        count = 0
+        for number, raw in c4.read_lines(file, limit):
+            count += 1
+            record = c4.line_to_record(split, file, number, raw, self.max_doc_bytes)
+            if isinstance(record, c4.Document):
+                self.documents.inc()
+                yield record
+            else:
+                self.rejected.inc()
+                yield beam.pvalue.TaggedOutput("rejected", record)
+            self.progress.add()
+        self.lines.inc(count)
+        yield beam.pvalue.TaggedOutput("lines", ("lines", split, count))
+
+
+class ReadC4(beam.PTransform):
+    """The read plan [(split, file, limit)] -> outputs documents, rejected, lines."""
+
+    def __init__(self, plan: list[tuple[str, str, int | None]], max_doc_bytes: int):
+        super().__init__()
+        self.plan, self.max_doc_bytes = plan, max_doc_bytes
+
+    def expand(self, pbegin):
+        return (
+            pbegin
+            | "ListFiles" >> beam.Create(self.plan)
+            | "SpreadFiles" >> beam.Reshuffle()  # one file per element: files read in parallel
+            | "ParseLines" >> beam.ParDo(_ReadFileFn(self.max_doc_bytes)).with_outputs("rejected", "lines", main="documents")
+        )
+
+
+# -- TokenizeDocs --------------------------------------------------------------------------------
+class _TokenizeFn(beam.DoFn):
+    """A batch of Documents -> ((split, doc_id, input_ids), prefix text) per document."""
+
+    def __init__(self, prefix_tokens: int):
+        self.prefix_tokens = prefix_tokens
+        self.tokens = Metrics.counter(NAMESPACE, "tokens")
+
+    def process(self, batch: list[c4.Document]) -> Iterator[tuple[tuple[str, str, list[int]], str]]:
+        from preprocessing.tokenizer import encode, prefix_texts
+
+        ids = encode([d.text for d in batch])
+        self.tokens.inc(sum(len(i) for i in ids))
+        for doc, doc_ids, prefix in zip(batch, ids, prefix_texts(ids, self.prefix_tokens)):
+            yield (doc.split, doc.doc_id, doc_ids), prefix
+
+
+class TokenizeDocs(beam.PTransform):
+    def __init__(self, prefix_tokens: int):
+        super().__init__()
+        self.prefix_tokens = prefix_tokens
+
+    def expand(self, documents):
+        return (
+            documents
+            | "BatchDocs" >> beam.BatchElements(min_batch_size=8, max_batch_size=256)
+            | "Tokenize" >> beam.ParDo(_TokenizeFn(self.prefix_tokens))
+        )
+
+
+# -- EmbedPrefix ---------------------------------------------------------------------------------
+class RouterEmbedderHandler(ModelHandler[str, PredictionResult, Any]):
+    """Beam ML's view of the router's embedder: loaded once per worker, fed batches of prefixes."""
+
+    def __init__(self, root_url: str, config_dict: dict | None, batch_size: int, threads: int | None):
+        super().__init__()
+        self.root_url, self.config_dict = root_url, config_dict
+        self.batch_size, self.threads = batch_size, threads
+
+    def load_model(self):
+        from preprocessing.router import Router
+
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)  # N workers x threads = the cores, no oversubscription
+        config = None
+        if self.config_dict is not None:
+            from pipeline.config import config_from_dict
+
+            config = config_from_dict(self.config_dict, "<prepare>")
+        embedder = Router.load(RunRoot(self.root_url), config).embedder
+        log.info("prepare worker: %s embedder loaded", embedder.name)
+        return embedder
+
+    def run_inference(self, batch, model, inference_args=None) -> Iterable[PredictionResult]:
+        vectors = model.embed(list(batch))
+        return [PredictionResult(text, vector) for text, vector in zip(batch, vectors)]
+
+    def batch_elements_kwargs(self) -> dict[str, int]:
+        return {"min_batch_size": 1, "max_batch_size": self.batch_size}
+
+    def get_metrics_namespace(self) -> str:
+        return NAMESPACE + ".embed"
+
+
+class EmbedPrefix(beam.PTransform):
+    """(key, prefix text) -> (key, PredictionResult(prefix, feature)) through RunInference."""
+
+    def __init__(self, handler: RouterEmbedderHandler):
+        super().__init__()
+        self.handler = handler
+
+    def expand(self, keyed_prefixes):
+        return keyed_prefixes | "RunEmbedder" >> RunInference(KeyedModelHandler(self.handler))
+
+
+# -- AssignPath ----------------------------------------------------------------------------------
+class _AssignFn(beam.DoFn):
+    """(key, PredictionResult) -> ((split, path_id, bucket), (doc_id, input_ids))."""
+
+    def __init__(self, root_url: str, parts_per_path: int):
+        self.root_url, self.parts = root_url, parts_per_path
+        self.routed = Metrics.counter(NAMESPACE, "documents_routed")
+
+    def setup(self) -> None:
+        from preprocessing.router import Router
+
+        self.router = Router.load(RunRoot(self.root_url))  # centroids only; no embedder loaded here
+        self.progress = _Progress("documents routed")
+
+    def process(self, element):
+        (split, doc_id, ids), result = element
+        path = self.router.route_features(np.asarray(result.inference)[None, :])[0]
+        self.routed.inc()
+        self.progress.add()
+        yield (split, path, stable_bucket(doc_id, self.parts)), (doc_id, ids)
+
+
+class AssignPath(beam.PTransform):
+    def __init__(self, root_url: str, parts_per_path: int):
+        super().__init__()
+        self.root_url, self.parts = root_url, parts_per_path
+
+    def expand(self, embedded):
+        return embedded | "Route" >> beam.ParDo(_AssignFn(self.root_url, self.parts))
+
+
+# -- WriteShards / WriteRejected -----------------------------------------------------------------
+class _WriteShardFn(beam.DoFn):
+    def __init__(self, root_url: str):
+        self.root_url = root_url
+
+    def process(self, element) -> Iterator[tuple]:
+        (split, path, bucket), rows = element
+        rows = sorted(rows, key=lambda r: (r[0], r[1]))  # fixed order, whatever the bundling
+        table = shard_table([r[0] for r in rows], [r[1] for r in rows])
+        write_shard_file(RunRoot(self.root_url), f"{layout.shard_dir(path, split)}/part-{bucket:05d}.parquet", table)
+        yield ("shard", split, path, len(rows), sum(len(r[1]) for r in rows))
+
+
+class WriteShards(beam.PTransform):
+    """Routed documents -> one Parquet part per (split, path, bucket); emits shard stats."""
+
+    def __init__(self, root_url: str):
+        super().__init__()
+        self.root_url = root_url
+
+    def expand(self, routed):
+        return routed | "GroupByShard" >> beam.GroupByKey() | "WriteParts" >> beam.ParDo(_WriteShardFn(self.root_url))
+
+
+class _WriteRejectedFn(beam.DoFn):
+    def __init__(self, root_url: str):
+        self.root_url = root_url
+
+    def process(self, element) -> Iterator[tuple]:
+        (split, bucket), records = element
+        records = sorted(records, key=lambda r: (r.file, r.line))
+        text = "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records)
+        RunRoot(self.root_url).write_text(f"{layout.REJECTED_DIR}/part-{split}-{bucket:05d}.jsonl", text)
+        for reason, n in sorted(Counter(r.reason for r in records).items()):
+            yield ("rejected", split, reason, n)
+
+
+class WriteRejected(beam.PTransform):
+    """Rejections -> shards/rejected/part-<split>-<bucket>.jsonl; emits counts by reason."""
+
+    def __init__(self, root_url: str, parts: int):
+        super().__init__()
+        self.root_url, self.parts = root_url, parts
+
+    def expand(self, rejected):
+        return (
+            rejected
+            | "KeyRejected" >> beam.Map(lambda r, n: ((r.split, stable_bucket(f"{r.file}:{r.line}", n)), r), self.parts)
+            | "GroupRejected" >> beam.GroupByKey()
+            | "WriteRejectedParts" >> beam.ParDo(_WriteRejectedFn(self.root_url))
+        )
+
+
+# -- Summarize -----------------------------------------------------------------------------------
+class SummaryFn(beam.CombineFn):
+    """Stats tuples -> {split: {lines, paths: {id: [docs, tokens]}, rejected: {reason: n}}}."""
+
+    def create_accumulator(self) -> dict:
+        return {}
+
+    def add_input(self, acc: dict, stat: tuple) -> dict:
+        kind, split = stat[0], stat[1]
+        entry = acc.setdefault(split, {"lines": 0, "paths": {}, "rejected": {}})
+        if kind == "lines":
+            entry["lines"] += stat[2]
+        elif kind == "shard":
+            docs_tokens = entry["paths"].setdefault(stat[2], [0, 0])
+            docs_tokens[0] += stat[3]
+            docs_tokens[1] += stat[4]
+        else:
+            entry["rejected"][stat[2]] = entry["rejected"].get(stat[2], 0) + stat[3]
+        return acc
+
+    def merge_accumulators(self, accumulators: Iterable[dict]) -> dict:
+        merged: dict = {}
+        for acc in accumulators:
+            for split, entry in acc.items():
+                into = merged.setdefault(split, {"lines": 0, "paths": {}, "rejected": {}})
+                into["lines"] += entry["lines"]
+                for path, (docs, tokens) in entry["paths"].items():
+                    pair = into["paths"].setdefault(path, [0, 0])
+                    pair[0] += docs
+                    pair[1] += tokens
+                for reason, n in entry["rejected"].items():
+                    into["rejected"][reason] = into["rejected"].get(reason, 0) + n
+        return merged
+
+    def extract_output(self, acc: dict) -> dict:
+        return acc
+
+
+class Summarize(beam.PTransform):
+    """All stats -> one summary.json under the shards' scratch dir, for the driver's manifest."""
+
+    def __init__(self, root_url: str):
+        super().__init__()
+        self.root_url = root_url
+
+    def expand(self, stats):
+        return (
+            stats
+            | "CombineStats" >> beam.CombineGlobally(SummaryFn())
+            | "WriteSummary" >> beam.Map(lambda s, url: RunRoot(url).write_json(SUMMARY, s), self.root_url)
+        )
+
+
+# -- the router's sample -------------------------------------------------------------------------
+def sample_key(seed: int, doc: c4.Document) -> str:
+    """Content-based, so the sample is the same whatever the file names, compression or order."""
+    return hashlib.sha256(f"{seed}\0{doc.doc_id}\0{doc.text}".encode("utf-8")).hexdigest()
+
+
+class SampleDocs(beam.PTransform):
+    """Documents -> one list of the `n` with the smallest sample keys (a seeded uniform sample)."""
+
+    def __init__(self, n: int, seed: int):
+        super().__init__()
+        self.n, self.seed = n, seed
+
+    def expand(self, documents):
+        return (
+            documents
+            | "KeyBySample" >> beam.Map(lambda d, seed: (sample_key(seed, d), d.doc_id, d.text), self.seed)
+            | "SmallestKeys" >> beam.combiners.Top.Smallest(self.n)
+        )
