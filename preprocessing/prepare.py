@@ -14,6 +14,7 @@ are removed first, so no document is written twice. A committed router is reused
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -52,26 +53,37 @@ ROUTER_WORK = f"{layout.ROUTER_DIR}/_work"
 def pipeline_options(config: Config):
     from apache_beam.options.pipeline_options import PipelineOptions
 
+    flags = list(config.beam.options)
+    if not any(f.startswith("--default_sdk_harness_log_level") for f in flags):
+        # SDK workers log Beam's harness chatter at INFO to stderr; keep their warnings and our progress
+        flags += ["--default_sdk_harness_log_level=WARNING",
+                  '--sdk_harness_log_level_overrides={"preprocessing": "INFO"}']
     try:
-        return PipelineOptions(list(config.beam.options))
+        return PipelineOptions(flags)
     except (SystemExit, ValueError) as exc:  # argparse inside Beam exits on a bad flag
         raise ConfigError(f"{config.source}: beam.options {config.beam.options} are not valid Beam options ({exc})") from None
 
 
-def make_runner(name: str):
+def make_runner(name: str, options):
     """The runner object for `beam.runner`. 'DirectRunner' means the FnApiRunner directly: Beam
-    2.77's DirectRunner tries Prism first, which downloads a binary and fails offline."""
+    2.77's DirectRunner tries Prism first, which downloads a binary and fails offline. The options
+    go in the provision info as DirectRunner does, so SDK workers see them (log levels)."""
     if name in ("DirectRunner", "direct", "FnApiRunner"):
+        from apache_beam.portability.api import beam_provision_api_pb2
         from apache_beam.runners.portability.fn_api_runner import fn_runner
+        from apache_beam.runners.portability.portable_runner import JobServiceHandle
 
-        return fn_runner.FnApiRunner()
+        encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
+        provision = fn_runner.ExtendedProvisionInfo(beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded))
+        return fn_runner.FnApiRunner(provision_info=provision)
     return name  # Dataflow, Flink, Spark, Prism...: Beam resolves the name itself
 
 
 def make_pipeline(config: Config):
     import apache_beam as beam
 
-    return beam.Pipeline(runner=make_runner(config.beam.runner), options=pipeline_options(config))
+    options = pipeline_options(config)
+    return beam.Pipeline(runner=make_runner(config.beam.runner, options), options=options)
 
 
 def worker_threads(config: Config) -> int | None:
@@ -266,6 +278,31 @@ def _counters(result) -> dict[str, int]:
         return {}
 
 
+class _WorkerProgressOnly(logging.Filter):
+    """Keeps our workers' progress lines among the messages Beam relays from its SDK workers."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "prepare worker:" in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_beam():
+    """Beam's INFO chatter (harness start/stop, gRPC) buries the job's own progress; keep
+    warnings, and from the relayed worker logs only the progress lines."""
+    beam_log = logging.getLogger("apache_beam")
+    relay = logging.getLogger("apache_beam.runners.portability.local_job_service")
+    level, relay_level, relay_filter = beam_log.level, relay.level, _WorkerProgressOnly()
+    beam_log.setLevel(logging.WARNING)
+    relay.setLevel(logging.INFO)
+    relay.addFilter(relay_filter)
+    try:
+        yield
+    finally:
+        beam_log.setLevel(level)
+        relay.setLevel(relay_level)
+        relay.removeFilter(relay_filter)
+
+
 # -- entry points --------------------------------------------------------------------------------
 def run_prepare(config: Config, test_pipeline=None) -> dict:
     """Router and shards for this config's run root; returns the manifest (skips if committed)."""
@@ -279,9 +316,11 @@ def run_prepare(config: Config, test_pipeline=None) -> dict:
         raise ConfigError(f"{config.source}: router.prefix_tokens and data.parts_per_path must be >= 1")
     plan = _read_plan(config)
     start = time.time()
-    router = fit_router(config, root, plan)
-    root.remove(layout.SHARDS_DIR)  # a crashed attempt's parts: start clean, no document twice
-    result = route_documents(config, root, plan, router, test_pipeline)
+    with quiet_beam():
+        router = fit_router(config, root, plan)
+        root.remove(layout.SHARDS_DIR)  # a crashed attempt's parts: start clean, no document twice
+        result = route_documents(config, root, plan, router, test_pipeline)
+    log.info("prepare: routing pipeline done in %.1fs", time.time() - start)
     summary = root.read_json(SUMMARY)
     root.remove(WORK_DIR)
     manifest = build_manifest(summary, config, router, plan)
