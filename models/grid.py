@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 _PATH_ID = re.compile(r"^p(\d+(?:-\d+)*)$")
+_JOB_ID = re.compile(r"^(p\d+(?:-\d+)*)(?:\.w(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
@@ -64,3 +65,25 @@ def paths_through(module: ModuleKey, grid: list[int]) -> list[tuple[int, ...]]:
 
 def n_paths(grid: list[int]) -> int:
     return math.prod(grid)
+
+
+def job_id(path: str, worker: int, workers_per_path: int) -> str:
+    """The id of one training job: the path id, plus `.w<k>` when a path has several DiLoCo
+    workers (each trains on its own iid part of the path's shard)."""
+    return path if workers_per_path == 1 else f"{path}.w{worker}"
+
+
+def all_job_ids(grid: list[int], workers_per_path: int) -> list[str]:
+    return [job_id(p, w, workers_per_path) for p in all_path_ids(grid) for w in range(workers_per_path)]
+
+
+def parse_job_id(text: str, grid: list[int], workers_per_path: int) -> tuple[str, tuple[int, ...], int]:
+    """'p3-1.w2' -> ('p3-1', (3, 1), 2), refusing ids that are not jobs of this run."""
+    match = _JOB_ID.match(text)
+    if not match:
+        raise ValueError(f"job id {text!r} is not of the form p<k0>-<k1>... or p<k0>-...-<kn>.w<worker>")
+    path, worker = match.group(1), int(match.group(2) or 0)
+    modules = parse_path_id(path, grid)
+    if text != job_id(path, worker, workers_per_path) or worker >= workers_per_path:
+        raise ValueError(f"job id {text!r} is not a job of this run ({workers_per_path} worker(s) per path)")
+    return path, modules, worker

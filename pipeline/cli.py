@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 
-from models.grid import parse_path_id
+from models.grid import parse_job_id
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, DipacoError
 
@@ -48,7 +48,7 @@ def dispatch(args: argparse.Namespace) -> dict | None:
         return stages.prepare(config)
     if args.command == "train-path":
         try:
-            parse_path_id(args.path, config.model.grid)
+            parse_job_id(args.path, config.model.grid, config.train.workers_per_path)
         except ValueError as exc:
             raise ConfigError(f"--path: {exc}") from None
         metrics = stages.train_path(config, args.round, args.path)

@@ -72,6 +72,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     ds_config: str = "ds_configs/zero2.json"
     procs_per_path: int = 1  # DeepSpeed processes per path (the island)
+    workers_per_path: int = 1  # DiLoCo workers per path, each on an iid part of the shard
     parallel_paths: int = 2  # path jobs at once on this machine
     threads_per_proc: int | None = None  # OMP threads per rank; default: cores / busy ranks
     max_attempts: int = 2  # launches per path and round before the round commits without it
@@ -295,6 +296,7 @@ def validate(config: Config) -> None:
     need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "must be two numbers in [0, 1)")
     need(t.procs_per_path >= 1, "train.procs_per_path", "must be >= 1")
+    need(t.workers_per_path >= 1, "train.workers_per_path", "must be >= 1")
     need(t.parallel_paths >= 1, "train.parallel_paths", "must be >= 1")
     need(t.max_attempts >= 1, "train.max_attempts", "must be >= 1")
     need(resolve_ds_config(t.ds_config).is_file(), "train.ds_config", f"names a missing file {t.ds_config}")

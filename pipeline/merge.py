@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from models.grid import ModuleKey, all_modules, all_path_ids, parse_path_id, path_modules
+from models.grid import ModuleKey, all_job_ids, all_modules, parse_job_id, path_modules
 from models.modular import ModelShape, ModuleState, split_path_state
 from pipeline import layout
 from pipeline.module_store import decode, load_modules, load_outer_state, write_states
@@ -85,12 +85,14 @@ def merge_round(config, round_index: int) -> dict:
 
     # Accumulate each module's contributions one path at a time (a path's file is read once).
     contributions: dict[ModuleKey, list[tuple[ModuleState, float]]] = {key: [] for key in keys}
+    merged_paths: dict[str, list[str]] = {str(key): [] for key in keys}
     for path_id, tokens in committed.items():
         weights = root.read_committed(layout.path_dir(round_index, path_id), "model.safetensors")
         trained = split_path_state(shape, decode(weights, root.path(layout.path_dir(round_index, path_id), "model.safetensors")))
         weight = float(tokens) if config.outer.weighting == "tokens" else 1.0
-        for key in path_modules(parse_path_id(path_id, grid)):
+        for key in path_modules(_modules_of(path_id, config)):
             contributions[key].append((trained[key.level], weight))
+            merged_paths[str(key)].append(path_id)
 
     outer = OuterOptimizer(config.outer.lr, config.outer.momentum, config.outer.nesterov, config.outer.sqrt_paths_rescale)
     new_modules, new_momentum, grad_norms, untouched = {}, {}, {}, []
@@ -113,13 +115,14 @@ def merge_round(config, round_index: int) -> dict:
     write_states(root, layout.modules_dir(next_round), new_modules, info)
     write_states(root, layout.outer_state_dir(next_round), new_momentum, info)
 
-    path_bytes = {pid: sum(module_bytes(before[k]) for k in path_modules(parse_path_id(pid, grid))) for pid in committed}
+    path_bytes = {pid: sum(module_bytes(before[k]) for k in path_modules(_modules_of(pid, config))) for pid in committed}
     bytes_outer = 2 * sum(path_bytes.values())  # each island sends its outer gradient, receives its modules
     report = {
         "round": round_index,
         "paths_merged": sorted(committed),
         "paths_left_out": left_out,
         "modules_untouched": untouched,
+        "module_paths": merged_paths,
         "module_grad_norms": grad_norms,
         "tokens": {pid: int(t) for pid, t in committed.items()},
         "bytes_outer": bytes_outer,
@@ -137,10 +140,14 @@ def merge_round(config, round_index: int) -> dict:
 def committed_paths(root: RunRoot, config, round_index: int) -> tuple[dict[str, int], list[str]]:
     """({path id: tokens trained} for paths that committed, [path ids that did not])."""
     committed, left_out = {}, []
-    for path_id in all_path_ids(config.model.grid):
+    for path_id in all_job_ids(config.model.grid, config.train.workers_per_path):
         rel = layout.path_dir(round_index, path_id)
         if root.is_committed(rel):
             committed[path_id] = int(root.marker(rel)["tokens"])
         else:
             left_out.append(path_id)
     return committed, left_out
+
+
+def _modules_of(job: str, config) -> tuple[int, ...]:
+    return parse_job_id(job, config.model.grid, config.train.workers_per_path)[1]

@@ -11,7 +11,7 @@ import logging
 
 import yaml
 
-from models.grid import all_path_ids
+from models.grid import all_job_ids
 from pipeline import layout
 from pipeline.config import Config, config_from_dict, dump_yaml
 from pipeline.errors import ConfigError
@@ -53,7 +53,9 @@ def prepare(config: Config) -> dict:
 
 
 def list_paths(config: Config) -> list[str]:
-    return all_path_ids(config.model.grid)
+    """The training jobs of a round: path ids (`p0-1`), with `.w<k>` when a path has several
+    DiLoCo workers. The DAG maps its path tasks over this list."""
+    return all_job_ids(config.model.grid, config.train.workers_per_path)
 
 
 def next_round(config: Config) -> int:

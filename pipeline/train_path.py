@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.grid import parse_path_id
+from models.grid import parse_job_id
 from models.modular import ModelShape, build_path_model, eos_token_id
 from pipeline import layout
 from pipeline.config import Config, config_from_dict
@@ -57,21 +57,24 @@ def adamw_for(model: torch.nn.Module, train) -> torch.optim.AdamW:
 
 
 def train_path(config: Config, round_index: int, path_id: str) -> dict:
-    """Run on every rank of the island; returns the path's metrics (committed by rank 0)."""
+    """Run on every rank of the island; returns the job's metrics (committed by rank 0).
+
+    `path_id` is a job id: the path, or `<path>.w<k>` for DiLoCo worker k of the path."""
     root = RunRoot(config.run_root)
+    workers = config.train.workers_per_path
     try:
-        modules = parse_path_id(path_id, config.model.grid)
+        shard_path, modules, worker = parse_job_id(path_id, config.model.grid, workers)
     except ValueError as exc:
         raise ConfigError(f"--path: {exc}") from None
     rank, world = init_distributed()
     train, shape = config.train, ModelShape.from_config(config.model)
     torch.manual_seed(train.seed + round_index)
 
-    docs = read_path_documents(root, path_id)
-    rows = pack_documents(docs, config.model.seq_len, seed=train.seed, eos=eos_token_id(shape.vocab_size))
+    docs = read_path_documents(root, shard_path)[worker::workers]  # worker k: its iid part
+    rows = pack_documents(docs, config.model.seq_len, seed=train.seed + worker, eos=eos_token_id(shape.vocab_size))
     if len(rows) == 0:
-        raise InputError(f"{root.path(layout.shard_dir(path_id))}: too few tokens for one row of {config.model.seq_len + 1}")
-    stream = RowStream(rows, seed=train.seed)
+        raise InputError(f"{root.path(layout.shard_dir(shard_path))}: too few tokens for one row of {config.model.seq_len + 1}")
+    stream = RowStream(rows, seed=train.seed + worker)
 
     merged = load_path_modules(root, round_index, modules)
     model = build_path_model(shape, merged, seed=train.seed)
@@ -82,7 +85,7 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
 
     metrics = run_inner_loop(engine, stream, config, round_index, rank, world)
     metrics.update(
-        round=round_index, path=path_id, modules=[[lvl, k] for lvl, k in enumerate(modules)],
+        round=round_index, path=path_id, shard_path=shard_path, worker=worker, modules=[[lvl, k] for lvl, k in enumerate(modules)],
         world_size=world, ds_config=ds_config, resumed_inner_state_from=resumed_from,
         shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
     )

@@ -1,0 +1,163 @@
+"""The path trainer on a real DeepSpeed engine: agreement with plain PyTorch, ZeRO stages, launch,
+inner-state resume where the merged modules must win over the checkpoint's weights."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_config, write_synthetic_shards
+from models.grid import ModuleKey
+from models.modular import ModelShape, build_path_model, eos_token_id
+from pipeline import layout, stages
+from pipeline.data import RowStream, micro_batch_start, pack_documents
+from pipeline.launch import train_path_job
+from pipeline.merge import OuterOptimizer, merge_round
+from pipeline.module_store import load_modules, load_path_modules
+from pipeline.shards import read_path_documents
+from pipeline.train_path import CKPT, adamw_for, lr_at, train_path
+from pipeline.zero import full_state, load_ds_config, set_full_state, wrap_with_zero
+
+
+def reference_inner_loop(config, root, round_index: int, worker: int, workers: int) -> dict:
+    """The same inner loop in plain PyTorch (no DeepSpeed): AdamW, warmup+cosine, clipping."""
+    shape = ModelShape.from_config(config.model)
+    model = build_path_model(shape, load_path_modules(root, round_index, (0,)))
+    docs = read_path_documents(root, "p0")[worker::workers]
+    stream = RowStream(pack_documents(docs, config.model.seq_len, config.train.seed + worker, eos_token_id(shape.vocab_size)),
+                       config.train.seed + worker)
+    optimizer = adamw_for(model, config.train)
+    train, losses = config.train, []
+    for step in range(train.inner_steps):
+        global_step = round_index * train.inner_steps + step
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(global_step, train.rounds * train.inner_steps, train)
+        inputs, labels = stream.micro_batch(micro_batch_start(global_step, 0, 0, train.micro_batch_size, 1, 1), train.micro_batch_size)
+        loss = F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), labels.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return {"state": {k: v.detach() for k, v in model.named_parameters()}, "loss": losses}
+
+
+def test_grid_1_with_diloco_workers_equals_plain_diloco(run_root):
+    """[1] trained on 2 iid shards = DiLoCo: two plain-PyTorch workers, then one Nesterov outer
+    step of the averaged pseudo-gradient; the pipeline's merged module must match it."""
+    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[2]", "train.workers_per_path=2",
+                         "train.inner_steps=3", "train.lr=0.003", "outer.weighting=uniform")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid, docs_per_path=60)
+    assert stages.list_paths(config) == ["p0.w0", "p0.w1"]
+    ours = {job: train_path(config, 0, job) for job in stages.list_paths(config)}
+    merge_round(config, 0)
+
+    shape = ModelShape.from_config(config.model)
+    from models.modular import split_path_state
+
+    refs = [reference_inner_loop(config, root, 0, w, 2) for w in range(2)]
+    for worker, ref in enumerate(refs):
+        assert ours[f"p0.w{worker}"]["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    before = load_modules(root, 0, [ModuleKey(0, 0)])[ModuleKey(0, 0)]
+    afters = [split_path_state(shape, ref["state"])[0] for ref in refs]
+    outer = OuterOptimizer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
+    expected, _ = outer.outer_step(before, outer.outer_gradient(before, afters, [1.0, 1.0]), None)
+    merged = load_modules(root, 1, [ModuleKey(0, 0)])[ModuleKey(0, 0)]
+    for name in expected:
+        torch.testing.assert_close(merged[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_zero_stages_give_the_same_loss_curve_on_a_two_process_gloo_launch(run_root):
+    curves = {}
+    for stage in (1, 2, 3):
+        config = tiny_config(run_root / f"zero{stage}", "model.grid=[1]", "model.blocks_per_level=[1]",
+                             "train.launcher=deepspeed", "train.procs_per_path=2", "train.inner_steps=4",
+                             "train.lr=0.003", f"train.ds_config=ds_configs/zero{stage}.json")
+        root = stages.init_run(config)
+        write_synthetic_shards(root, config.model.grid)
+        metrics = train_path_job(config, 0, "p0")
+        assert metrics is not None, f"ZeRO-{stage} launch failed: {root.path(layout.attempts_dir(0, 'p0'))}"
+        assert metrics["world_size"] == 2 and metrics["ds_config"]["zero_optimization"]["stage"] == stage
+        assert metrics["ds_config"]["train_batch_size"] == 2 * config.train.micro_batch_size
+        curves[stage] = metrics["loss"]
+    assert curves[1][-1] < curves[1][0]  # it learns
+    assert curves[2] == pytest.approx(curves[1], rel=1e-5)
+    assert curves[3] == pytest.approx(curves[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_written_parameters_survive_a_step_in_every_zero_stage(stage, run_root):
+    """The trap: DeepSpeed restores its fp32 master copy at step(); our writer must persist."""
+    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", f"train.ds_config=ds_configs/zero{stage}.json")
+    shape = ModelShape.from_config(config.model)
+    engine = wrap_with_zero(model := build_path_model(shape, seed=0), adamw_for(model, config.train),
+                            load_ds_config(config.train, shape.hidden_size, 1))
+    inputs = torch.randint(0, shape.vocab_size, (2, 8))
+    engine.backward(engine(input_ids=inputs).logits.mean())
+    engine.step()  # optimizer state now exists
+    target = {k: v + 0.5 for k, v in full_state(engine).items()}
+    set_full_state(engine, target)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0  # a step that must not move anything
+    engine.backward(engine(input_ids=inputs).logits.mean())
+    engine.step()
+    for name, value in full_state(engine).items():
+        torch.testing.assert_close(value, target[name], rtol=0, atol=1e-6)
+    reference = build_path_model(shape)
+    reference.load_state_dict(target, strict=False)
+    torch.testing.assert_close(engine(input_ids=inputs).logits, reference(input_ids=inputs).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(run_root):
+    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=3",
+                         "train.lr=0.01", "outer.lr=0.5")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid)
+    train_path(config, 0, "p0")
+    merge_round(config, 0)
+    assert root.is_committed(f"{layout.path_dir(0, 'p0')}/{CKPT}")
+    resumed = train_path(config, 1, "p0")
+    assert resumed["resumed_inner_state_from"] == 0
+
+    # The first loss of round 1 is the merged model's loss on round 1's first batch; the
+    # checkpoint's (round-0 trained) weights give a different one.
+    shape = ModelShape.from_config(config.model)
+    docs = read_path_documents(root, "p0")
+    stream = RowStream(pack_documents(docs, config.model.seq_len, config.train.seed, eos_token_id(shape.vocab_size)), config.train.seed)
+    inputs, labels = stream.micro_batch(micro_batch_start(config.train.inner_steps, 0, 0, config.train.micro_batch_size, 1, 1),
+                                        config.train.micro_batch_size)
+
+    def loss_of(model):
+        with torch.no_grad():
+            return F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), labels.flatten()).item()
+
+    merged_loss = loss_of(build_path_model(shape, load_path_modules(root, 1, (0,))))
+    from pipeline.module_store import decode
+    from models.modular import split_path_state
+
+    trained = split_path_state(shape, decode(root.read_committed(layout.path_dir(0, "p0"), "model.safetensors"), "p0"))
+    checkpoint_loss = loss_of(build_path_model(shape, trained))
+    assert resumed["loss"][0] == pytest.approx(merged_loss, rel=1e-5)
+    assert abs(checkpoint_loss - merged_loss) > 1e-3
+
+    # A second step from the merged weights plus the resumed Adam moments must also differ from
+    # a fresh-optimizer run: the state really was restored.
+    root.remove(layout.path_dir(1, "p0"))
+    root.remove(f"{layout.path_dir(0, 'p0')}/{CKPT}/_SUCCESS")  # the state is lost: restart cleanly
+    fresh = train_path(config, 1, "p0")
+    assert fresh["resumed_inner_state_from"] is None
+    assert fresh["loss"][0] == pytest.approx(merged_loss, rel=1e-5)
+    assert fresh["loss"][1:] != pytest.approx(resumed["loss"][1:], rel=1e-6)
+
+
+def test_only_the_newest_inner_state_is_kept(run_root):
+    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=1")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid)
+    for round_index in range(2):
+        train_path(config, round_index, "p0")
+        merge_round(config, round_index)
+    assert not root.exists(f"{layout.path_dir(0, 'p0')}/{CKPT}")
+    assert root.is_committed(f"{layout.path_dir(1, 'p0')}/{CKPT}")
+    assert root.is_committed(layout.path_dir(0, "p0"))  # the trained weights stay
