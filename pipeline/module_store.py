@@ -7,6 +7,7 @@ load is verified and a corrupted file is refused by name (never unpickled: safet
 
 from __future__ import annotations
 
+import json
 import posixpath
 
 import torch
@@ -22,7 +23,10 @@ from pipeline.storage import RunRoot
 
 
 def encode(state: ModuleState, metadata: dict[str, str] | None = None) -> bytes:
-    return st_save({k: v.detach().contiguous().cpu() for k, v in state.items()}, metadata=metadata)
+    """safetensors bytes, bitwise-reproducible: the metadata goes in as one sorted-JSON entry
+    (safetensors orders several entries arbitrarily), so a rerun merge writes identical files."""
+    header = {"dipaco": json.dumps(metadata, sort_keys=True)} if metadata else None
+    return st_save({k: v.detach().contiguous().cpu() for k, v in state.items()}, metadata=header)
 
 
 def decode(data: bytes, where: str) -> ModuleState:
