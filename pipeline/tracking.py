@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "tracking.json"  # under the run root: where this run's MLflow records live
 KIND, KEY, RUN_KEY = "dipaco.kind", "dipaco.key", "dipaco.run_key"
 PARENT_TAG = "mlflow.parentRunId"
+NEWEST, CHAMPION = "newest", "champion"  # registry aliases (MLflow reserves "latest")
 _CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][\w+.-]*://)[^/@\s]+@")
 _BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
 
@@ -256,7 +257,9 @@ class MlflowTracker(Tracker):
             version = existing[0].version
         else:
             version = self._register_new(name, round_index, result, registry)
-            self.client.set_registered_model_alias(name, "latest", version)
+            # MLflow reserves the alias "latest": `models:/<name>/latest` already means the newest
+            # version; "newest" names the same version for alias-only (`@`) consumers.
+            self.client.set_registered_model_alias(name, NEWEST, version)
         self._set_champion(name)
         log.info("MLflow: %s version %s holds round %d", name, version, round_index)
         return str(version)
@@ -422,7 +425,7 @@ class MlflowTracker(Tracker):
             if math.isfinite(value):
                 scored.append((value, int(version.version)))
         if scored:
-            self.client.set_registered_model_alias(name, "champion", str(min(scored)[1]))
+            self.client.set_registered_model_alias(name, CHAMPION, str(min(scored)[1]))
 
     # ---- what finish() plots ---------------------------------------------------------------
     def _runs_of_kind(self, kind: str) -> list:

@@ -1,0 +1,130 @@
+"""The registered pyfunc: versions and aliases per round, and a model that loads in a fresh process
+and generates exactly what its routed path model generates."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, tiny_config
+
+from pipeline import layout, stages
+from pipeline.storage import RunRoot
+from pipeline.tracking import get_tracker, tracking_uri
+
+TOPICS = {
+    "sport": "football match team goal player season league coach stadium score win cup",
+    "food": "recipe cook kitchen bread butter flour oven sugar taste dinner soup garlic",
+    "space": "planet star orbit galaxy rocket telescope moon astronaut solar comet light",
+    "music": "song guitar band album concert piano melody singer rhythm drum stage tour",
+}
+PROMPTS = ["The football team scored a goal in the cup match", "Bake the bread in a hot oven with butter"]
+
+
+def write_c4(out: Path, train_per_topic: int = 12, eval_per_topic: int = 3) -> dict[str, str]:
+    """Tiny C4-format splits (JSON lines with text/url/timestamp), four separable topics."""
+    rng = random.Random(0)
+    for split, n in (("train", train_per_topic), ("validation", eval_per_topic)):
+        (out / split).mkdir(parents=True, exist_ok=True)
+        with open(out / split / "c4-00000.json", "w") as handle:
+            for topic, words in TOPICS.items():
+                for i in range(n):
+                    text = " ".join(" ".join(rng.choices(words.split(), k=8)) + "." for _ in range(10))
+                    record = {"text": f"A {topic} story. {text}", "url": f"https://example.com/{split}/{topic}/{i}",
+                              "timestamp": "2019-04-25T00:00:00Z"}
+                    handle.write(json.dumps(record) + "\n")
+    return {"train": str(out / "train" / "*.json"), "eval": str(out / "validation" / "*.json")}
+
+
+def real_text_config(run_root: Path, data: dict[str, str], *overrides: str):
+    """tiny.yaml on real text: GPT-2 vocabulary, tracking on, an experiment of the test's own."""
+    return tiny_config(run_root, "model.vocab_size=50257", f"data.train={data['train']}",
+                       f"data.eval={data['eval']}", "mlflow.enabled=true", *overrides)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A run root with a fitted router and shards (the real Beam job) and round 0's modules."""
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    base = tmp_path_factory.mktemp("registry")
+    config = real_text_config(base / "run", write_c4(base / "c4"), "mlflow.experiment=test-registry",
+                              "mlflow.registered_model=dipaco-test")
+    stages.init_run(config)
+    stages.prepare(config)
+    root = RunRoot(config.run_root)
+    for r in (1, 2):  # later rounds' modules, as merges would commit them
+        root.put_dir(root.local_path(layout.modules_dir(0)), layout.modules_dir(r))
+    return config
+
+
+def test_versions_aliases_and_idempotent_registration(prepared):
+    from mlflow.tracking import MlflowClient
+
+    tracker = get_tracker(prepared)
+    name = prepared.mlflow.registered_model
+    client = MlflowClient(tracking_uri=tracking_uri(prepared), registry_uri=tracking_uri(prepared))
+    assert tracker.register(0, {"round": 0, "perplexity": 100.0, "tokens": 10}) == "1"
+    assert tracker.register(0, {"round": 0, "perplexity": 100.0, "tokens": 10}) == "1"  # a retried task
+    assert tracker.register(1, {"round": 1, "perplexity": 50.0, "tokens": 10}) == "2"
+    assert tracker.register(2, {"round": 2, "perplexity": 70.0, "tokens": 10}) == "3"
+
+    model = client.get_registered_model(name)
+    assert {k: str(v) for k, v in model.aliases.items()} == {"champion": "2", "newest": "3"}
+    assert len(client.search_model_versions(f"name = '{name}'")) == 3
+    v2 = client.get_model_version(name, "2")
+    assert v2.tags["dipaco.round"] == "1" and float(v2.tags["perplexity"]) == 50.0
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "2"
+    # MLflow reserves the alias "latest"; its own models:/<name>/latest is the newest version
+    from mlflow.store.artifact.utils.models import get_model_name_and_version
+
+    assert get_model_name_and_version(client, f"models:/{name}/latest") == (name, "3")
+    # each registration is a nested run of the pipeline's parent run
+    experiment = client.get_experiment_by_name(prepared.mlflow.experiment)
+    registered = client.search_runs([experiment.experiment_id], "tags.`dipaco.kind` = 'register'")
+    assert sorted(r.data.tags["dipaco.round"] for r in registered) == ["0", "1", "2"]
+
+
+def test_champion_loads_in_a_fresh_process_and_generates_like_its_path(prepared, tmp_path):
+    import torch
+
+    from pipeline.module_store import load_path_model
+    from preprocessing.router import Router
+    from preprocessing.tokenizer import load_tokenizer
+
+    name = prepared.mlflow.registered_model
+    get_tracker(prepared).register(1, {"round": 1, "perplexity": 50.0, "tokens": 10})
+    script = (
+        "import json, sys, mlflow\n"
+        f"mlflow.set_tracking_uri({tracking_uri(prepared)!r})\n"
+        f"model = mlflow.pyfunc.load_model('models:/{name}@champion')\n"
+        "texts = json.loads(sys.argv[1])\n"
+        "print(json.dumps({'default': model.predict(texts),"
+        " 'short': model.predict(texts, params={'max_new_tokens': 4})}))\n"
+    )
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(PROMPTS)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [type(t) for t in out["default"]] == [str, str]
+
+    # the reference: route with the run's router, greedy-decode with the path's model of round 1
+    root = RunRoot(prepared.run_root)
+    tokenizer = load_tokenizer()
+    for text, got_default, got_short in zip(PROMPTS, out["default"], out["short"]):
+        path_id = Router.load(root, prepared).route_texts([text])[0]
+        model = load_path_model(root, prepared, 1, path_id).eval()
+        ids = tokenizer(text)["input_ids"][-prepared.model.seq_len:]
+        for new_tokens, got in ((32, got_default), (4, got_short)):
+            with torch.no_grad():
+                gen = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+            assert got == tokenizer.decode(gen[0, len(ids):].tolist(), skip_special_tokens=True)
+        assert len(got_default) > len(got_short)
+    assert not (REPO / "mlruns").exists()
