@@ -57,7 +57,8 @@ class MiniLMEmbedder:
 
     def embed(self, texts: list[str]) -> np.ndarray:
         vectors = self.model.encode(
-            texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True
+            texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True,
+            show_progress_bar=False,
         )
         return np.asarray(vectors, dtype=np.float32).reshape(len(texts), self.dim)
 
