@@ -154,6 +154,8 @@ class MlflowTracker(Tracker):
     # ---- public methods --------------------------------------------------------------------
     def log_run_config(self) -> None:
         parent = self._parent()
+        # a new DAG run (or `dipaco run`) continues the run: it is running again until finish()
+        self.client.update_run(parent, status="RUNNING")
         config = redact_data(self.config.to_dict())
         self._log_params(parent, {k: _param(v) for k, v in flatten(config).items()})
         self.client.log_text(parent, self._run_yaml(), "run.yaml")

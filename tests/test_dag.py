@@ -1,0 +1,141 @@
+"""The Airflow DAG: it parses cleanly, has the promised shape, and a real dag.test() on a tiny
+config (SQLite metadata DB) trains a round, merges, evaluates and registers a model version."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+# Airflow reads its configuration when first imported: point it at a private home and SQLite DB,
+# with no example DAGs, before anything imports it. The DAG's parse-time settings come from
+# $DIPACO_CONFIG: tiny.yaml with two round groups, a test pool and a schedule.
+AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="dipaco-airflow-"))
+DAGS = REPO / "airflow" / "dags"
+DAG_CONFIG = AIRFLOW_HOME / "dipaco.yaml"
+POOL = "dipaco_test_paths"
+_raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+_raw["airflow"] = {"schedule": "@daily", "rounds_per_run": 2, "pool": POOL, "retries": 1, "retry_delay_s": 5}
+DAG_CONFIG.write_text(yaml.safe_dump(_raw))
+os.environ.update({
+    "AIRFLOW_HOME": str(AIRFLOW_HOME),
+    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+    "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{AIRFLOW_HOME}/airflow.db",
+    "DIPACO_CONFIG": str(DAG_CONFIG),
+})
+
+ROUND_TASKS = ["paths", "train_path", "merge", "evaluate", "register"]
+
+
+@pytest.fixture(scope="module")
+def dagbag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(DAGS))
+
+
+@pytest.fixture(scope="module")
+def dag(dagbag):
+    return dagbag.dags["dipaco_train"]
+
+
+@pytest.fixture(scope="module")
+def airflow_db():
+    """`airflow db migrate` in-process (~4 s), plus the pool that caps path trainers."""
+    from airflow.models.pool import Pool
+    from airflow.utils import db
+
+    db.initdb()
+    Pool.create_or_update_pool(POOL, slots=2, description="dipaco path trainers", include_deferred=False)
+
+
+def test_dag_folder_imports_without_errors(dagbag):
+    assert dagbag.import_errors == {}
+    assert list(dagbag.dags) == ["dipaco_train"]
+    assert not (DAGS.parent / "__init__.py").exists()  # would shadow the airflow package
+
+
+def test_task_graph_wires_prepare_rounds_and_report(dag):
+    downstream = {t.task_id: set(t.downstream_task_ids) for t in dag.tasks}
+    expected = {"configure", "prepare", "plan", "report"} | {f"round_{k}.{t}" for k in (0, 1) for t in ROUND_TASKS}
+    assert set(downstream) == expected
+    assert "plan" in downstream["prepare"] and "prepare" in downstream["configure"]
+    assert "round_0.paths" in downstream["plan"]
+    for k in (0, 1):
+        group = f"round_{k}"
+        assert downstream[f"{group}.paths"] == {f"{group}.train_path"}
+        assert downstream[f"{group}.train_path"] == {f"{group}.merge"}
+        assert downstream[f"{group}.merge"] == {f"{group}.evaluate"}
+        assert downstream[f"{group}.evaluate"] == {f"{group}.register"}
+    assert downstream["round_0.register"] == {"round_1.paths"}  # rounds run one after the other
+    assert downstream["round_1.register"] == {"report"}
+
+
+def test_path_trainers_are_mapped_pooled_and_retried(dag):
+    from airflow.sdk.definitions.xcom_arg import XComArg
+
+    train = dag.task_dict["round_0.train_path"]
+    assert type(train).__name__ == "DecoratedMappedOperator"
+    mapped = train.op_kwargs_expand_input.value
+    assert list(mapped) == ["path_id"] and isinstance(mapped["path_id"], XComArg)
+    assert mapped["path_id"].operator.task_id == "round_0.paths"
+    assert sorted(train.partial_kwargs["op_kwargs"]) == ["ref", "round_index"]  # constants in .partial()
+    assert (train.pool, train.pool_slots, train.retries, train.retry_delay.total_seconds()) == (POOL, 1, 1, 5)
+    assert dag.task_dict["round_0.merge"].trigger_rule == "all_done_min_one_success"
+    assert dag.catchup is False and dag.max_active_runs == 1
+    assert dag.timetable.expression == "0 0 * * *"  # @daily
+    assert set(dag.params) == {"config", "overrides", "project_dir"}
+
+
+@pytest.mark.slow  # ~60 s: dag.test() starts an in-process API server (~8 s), Beam, 4 path trainers
+def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_path, monkeypatch):
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.settings import Session
+    from mlflow.tracking import MlflowClient
+    from test_registry import write_c4
+
+    from models.grid import all_path_ids
+    from pipeline import layout
+    from pipeline.config import load_config
+    from pipeline.storage import RunRoot
+    from pipeline.tracking import tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    data = write_c4(tmp_path / "c4")
+    overrides = [
+        f"run_root={tmp_path / 'run'}", "model.vocab_size=50257", f"data.train={data['train']}",
+        f"data.eval={data['eval']}", "train.launcher=inprocess", "train.inner_steps=2", "eval.max_docs=4",
+        "mlflow.enabled=true", "mlflow.experiment=test-dag", "airflow.rounds_per_run=1",
+    ]
+    run = dag.test(run_conf={"config": str(DAG_CONFIG), "overrides": overrides, "project_dir": str(REPO)})
+    assert run.state == "success"
+
+    with Session() as session:
+        tis = session.query(TaskInstance).filter(TaskInstance.run_id == run.run_id).all()
+    states = {(ti.task_id, ti.map_index): ti.state for ti in tis}
+    # one mapped trainer per path of the [2, 2] grid, all done
+    trainers = sorted(m for (t, m) in states if t == "round_0.train_path")
+    assert trainers == [0, 1, 2, 3]
+    assert {states[("round_0.train_path", m)] for m in trainers} == {"success"}
+    for name in ("configure", "prepare", "plan", "round_0.merge", "round_0.evaluate", "round_0.register", "report"):
+        assert states[(name, -1)] == "success", name
+    # rounds_per_run=1 at run time: the second round group is skipped, not failed
+    assert {s for (t, _), s in states.items() if t.startswith("round_1.")} == {"skipped"}
+
+    config = load_config(DAG_CONFIG, overrides)
+    root = RunRoot(config.run_root)
+    assert root.is_committed(layout.round_dir(0)) and root.exists(layout.eval_file(1))
+    assert sorted(n.split("=", 1)[1] for n in root.listdir(layout.round_dir(0) + "/paths")) == all_path_ids([2, 2])
+    client = MlflowClient(tracking_uri=tracking_uri(config), registry_uri=tracking_uri(config))
+    (version,) = client.search_model_versions(f"name = '{config.mlflow.registered_model}'")
+    assert version.tags["dipaco.round"] == "1"
+    assert str(client.get_model_version_by_alias(config.mlflow.registered_model, "champion").version) == "1"
+
+    # the next scheduled run continues from the first uncommitted round
+    ref = {"config": str(DAG_CONFIG), "overrides": overrides, "project_dir": str(REPO)}
+    assert dag.task_dict["plan"].python_callable(ref, 2) == {"round_0": 1, "round_1": None}
