@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 from matplotlib import pyplot as plt  # noqa: E402  (after the backend is chosen)
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def loss_curves(losses: dict[str, dict[int, list[float]]], inner_steps: int | None = None) -> Figure:
@@ -35,6 +36,7 @@ def loss_curves(losses: dict[str, dict[int, list[float]]], inner_steps: int | No
     for rnd in range(1, last_round + 1):
         ax.axvline(rnd * width, color="0.8", linewidth=0.8, zorder=0)  # an outer step happened here
     ax.set(xlabel="inner step (all rounds)", ylabel="training loss", title="Inner loss per path")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _legend(ax, len(losses))
     fig.tight_layout()
     return fig
@@ -60,6 +62,7 @@ def perplexity_by_round(overall: dict[int, float], per_path: dict[str, dict[int,
     rounds = sorted(overall)
     ax.plot(rounds, [overall[r] for r in rounds], "k-o", linewidth=2, label="overall")
     ax.set(xlabel="round (modules at its start)", ylabel="perplexity", title="Routed perplexity by round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if overall and min(overall.values()) > 0:
         ax.set_yscale("log")
     _legend(ax, len(per_path) + 1)
