@@ -3,7 +3,9 @@ config (SQLite metadata DB) trains a round, merges, evaluates and registers a mo
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from conftest import REPO
 # with no example DAGs, before anything imports it. The DAG's parse-time settings come from
 # $DIPACO_CONFIG: tiny.yaml with two round groups, a test pool and a schedule.
 AIRFLOW_HOME = Path(tempfile.mkdtemp(prefix="dipaco-airflow-"))
+atexit.register(shutil.rmtree, AIRFLOW_HOME, ignore_errors=True)
 DAGS = REPO / "airflow" / "dags"
 DAG_CONFIG = AIRFLOW_HOME / "dipaco.yaml"
 POOL = "dipaco_test_paths"
