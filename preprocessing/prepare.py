@@ -192,6 +192,7 @@ def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pi
     read = pipeline | "ReadC4" >> ReadC4(plan, config.data.max_doc_bytes)
     shard_stats = (
         read.documents
+        | "SpreadDocs" >> beam.Reshuffle()  # one file would otherwise pin all embedding to one worker
         | "TokenizeDocs" >> TokenizeDocs(config.router.prefix_tokens)
         | "EmbedPrefix" >> EmbedPrefix(handler)
         | "AssignPath" >> AssignPath(root.url, config.data.parts_per_path)
