@@ -13,7 +13,7 @@ import sys
 
 from models.grid import parse_job_id
 from pipeline.config import load_config
-from pipeline.errors import ConfigError, DipacoError
+from pipeline.errors import ConfigError, DipacoError, StorageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except DipacoError as exc:
         print(f"dipaco {args.command}: {exc}", file=sys.stderr)
         return 2
+    except StorageError as exc:
+        print(f"dipaco {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"dipaco {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

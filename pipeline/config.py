@@ -18,7 +18,6 @@ from typing import Any
 import yaml
 
 from pipeline.errors import ConfigError
-from pipeline.zero import resolve_ds_config
 
 
 @dataclass
@@ -144,6 +143,17 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """The config as plain data, without internal fields (what run.yaml and MLflow get)."""
         return _strip_internal(self)
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def resolve_ds_config(path: str) -> Path:
+    """A ds_config path as given, or relative to the project (so DAG tasks can run anywhere)."""
+    candidate = Path(path)
+    if candidate.is_file() or candidate.is_absolute():
+        return candidate
+    return REPO_ROOT / path
 
 
 ENUMS: dict[str, tuple[str, ...]] = {

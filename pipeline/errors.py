@@ -19,3 +19,8 @@ class CorruptStateError(InputError):
 
 class RunLockedError(DipacoError):
     """Another live process holds the run root's lock."""
+
+
+class StorageError(Exception):
+    """The run root cannot be written (disk full, permissions); not the user's input, so the CLI
+    exits 1, but with one line naming the file instead of a traceback."""

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import posixpath
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -24,10 +25,29 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.errors import CorruptStateError, InputError
+from pipeline.errors import CorruptStateError, InputError, StorageError
 
 SUCCESS = "_SUCCESS"
 _TMP_TAG = ".tmp-"
+# Fault injection for the crash tests: the process kills itself (SIGKILL, like `kill -9`) right
+# before its N-th file write, so a test can crash a stage at an exact point. Unset: no effect.
+_KILL_BEFORE_WRITE = int(os.environ.get("DIPACO_FAULT_KILL_BEFORE_WRITE", "0"))
+_writes = 0
+
+
+def _fault_point() -> None:
+    global _writes
+    _writes += 1
+    if _KILL_BEFORE_WRITE and _writes >= _KILL_BEFORE_WRITE:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def safe_relative(name: str, where: str) -> str:
+    """Refuse a stored name that could leave its directory ('..', absolute, backslashes)."""
+    parts = name.split("/")
+    if not name or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        raise CorruptStateError(f"{where}: refusing unsafe file name {name!r}")
+    return name
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -96,20 +116,33 @@ class RunRoot:
 
     # -- writing -------------------------------------------------------------------------------
     def write_bytes(self, rel: str, data: bytes) -> None:
-        """Write through a temporary name and rename into place."""
+        """Write through a temporary name and rename into place; a failed write leaves the old
+        file (or none) and raises StorageError naming the file, never a half-written one."""
+        _fault_point()
         final = self.path(rel)
         tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
-        if self.is_local:
-            with open(tmp, "wb") as handle:
+        try:
+            self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+            if self.is_local:
+                with open(tmp, "wb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(tmp, final)
+                return
+            with self.fs.open(tmp, "wb") as handle:
                 handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, final)
-            return
-        with self.fs.open(tmp, "wb") as handle:
-            handle.write(data)
-        self.fs.mv(tmp, final)
+            self.fs.mv(tmp, final)
+        except OSError as exc:
+            self._discard(tmp)
+            raise StorageError(f"{final}: cannot write ({exc.strerror or exc}); the previous state is intact") from None
+
+    def _discard(self, tmp: str) -> None:
+        try:
+            if self.fs.exists(tmp):
+                self.fs.rm(tmp)
+        except OSError:
+            pass
 
     def write_json(self, rel: str, data: Any) -> None:
         self.write_bytes(rel, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
@@ -120,15 +153,20 @@ class RunRoot:
     def put_file(self, local: str | Path, rel: str) -> None:
         """Upload (or copy) a local file into the root, atomically."""
         if self.is_local:
+            _fault_point()
             final = self.path(rel)
-            os.makedirs(posixpath.dirname(final), exist_ok=True)
             tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            with open(local, "rb") as src, open(tmp, "wb") as dst:
-                for block in iter(lambda: src.read(1 << 22), b""):
-                    dst.write(block)
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.replace(tmp, final)
+            try:
+                os.makedirs(posixpath.dirname(final), exist_ok=True)
+                with open(local, "rb") as src, open(tmp, "wb") as dst:
+                    for block in iter(lambda: src.read(1 << 22), b""):
+                        dst.write(block)
+                    dst.flush()
+                    os.fsync(dst.fileno())
+                os.replace(tmp, final)
+            except OSError as exc:
+                self._discard(tmp)
+                raise StorageError(f"{final}: cannot write ({exc.strerror or exc}); the previous state is intact") from None
             return
         self.write_bytes(rel, Path(local).read_bytes())
 
@@ -183,6 +221,8 @@ class RunRoot:
         record = self.read_json(marker)
         if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
             raise CorruptStateError(f"{self.path(marker)}: not a valid commit marker")
+        for name in record["files"]:
+            safe_relative(name, self.path(marker))
         return record
 
     def read_committed(self, rel_dir: str, name: str) -> bytes:

@@ -476,8 +476,6 @@ def _jsonable(obj: Any) -> Any:
 
 def _ds_config_path(name: str) -> Path:
     """The DeepSpeed config template as the trainer resolves it."""
-    try:
-        from pipeline.zero import resolve_ds_config
-    except ImportError:
-        return Path(name)
-    return Path(resolve_ds_config(name))
+    from pipeline.config import resolve_ds_config
+
+    return resolve_ds_config(name)

@@ -15,17 +15,9 @@ from typing import Any
 
 import torch
 
+from pipeline.config import resolve_ds_config
 from pipeline.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def resolve_ds_config(path: str) -> Path:
-    """A ds_config path as given, or relative to the project (so DAG tasks can run anywhere)."""
-    candidate = Path(path)
-    if candidate.is_file() or candidate.is_absolute():
-        return candidate
-    return REPO_ROOT / path
 
 
 def fill_ds_config(raw: dict[str, Any], train, hidden_size: int, world_size: int, source: str) -> dict[str, Any]:
@@ -75,11 +67,38 @@ def load_ds_config(train, hidden_size: int, world_size: int) -> dict[str, Any]:
 
 
 def wrap_with_zero(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict[str, Any]):
-    """deepspeed.initialize with our torch optimizer; returns the engine."""
+    """deepspeed.initialize with our torch optimizer; returns the engine, loading checkpoints
+    without unpickling code (see WeightsOnlyCheckpointEngine)."""
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine.checkpoint_engine = weights_only_checkpoint_engine(engine.checkpoint_engine)
     return engine
+
+
+def weights_only_checkpoint_engine(original):
+    """DeepSpeed's checkpoint engine, but `torch.load(weights_only=True)`.
+
+    DeepSpeed 0.19 loads its own checkpoints with `weights_only=False`, i.e. full pickle: a
+    tampered optimizer-state file could run code. Its files hold tensors, plain containers and
+    three small DeepSpeed classes, which are allow-listed here and nothing else.
+    """
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    allowed = [LossScaler, ZeroStageEnum, fragment_address]
+
+    class WeightsOnlyCheckpointEngine(type(original)):
+        def load(self, path, map_location=None):
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+    if not isinstance(original, TorchCheckpointEngine):
+        return original  # another engine (e.g. Nebula) keeps its own loader
+    original.__class__ = WeightsOnlyCheckpointEngine
+    return original
 
 
 def full_state(engine) -> dict[str, torch.Tensor]:
