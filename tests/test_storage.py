@@ -1,0 +1,55 @@
+"""The run-root contract: atomic writes, commit markers with checksums, clear write failures."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from pipeline.errors import CorruptStateError, InputError
+from pipeline.storage import RunRoot
+
+
+def test_commit_records_checksums_and_reads_are_verified(tmp_path):
+    root = RunRoot(tmp_path)
+    root.write_bytes("d/a.bin", b"hello")
+    root.write_json("d/sub/b.json", {"x": 1})
+    assert not root.is_committed("d")
+    with pytest.raises(InputError, match="not committed"):
+        root.read_committed("d", "a.bin")
+    record = root.commit("d")
+    assert sorted(record["files"]) == ["a.bin", "sub/b.json"] and record["files"]["a.bin"]["bytes"] == 5
+    assert root.read_committed("d", "a.bin") == b"hello"
+    (tmp_path / "d" / "a.bin").write_bytes(b"hellO")
+    with pytest.raises(CorruptStateError, match="a.bin: checksum does not match"):
+        root.read_committed("d", "a.bin")
+    with pytest.raises(CorruptStateError, match="not listed"):
+        root.read_committed("d", "unlisted.bin")
+
+
+def test_memory_filesystem_roots_follow_the_same_contract():
+    root = RunRoot("memory://dipaco-test/run")
+    root.write_bytes("d/a.bin", b"abc")
+    root.commit("d")
+    assert root.read_committed("d", "a.bin") == b"abc" and root.listdir("d") == ["_SUCCESS", "a.bin"]
+
+
+def test_a_write_the_kernel_refuses_leaves_the_old_file_and_names_the_file(tmp_path):
+    """RLIMIT_FSIZE makes the kernel refuse large writes (EFBIG) for real, without privileges."""
+    script = f"""
+import resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from pipeline.storage import RunRoot
+from pipeline.errors import StorageError
+root = RunRoot({str(tmp_path)!r})
+root.write_bytes("state.bin", b"old")
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+try:
+    root.write_bytes("state.bin", b"x" * 5000)
+except StorageError as exc:
+    print(exc)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert "state.bin: cannot write (File too large); the previous state is intact" in result.stdout, result.stderr
+    assert (tmp_path / "state.bin").read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["state.bin"]  # no temporary left behind
