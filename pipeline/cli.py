@@ -14,6 +14,7 @@ import sys
 from models.grid import parse_job_id
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, DipacoError, StorageError
+from pipeline.report import format_summary
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("dipaco").debug("failure", exc_info=True)
         print(f"dipaco {args.command}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    if result is not None:
+    if args.command == "run":
+        print(format_summary(result))
+    elif result is not None:
         print(json.dumps(result, indent=2, default=str))
     return 0
 

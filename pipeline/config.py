@@ -70,7 +70,9 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0
     ds_config: str = "ds_configs/zero2.json"
-    procs_per_path: int = 1  # DeepSpeed processes per path (the island)
+    procs_per_path: int = 1  # DeepSpeed processes per node and path (GPUs per node on GPU hosts)
+    num_nodes: int = 1  # nodes per island; more than 1 needs a hostfile
+    hostfile: str | None = None  # DeepSpeed hostfile ("host slots=N" lines) for multi-node islands
     workers_per_path: int = 1  # DiLoCo workers per path, each on an iid part of the shard
     parallel_paths: int = 2  # path jobs at once on this machine
     threads_per_proc: int | None = None  # OMP threads per rank; default: cores / busy ranks
@@ -307,6 +309,9 @@ def validate(config: Config) -> None:
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "must be two numbers in [0, 1)")
     need(t.procs_per_path >= 1, "train.procs_per_path", "must be >= 1")
     need(t.workers_per_path >= 1, "train.workers_per_path", "must be >= 1")
+    need(t.num_nodes >= 1, "train.num_nodes", "must be >= 1")
+    need(t.num_nodes == 1 or t.hostfile is not None, "train.hostfile", "must be set when train.num_nodes > 1")
+    need(t.hostfile is None or Path(t.hostfile).is_file(), "train.hostfile", f"names a missing file {t.hostfile}")
     need(t.parallel_paths >= 1, "train.parallel_paths", "must be >= 1")
     need(t.max_attempts >= 1, "train.max_attempts", "must be >= 1")
     need(resolve_ds_config(t.ds_config).is_file(), "train.ds_config", f"names a missing file {t.ds_config}")

@@ -25,12 +25,14 @@ log = logging.getLogger("dipaco.launch")
 _FORWARD = ("dipaco.", "Error", "error", "Traceback", "Killed")
 
 
-def launcher_command(run_root: str, round_index: int, path_id: str, procs: int, port: int) -> list[str]:
-    """The `deepspeed` launcher command for one path (add `--hostfile` for several nodes)."""
+def launcher_command(run_root: str, round_index: int, path_id: str, train, port: int) -> list[str]:
+    """The `deepspeed` launcher command for one path's island: `procs_per_path` ranks on each of
+    `num_nodes` nodes (the hosts of `hostfile`, or this machine)."""
     launcher = Path(sys.executable).with_name("deepspeed")
+    hosts = ["--hostfile", train.hostfile] if train.hostfile else []
     return [
-        str(launcher), "--num_nodes", "1", "--num_gpus", str(procs), "--master_port", str(port),
-        "--no_local_rank", "--module", "pipeline.train_path",
+        str(launcher), *hosts, "--num_nodes", str(train.num_nodes), "--num_gpus", str(train.procs_per_path),
+        "--master_port", str(port), "--no_local_rank", "--module", "pipeline.train_path",
         "--run-root", run_root, "--round", str(round_index), "--path", path_id,
     ]
 
@@ -77,7 +79,7 @@ def _run_attempt(config, round_index: int, path_id: str) -> tuple[int, list[str]
     env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads(config.train)), "PYTHONUNBUFFERED": "1"}
     root = RunRoot(config.run_root)
     run_root = root.path() if root.is_local else root.url  # absolute: ranks may start elsewhere
-    command = launcher_command(run_root, round_index, path_id, config.train.procs_per_path, free_port())
+    command = launcher_command(run_root, round_index, path_id, config.train, free_port())
     log.info("launch %s: %s", path_id, " ".join(command))
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)

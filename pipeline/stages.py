@@ -130,10 +130,13 @@ def run(config: Config, rounds: int | None = None) -> dict:
         last = config.train.rounds if rounds is None else first + rounds
         if first == 0 and not root.exists(layout.eval_file(0)):
             evaluate(config, 0)
-        history = {}
-        for round_index in range(first, last):
-            history[round_index] = train_round(config, round_index)
+        versions = [train_round(config, r)["model_version"] for r in range(first, last)]
         summary = summarize(config)
+        if config.mlflow.enabled:
+            from pipeline.tracking import redact, tracking_uri
+
+            summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
+                           model_version=next((v for v in reversed(versions) if v), None))
         tracker.finish(summary)
         return summary
 

@@ -80,3 +80,17 @@ def test_the_installed_console_script_exits_2_without_a_traceback(tmp_path):
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2
     assert "train.rounds" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_multi_node_islands_launch_through_a_hostfile(tmp_path, run_root):
+    from pipeline.launch import launcher_command
+
+    with pytest.raises(ConfigError, match="train.hostfile"):
+        tiny_config(run_root, "train.num_nodes=2")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-1 slots=8\nworker-2 slots=8\n")
+    config = tiny_config(run_root, "train.num_nodes=2", f"train.hostfile={hostfile}", "train.procs_per_path=8")
+    command = launcher_command("s3://bucket/run", 3, "p1-0", config.train, 29500)
+    assert Path(command[0]).name == "deepspeed"
+    assert command[1:9] == ["--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "8", "--master_port", "29500"]
+    assert command[-6:] == ["--run-root", "s3://bucket/run", "--round", "3", "--path", "p1-0"]
