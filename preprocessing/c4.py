@@ -11,6 +11,8 @@ by name in both.
 
 from __future__ import annotations
 
+import gzip
+
 import hashlib
 import json
 from collections.abc import Iterator
@@ -118,12 +120,23 @@ def _match(pattern: str) -> list[str]:
 
 
 def open_input(path: str) -> IO[bytes]:
-    """A binary stream of the file's decompressed bytes (`.gz` by name)."""
+    """A binary stream of the file's decompressed bytes (`.gz` by name).
+
+    Decompression is Python's gzip over the raw stream on every filesystem: Beam's
+    CompressedFile ends a truncated .gz silently, where gzip raises EOFError, which read_lines
+    turns into an `unreadable_file` rejection instead of losing the rest of the file unnoticed.
+    """
     if _uses_beam(path):
         from apache_beam.io.filesystems import CompressionTypes, FileSystems
 
-        return FileSystems.open(path, compression_type=CompressionTypes.AUTO)
-    return fsspec.open(path, "rb", compression="infer").open()
+        raw = FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED)
+    else:
+        raw = fsspec.open(path, "rb").open()
+    if not path.endswith(".gz"):
+        return raw
+    stream = gzip.GzipFile(fileobj=raw, mode="rb")
+    stream.myfileobj = raw  # GzipFile closes the raw stream too, as gzip.open does
+    return stream
 
 
 class Broken(NamedTuple):
