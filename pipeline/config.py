@@ -298,6 +298,13 @@ def validate(config: Config) -> None:
     need(m.vocab_size > 0, "model.vocab_size", "must be positive")
     need(m.tokenizer == "gpt2", "model.tokenizer", f"must be gpt2 (the offline GPT-2 BPE), got {m.tokenizer!r}")
     need(config.router.prefix_tokens > 0, "router.prefix_tokens", "must be positive")
+    if config.router.model_path is not None:
+        from models.grid import parse_path_id
+
+        try:
+            parse_path_id(config.router.model_path, m.grid)
+        except ValueError as exc:
+            raise ConfigError(f"{src}: router.model_path: {exc}") from None
     need(config.router.sample_docs > 0, "router.sample_docs", "must be positive")
     need(t.rounds >= 1, "train.rounds", "must be >= 1")
     need(t.inner_steps >= 1, "train.inner_steps", "must be >= 1")

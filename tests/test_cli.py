@@ -30,6 +30,8 @@ BAD_VALUES = [
     ("train.betas=[0.9]", "train.betas"),
     ("run_root=../escape", "run_root"),
     ("mlflow=7", "mlflow"),
+    ("router.model_path=../../etc", "router.model_path"),
+    ("router.model_path=p7-0", "router.model_path"),
 ]
 
 
