@@ -21,6 +21,18 @@ def set_runtime_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                   "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without torch.distributed's rendezvous variables: a process that
+    trained in process has them set, and a child that inherits them would think it was launched
+    as that rank and collide on its port."""
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
+    return {**env, **(extra or {})}
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline import layout
-from pipeline.distributed import free_port, set_runtime_env
+from pipeline.distributed import child_env, free_port, set_runtime_env
 from pipeline.storage import RunRoot
 
 log = logging.getLogger("dipaco.launch")
@@ -76,7 +76,7 @@ def _run_attempt(config, round_index: int, path_id: str) -> tuple[int, list[str]
             log.exception("path %s failed in process", path_id)
             return 1, [f"{type(exc).__name__}: {exc}"]
     set_runtime_env()
-    env = {**os.environ, "OMP_NUM_THREADS": str(rank_threads(config.train)), "PYTHONUNBUFFERED": "1"}
+    env = child_env({"OMP_NUM_THREADS": str(rank_threads(config.train)), "PYTHONUNBUFFERED": "1"})
     root = RunRoot(config.run_root)
     run_root = root.path() if root.is_local else root.url  # absolute: ranks may start elsewhere
     command = launcher_command(run_root, round_index, path_id, config.train, free_port())

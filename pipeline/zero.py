@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pipeline.config import resolve_ds_config
+from pipeline.distributed import init_distributed
 from pipeline.errors import ConfigError
 
 
@@ -71,6 +72,7 @@ def wrap_with_zero(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_
     without unpickling code (see WeightsOnlyCheckpointEngine)."""
     import deepspeed
 
+    init_distributed()  # launched ranks join their group; anything else becomes a one-rank job
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.checkpoint_engine = weights_only_checkpoint_engine(engine.checkpoint_engine)
     return engine

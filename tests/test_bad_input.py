@@ -16,6 +16,7 @@ import pytest
 from conftest import REPO
 from pipeline import layout
 from pipeline.config import config_from_dict
+from pipeline.distributed import child_env
 from pipeline.errors import InputError
 from pipeline.storage import RunRoot
 from preprocessing.prepare import run_prepare
@@ -108,7 +109,7 @@ def test_prepare_killed_mid_way_reruns_to_the_same_manifest_and_no_document_twic
     for point in (3, 8, 14):
         crashed = tmp_path / f"crash{point}"
         result = subprocess.run([*command, "--set", f"run_root={crashed}"], capture_output=True, text=True, cwd=REPO,
-                                env={**os.environ, "DIPACO_FAULT_KILL_BEFORE_WRITE": str(point)})
+                                env=child_env({"DIPACO_FAULT_KILL_BEFORE_WRITE": str(point)}))
         assert result.returncode == -signal.SIGKILL, result.stderr[-400:]
         assert not RunRoot(crashed).is_committed(layout.SHARDS_DIR)
         subprocess.run([*command, "--set", f"run_root={crashed}"], check=True, capture_output=True, cwd=REPO)

@@ -19,6 +19,7 @@ import torch
 from conftest import REPO, TINY_VOCAB, tiny_config, write_synthetic_shards
 from models.grid import ModuleKey
 from pipeline import layout, stages
+from pipeline.distributed import child_env
 from pipeline.errors import CorruptStateError, StorageError
 from pipeline.merge import merge_round
 from pipeline.module_store import load_modules
@@ -32,7 +33,7 @@ def cli(args: list[str], run_root: Path, *sets: str, env: dict | None = None, **
     """`dipaco` in a fresh process (so SIGKILL hits a real process, not the test)."""
     overrides = [arg for s in [f"run_root={run_root}", *TINY_SETS, *sets] for arg in ("--set", s)]
     command = [sys.executable, "-m", "pipeline.cli", *args, "--config", str(REPO / "configs" / "tiny.yaml"), *overrides]
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})}, **kwargs)
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=child_env(env), **kwargs)
 
 
 def rank_pids(path_id: str) -> list[int]:
