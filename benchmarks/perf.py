@@ -1,0 +1,335 @@
+"""Performance: what dipaco costs on top of the frameworks it wraps, each figure a ratio in one run.
+
+`python -m benchmarks.perf` (also run by `make bench`). Four figures:
+- trainer: the path trainer's tokens/s under ZeRO-1/2/3 over a plain PyTorch loop, same model,
+  batches and steps, interleaved in one launched process (`benchmarks.perf_worker`); and model
+  FLOP utilisation against an fp32 matmul measured in that process. Target >= 0.95x.
+- prepare: documents/s of the whole Beam job over the raw embedder on the same documents
+  (`benchmarks.bench_prepare.bench_prepare`, another engineer's, called when present). Target >= 0.85x.
+- merge: `pipeline.merge.merge_round` seconds for a 16-path [4, 4] grid over plainly reading and
+  writing the same bytes. Target <= 1.5x. A cProfile of one merge names where the time goes.
+- bytes: outer bytes per round over data-parallel training for the same steps. Target <= 1/H.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import importlib.util
+import json
+import logging
+import os
+import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as st_save
+
+from models.grid import all_path_ids
+from models.modular import ModelShape, assemble_path_state
+from pipeline import layout, stages
+from pipeline.config import Config, config_from_dict
+from pipeline.distributed import free_port, set_runtime_env
+from pipeline.merge import merge_round
+from pipeline.module_store import load_path_modules
+from pipeline.storage import RunRoot
+
+log = logging.getLogger("dipaco.bench.perf")
+OUT = Path("benchmarks/out/perf")
+
+
+# -- trainer throughput and MFU ------------------------------------------------------------------
+def trainer_throughput(args: argparse.Namespace) -> dict:
+    """Launch the worker exactly as a path job is launched (deepspeed launcher, OMP threads set)."""
+    set_runtime_env()
+    out = OUT / "trainer.json"
+    out.unlink(missing_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // args.procs)
+    command = [str(Path(sys.executable).with_name("deepspeed")), "--num_nodes", "1", "--num_gpus", str(args.procs),
+               "--master_port", str(free_port()), "--no_local_rank", "--module", "benchmarks.perf_worker",
+               "--out", str(out), "--steps", str(args.steps), "--reps", str(args.reps),
+               "--hidden", str(args.hidden), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch)]
+    log.info("trainer benchmark: %s", " ".join(command))
+    start = time.perf_counter()
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True)
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(f"perf worker failed ({done.returncode}): {done.stdout[-2000:]}{done.stderr[-2000:]}")
+    result = json.loads(out.read_text())
+    result["launch_seconds"] = time.perf_counter() - start
+    return result
+
+
+# -- prepare throughput --------------------------------------------------------------------------
+def prepare_throughput(n_docs: int) -> dict | None:
+    """The other engineer's prepare benchmark, when it is in the tree."""
+    if importlib.util.find_spec("benchmarks.bench_prepare") is None:
+        log.warning("benchmarks/bench_prepare.py is absent: no prepare figure")
+        return None
+    from benchmarks.bench_prepare import bench_prepare
+
+    return bench_prepare(n_docs)
+
+
+# -- merge against plain file I/O ----------------------------------------------------------------
+def merge_config(args: argparse.Namespace, run_root: Path) -> Config:
+    return config_from_dict({
+        "run_root": str(run_root),
+        "model": {"grid": [4, 4], "blocks_per_level": [1, 1], "hidden_size": args.hidden, "num_heads": 4,
+                  "seq_len": args.seq_len},
+        "train": {"inner_steps": args.inner_steps, "launcher": "inprocess"},
+        "mlflow": {"enabled": False},
+    })
+
+
+def fake_path(root: RunRoot, config: Config, round_index: int, path_id: str, shift: float, tokens: int) -> None:
+    """Commit a path's output as the trainer would (as tests/test_merge.py::fake_path does)."""
+    shape = ModelShape.from_config(config.model)
+    modules = load_path_modules(root, round_index, tuple(int(k) for k in path_id[1:].split("-")))
+    trained = [{k: v + shift * torch.randn_like(v) for k, v in m.items()} for m in modules]
+    rel = layout.path_dir(round_index, path_id)
+    root.write_bytes(f"{rel}/model.safetensors", st_save(assemble_path_state(shape, trained)))
+    root.write_json(f"{rel}/metrics.json", {"tokens": tokens})
+    root.commit(rel, info={"tokens": tokens})
+
+
+def fake_round(root: RunRoot, config: Config, round_index: int) -> None:
+    torch.manual_seed(round_index)
+    for index, path_id in enumerate(all_path_ids(config.model.grid)):
+        fake_path(root, config, round_index, path_id, shift=1e-3, tokens=1000 + 10 * index)
+
+
+def merge_io_files(root: RunRoot, config: Config, round_index: int) -> tuple[list[Path], list[Path]]:
+    """(files merge_round reads, files it writes) for one round: the bytes the baseline moves."""
+    local = Path(root.path())
+    reads = [local / layout.path_dir(round_index, p) / "model.safetensors" for p in all_path_ids(config.model.grid)]
+    reads += sorted((local / layout.modules_dir(round_index)).rglob("*.safetensors"))
+    reads += sorted((local / layout.outer_state_dir(round_index)).rglob("*.safetensors"))
+    writes = sorted((local / layout.modules_dir(round_index + 1)).rglob("*.safetensors"))
+    writes += sorted((local / layout.outer_state_dir(round_index + 1)).rglob("*.safetensors"))
+    return reads, writes
+
+
+def plain_io(reads: list[Path], writes: list[Path], scratch: Path, fsync: bool, verify: bool = False) -> float:
+    """Read every input file, write the same bytes to as many new files: the I/O floor.
+
+    `verify` adds one sha256 pass over every byte read and written, the integrity guarantee the
+    run root gives (a checksum per committed file): the floor for any merge that keeps it."""
+    import hashlib
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    blobs = [path.read_bytes() for path in reads]
+    if verify:
+        for blob in blobs:
+            hashlib.sha256(blob).digest()
+    for index, path in enumerate(writes):
+        data = blobs[index % len(blobs)][: path.stat().st_size]
+        with open(scratch / f"out-{index}.bin", "wb") as handle:
+            handle.write(data)
+            if fsync:
+                handle.flush()
+                os.fsync(handle.fileno())
+        if verify:
+            hashlib.sha256(data).digest()
+    seconds = time.perf_counter() - start
+    shutil.rmtree(scratch)
+    return seconds
+
+
+def timed_merge(root: RunRoot, config: Config, round_index: int) -> float:
+    root.remove(f"{layout.round_dir(round_index)}/_SUCCESS")  # make the committed merge run again
+    start = time.perf_counter()
+    merge_round(config, round_index)
+    return time.perf_counter() - start
+
+
+# A benchmark-local prototype of the fix proposed for pipeline/merge.py (not used by the pipeline):
+# accumulate g = before - sum_p alpha_p * after_p in place (one fp32 buffer per tensor, no
+# per-path temporaries), and hand SGD the fresh gradient and momentum tensors without cloning them.
+def _fast_outer_gradient(self, before, afters, weights):
+    total = sum(weights)
+    grad = {}
+    for key, tensor in before.items():
+        g = tensor.detach().to(torch.float32, copy=True)
+        for after, weight in zip(afters, weights):
+            g.add_(after[key].float(), alpha=-weight / total)  # sum_p alpha_p (before - after_p), alphas sum to 1
+        if self.sqrt_paths_rescale:
+            g.mul_(len(afters) ** 0.5)
+        grad[key] = g
+    return grad
+
+
+def _fast_outer_step(self, before, grad, momentum):
+    params = {k: v.detach().float().clone().requires_grad_(True) for k, v in before.items()}
+    sgd = torch.optim.SGD(params.values(), lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
+    for key, param in params.items():
+        param.grad = grad[key]  # fresh tensors owned by the merge: no copies
+        if momentum is not None and self.momentum > 0:
+            sgd.state[param]["momentum_buffer"] = momentum[key].float()
+    sgd.step()
+    buffers = {k: sgd.state[p]["momentum_buffer"].detach() for k, p in params.items()} if self.momentum > 0 else {}
+    return {k: p.detach() for k, p in params.items()}, buffers
+
+
+def timed_fast_merge(root: RunRoot, config: Config, round_index: int) -> float:
+    from unittest import mock
+
+    from pipeline.merge import OuterOptimizer
+
+    with mock.patch.object(OuterOptimizer, "outer_gradient", _fast_outer_gradient), \
+            mock.patch.object(OuterOptimizer, "outer_step", _fast_outer_step):
+        return timed_merge(root, config, round_index)
+
+
+def merged_state(root: RunRoot, round_index: int) -> dict:
+    from pipeline.module_store import decode
+
+    rel = layout.modules_dir(round_index)
+    return {name: decode(root.read_committed(rel, name), name) for name in root.marker(rel)["files"]}
+
+
+def hash_speeds(paths: list[Path]) -> dict:
+    """MB/s of sha256 (what the run root uses) and blake2b on the merge's own input bytes."""
+    import hashlib
+
+    blobs = [p.read_bytes() for p in paths[:4]]
+    size = sum(len(b) for b in blobs)
+    speeds = {}
+    for name in ("sha256", "blake2b", "md5"):
+        start = time.perf_counter()
+        for blob in blobs:
+            hashlib.new(name, blob).digest()
+        speeds[name] = size / 1e6 / (time.perf_counter() - start)
+    return speeds
+
+
+def merge_profile(root: RunRoot, config: Config, round_index: int) -> list[dict]:
+    """Where one merge spends its time: the functions with the most cumulative seconds."""
+    root.remove(f"{layout.round_dir(round_index)}/_SUCCESS")
+    profiler = cProfile.Profile()
+    profiler.runcall(merge_round, config, round_index)
+    stats = pstats.Stats(profiler)
+    wanted = ("sha256", "fsync", "read_committed", "decode", "encode", "outer_gradient", "outer_step",
+              "write_bytes", "commit", "load_modules", "write_states", "split_path_state", "_file_record",
+              "module_grad", "load_outer_state", "read_bytes", "st_save", "save", "load")
+    rows = []
+    for (file, _, name), (_, _, _, cumulative, _) in stats.stats.items():
+        if any(w == name or w in name for w in wanted) and ("pipeline" in file or "hashlib" in name or "{" in file
+                                                            or "safetensors" in file):
+            rows.append({"function": f"{Path(file).name}:{name}", "seconds": round(cumulative, 3)})
+    total = sum(v[3] for k, v in stats.stats.items() if k[2] == "merge_round")
+    rows.sort(key=lambda r: -r["seconds"])
+    return [{"function": "merge_round (total)", "seconds": round(total, 3)}, *rows[:14]]
+
+
+def merge_vs_io(args: argparse.Namespace) -> dict:
+    """Two merged rounds of fabricated paths (round 1 has momentum), then interleaved timings."""
+    run_root = OUT / "merge"
+    shutil.rmtree(run_root, ignore_errors=True)
+    config = merge_config(args, run_root)
+    root = stages.init_run(config)
+    fake_round(root, config, 0)
+    merge_round(config, 0)
+    fake_round(root, config, 1)
+    report = merge_round(config, 1)
+    reads, writes = merge_io_files(root, config, 1)
+    reference = merged_state(root, 2)
+    merge_s, fast_s, plain_s, fsync_s, verified_s = [], [], [], [], []
+    for _ in range(args.merge_reps):
+        merge_s.append(timed_merge(root, config, 1))
+        fast_s.append(timed_fast_merge(root, config, 1))
+        plain_s.append(plain_io(reads, writes, OUT / "plain-io", fsync=False))
+        fsync_s.append(plain_io(reads, writes, OUT / "plain-io", fsync=True))
+        verified_s.append(plain_io(reads, writes, OUT / "plain-io", fsync=True, verify=True))
+    fast = merged_state(root, 2)
+    fast_error = max(float((fast[n][k] - reference[n][k]).abs().max()) for n in reference for k in reference[n])
+    read_bytes, written_bytes = sum(p.stat().st_size for p in reads), sum(p.stat().st_size for p in writes)
+    return {
+        "paths": len(all_path_ids(config.model.grid)), "grid": config.model.grid,
+        "bytes_read": read_bytes, "bytes_written": written_bytes,
+        "merge_seconds": merge_s, "plain_io_seconds": plain_s, "plain_io_fsync_seconds": fsync_s,
+        "ratio": statistics.median(m / p for m, p in zip(merge_s, plain_s)),
+        "ratio_vs_fsync_io": statistics.median(m / p for m, p in zip(merge_s, fsync_s)),
+        "plain_io_fsync_sha256_seconds": verified_s,
+        "ratio_vs_verified_io": statistics.median(m / p for m, p in zip(merge_s, verified_s)),
+        "prototype_ratio_vs_verified_io": statistics.median(m / p for m, p in zip(fast_s, verified_s)),
+        "prototype_merge_seconds": fast_s,
+        "prototype_ratio": statistics.median(m / p for m, p in zip(fast_s, plain_s)),
+        "prototype_max_abs_diff": fast_error,
+        "hash_mb_per_s": hash_speeds(reads),
+        "profile": merge_profile(root, config, 1),  # last: leaves the pipeline's own merge committed
+        "report": {k: report[k] for k in ("bytes_outer", "bytes_data_parallel")},
+        "config": config,
+    }
+
+
+# -- communication -------------------------------------------------------------------------------
+def bytes_ratio(merge: dict, config: Config) -> dict:
+    """Outer bytes per round over data-parallel bytes for the same steps.
+
+    The merge report computes `bytes_data_parallel` as `bytes_outer * inner_steps`, so its ratio
+    is 1/H by construction; the independent figure counts a ring all-reduce of every path's
+    gradient (2 x its parameter bytes per island) at every one of the H inner steps.
+    """
+    root = RunRoot(config.run_root)
+    dp = 0
+    for path_id in all_path_ids(config.model.grid):
+        modules = load_path_modules(root, 0, tuple(int(k) for k in path_id[1:].split("-")))
+        path_bytes = sum(t.numel() * t.element_size() for m in modules for t in m.values())
+        dp += 2 * path_bytes * config.train.inner_steps
+    report = merge["report"]
+    return {
+        "inner_steps": config.train.inner_steps,
+        "bytes_outer": report["bytes_outer"], "bytes_data_parallel_report": report["bytes_data_parallel"],
+        "bytes_data_parallel_ring": dp,
+        "ratio_report": report["bytes_outer"] / report["bytes_data_parallel"],
+        "ratio_ring": report["bytes_outer"] / dp,
+        "target": 1 / config.train.inner_steps,
+    }
+
+
+def run_perf(args: argparse.Namespace) -> dict:
+    OUT.mkdir(parents=True, exist_ok=True)
+    result: dict = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    stages_ = [("merge", lambda: merge_vs_io(args)), ("trainer", lambda: trainer_throughput(args)),
+               ("prepare", lambda: prepare_throughput(args.prepare_docs))]
+    for name, run in stages_:
+        start = time.perf_counter()
+        log.info("perf: %s ...", name)
+        result[name] = run()
+        log.info("perf: %s done in %.0fs", name, time.perf_counter() - start)
+    result["bytes"] = bytes_ratio(result["merge"], result["merge"].pop("config"))
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6, help="trainer steps per timed block")
+    parser.add_argument("--reps", type=int, default=3, help="timed blocks per mode")
+    parser.add_argument("--procs", type=int, default=1, help="ranks of the trainer launch (the island)")
+    parser.add_argument("--inner-steps", type=int, default=None, help="H (default: the quality benchmark's)")
+    parser.add_argument("--merge-reps", type=int, default=3)
+    parser.add_argument("--prepare-docs", type=int, default=1000)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.perf", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    from benchmarks.quality import QualityArgs
+
+    args.inner_steps = args.inner_steps or QualityArgs().inner_steps
+    result = run_perf(args)
+    (OUT / "perf.json").write_text(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""One launched rank of the trainer-throughput benchmark: a plain PyTorch loop and the path trainer
+under ZeRO-1/2/3, on the same model, the same batches and the same steps, in one process.
+
+Launched by `benchmarks.perf` through the `deepspeed` launcher (`--num_gpus N --no_local_rank
+--module benchmarks.perf_worker --out FILE ...`), so it runs exactly as a path job does: same
+environment, same `OMP_NUM_THREADS`, same process group. Why one process for all modes: on a
+shared 2-core machine the load of other users drifts by minutes; interleaving short blocks of
+steps (plain, ZeRO-1, ZeRO-2, ZeRO-3, plain, ...) and comparing each block with its neighbours
+cancels that drift, where separate launches minutes apart would not.
+
+Modes, each with its own model copy (same init) and optimizer:
+- `plain`: the loop a PyTorch user writes (AdamW, warmup+cosine lr, clip 1.0; DDP when N > 1);
+- `zero1|2|3`: `pipeline.train_path.run_inner_loop` (the trainer's own loop) on a ZeRO engine;
+- `zero2_bare`: the ZeRO-2 engine stepped without the trainer's per-step logging collective, to
+  separate the cost of DeepSpeed from the cost of the loop around it.
+Each block is timed after a warm-up block; the first steps (allocator, autograd graph, DeepSpeed
+buffers) never count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gzip
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from models.modular import ModelShape, build_path_model, eos_token_id, initial_level_states
+from pipeline.config import Config, config_from_dict
+from pipeline.data import RowStream, micro_batch_start, pack_documents
+from pipeline.distributed import init_distributed
+from pipeline.train_path import adamw_for, lr_at, run_inner_loop
+from pipeline.zero import load_ds_config, wrap_with_zero
+
+log = logging.getLogger("dipaco.bench.perf_worker")
+MODES = ("plain", "zero1", "zero2", "zero3", "zero2_bare")
+
+
+def bench_config(args: argparse.Namespace) -> Config:
+    """The path trainer's config for this benchmark (the model the quality runs train)."""
+    return config_from_dict({
+        "run_root": "/tmp/dipaco-perf-unused",
+        "model": {"grid": [1], "blocks_per_level": [args.blocks], "hidden_size": args.hidden,
+                  "num_heads": args.heads, "seq_len": args.seq_len},
+        "train": {"rounds": 10_000, "inner_steps": args.steps, "micro_batch_size": args.micro_batch,
+                  "lr": 2.0e-3, "warmup_steps": 10},
+        "mlflow": {"enabled": False},
+    })
+
+
+def load_rows(data_glob: str, n_docs: int, seq_len: int) -> np.ndarray:
+    """Real sample text, tokenized and packed exactly as the trainer packs a shard."""
+    from preprocessing.tokenizer import encode
+
+    texts: list[str] = []
+    for file in sorted(Path().glob(data_glob)):
+        with gzip.open(file, "rt", encoding="utf-8") as handle:
+            texts.extend(json.loads(line)["text"] for line, _ in zip(handle, range(n_docs - len(texts))))
+        if len(texts) >= n_docs:
+            break
+    docs = [np.asarray(t, dtype=np.int32) for t in encode(texts)]
+    return pack_documents(docs, seq_len, seed=0, eos=eos_token_id(50257))
+
+
+class PlainLoop:
+    """The reference: what a user writes in PyTorch, with the trainer's schedule and clipping."""
+
+    def __init__(self, model: torch.nn.Module, config: Config, world: int):
+        self.model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        self.optimizer = adamw_for(model, config.train)
+        self.config = config
+
+    def run(self, stream: RowStream, round_index: int, rank: int, world: int) -> float:
+        """`inner_steps` steps at the same global steps the trainer would take; returns seconds."""
+        train = self.config.train
+        start = time.perf_counter()
+        for step in range(train.inner_steps):
+            global_step = round_index * train.inner_steps + step
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_at(global_step, train.rounds * train.inner_steps, train)
+            first = micro_batch_start(global_step, 0, rank, train.micro_batch_size, 1, world)
+            inputs, labels = stream.micro_batch(first, train.micro_batch_size)  # (B, T)
+            loss = F.cross_entropy(self.model(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
+            self.optimizer.step()
+        return time.perf_counter() - start
+
+
+class TrainerLoop:
+    """The path trainer's own inner loop on a ZeRO engine (what `dipaco train-path` runs)."""
+
+    def __init__(self, model: torch.nn.Module, config: Config, stage: int, world: int, bare: bool = False):
+        config = copy.deepcopy(config)
+        config.train.ds_config = f"ds_configs/zero{stage}.json"
+        shape = ModelShape.from_config(config.model)
+        self.engine = wrap_with_zero(model, adamw_for(model, config.train), load_ds_config(config.train, shape.hidden_size, world))
+        self.config, self.bare = config, bare
+
+    def run(self, stream: RowStream, round_index: int, rank: int, world: int) -> float:
+        if not self.bare:
+            return run_inner_loop(self.engine, stream, self.config, round_index, rank, world)["seconds"]
+        train = self.config.train
+        start = time.perf_counter()
+        for step in range(train.inner_steps):  # the trainer's loop minus the per-step all_reduce/log
+            global_step = round_index * train.inner_steps + step
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] = lr_at(global_step, train.rounds * train.inner_steps, train)
+            inputs, labels = stream.micro_batch(micro_batch_start(global_step, 0, rank, train.micro_batch_size, 1, world),
+                                                train.micro_batch_size)
+            loss = F.cross_entropy(self.engine(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
+            self.engine.backward(loss)
+            self.engine.step()
+        return time.perf_counter() - start
+
+
+def matmul_flops(size: int = 1024, repeats: int = 20) -> float:
+    """fp32 FLOP/s of a square matmul on this process's threads: the MFU denominator."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 * repeats / best
+
+
+def model_flops_per_token(model: torch.nn.Module, shape: ModelShape) -> float:
+    """6*N (+ attention 12*L*d*T) per trained token, N without the input embedding (a lookup)."""
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    layers = sum(shape.blocks_per_level)
+    return 6 * n + 12 * layers * shape.hidden_size * shape.max_positions
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.perf_worker")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--data", default="data/sample/train/*.json.gz")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8, help="steps per timed block")
+    parser.add_argument("--reps", type=int, default=3, help="timed blocks per mode, interleaved")
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    rank, world = init_distributed()
+    torch.manual_seed(0)
+    config = bench_config(args)
+    shape = ModelShape.from_config(config.model)
+    stream = RowStream(load_rows(args.data, 400, args.seq_len), seed=0)
+    init = initial_level_states(shape, seed=0)
+    loops = {}
+    for mode in args.modes.split(","):
+        model = build_path_model(shape, [{k: v.clone() for k, v in m.items()} for m in init])
+        loops[mode] = PlainLoop(model, config, world) if mode == "plain" else \
+            TrainerLoop(model, config, int(mode[4]), world, bare=mode.endswith("bare"))
+    peak = [matmul_flops()]
+    seconds: dict[str, list[float]] = {mode: [] for mode in loops}
+    for rep in range(args.reps + 1):  # rep 0 is the warm-up block
+        for mode, loop in loops.items():
+            elapsed = loop.run(stream, rep, rank, world)
+            if rep:
+                seconds[mode].append(elapsed)
+    peak.append(matmul_flops())
+    tokens = args.steps * args.micro_batch * args.seq_len * world
+    flops_token = model_flops_per_token(build_path_model(shape), shape)
+    result = {
+        "world_size": world, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+        "tokens_per_block": tokens, "steps_per_block": args.steps, "reps": args.reps,
+        "seconds": seconds,
+        "tokens_per_s": {m: tokens / statistics.median(s) for m, s in seconds.items()},
+        # Each block against the plain block of the same rep (adjacent in time): drift cancels.
+        "ratio_to_plain": {m: statistics.median(p / s for p, s in zip(seconds["plain"], seconds[m])) for m in seconds},
+        "matmul_flops": max(peak), "model_flops_per_token": flops_token,
+        "args": vars(args),
+    }
+    result["mfu"] = {m: result["tokens_per_s"][m] * flops_token / result["matmul_flops"] for m in seconds}
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
