@@ -38,12 +38,15 @@ class OuterOptimizer:
         self.sqrt_paths_rescale = sqrt_paths_rescale
 
     def outer_gradient(self, before: ModuleState, afters: list[ModuleState], weights: list[float]) -> ModuleState:
-        """g = sum_p alpha_p * (before - after_p), alpha normalised to sum to 1."""
+        """g = sum_p alpha_p * (before - after_p) with the alphas summing to 1, computed as
+        before - sum_p alpha_p * after_p: one pass over each path's tensors, in place."""
         total = sum(weights)
-        grad = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in before.items()}
-        for after, weight in zip(afters, weights):
-            for key, tensor in before.items():
-                grad[key] += (weight / total) * (tensor.float() - after[key].float())  # pseudo-gradient
+        grad = {}
+        for key, tensor in before.items():
+            mean_after = torch.zeros_like(tensor, dtype=torch.float32)
+            for after, weight in zip(afters, weights):
+                mean_after.add_(after[key].float(), alpha=weight / total)
+            grad[key] = tensor.float() - mean_after  # the pseudo-gradient
         if self.sqrt_paths_rescale:
             # Averaging n roughly independent deltas shrinks the norm by ~sqrt(n) (DiPaCo §2.7).
             grad = {k: g * math.sqrt(len(afters)) for k, g in grad.items()}

@@ -69,6 +69,8 @@ class RunRoot:
         self.url = str(url)
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        # Checksums of the files this process wrote, so commit() need not read them back.
+        self._written: dict[str, dict[str, Any]] = {}
 
     def __repr__(self) -> str:
         return f"RunRoot({self.url!r})"
@@ -129,10 +131,11 @@ class RunRoot:
                     handle.flush()
                     os.fsync(handle.fileno())
                 os.replace(tmp, final)
-                return
-            with self.fs.open(tmp, "wb") as handle:
-                handle.write(data)
-            self.fs.mv(tmp, final)
+            else:
+                with self.fs.open(tmp, "wb") as handle:
+                    handle.write(data)
+                self.fs.mv(tmp, final)
+            self._written[final] = {"sha256": sha256_bytes(data), "bytes": len(data)}
         except OSError as exc:
             self._discard(tmp)
             raise StorageError(f"{final}: cannot write ({exc.strerror or exc}); the previous state is intact") from None
@@ -246,6 +249,8 @@ class RunRoot:
 
     def _file_record(self, rel: str) -> dict[str, Any]:
         full = self.path(rel)
+        if full in self._written:
+            return self._written.pop(full)
         if self.is_local:
             return {"sha256": sha256_file(full), "bytes": os.path.getsize(full)}
         data = self.read_bytes(rel)

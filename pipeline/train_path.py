@@ -99,14 +99,15 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
 
     train = config.train
     total_steps = train.rounds * train.inner_steps
-    losses, lrs = [], []
+    log_every = max(1, train.inner_steps // 5)
+    losses = torch.zeros(train.inner_steps)  # this rank's loss per step; reduced once at the end
+    lrs = []
     start = time.perf_counter()
     for step in range(train.inner_steps):
         global_step = round_index * train.inner_steps + step
         lr = lr_at(global_step, total_steps, train)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        step_loss = torch.zeros(())
         for micro in range(train.gradient_accumulation_steps):
             first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, train.gradient_accumulation_steps, world)
             inputs, labels = stream.micro_batch(first, train.micro_batch_size)  # (B, T) each
@@ -114,15 +115,14 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
-            step_loss += loss.detach() / train.gradient_accumulation_steps
-        dist.all_reduce(step_loss)  # sync point: the island's mean loss, for logging only
-        losses.append(step_loss.item() / world)
+            losses[step] += loss.detach() / train.gradient_accumulation_steps
         lrs.append(lr)
-        if rank == 0 and (step % max(1, train.inner_steps // 5) == 0 or step == train.inner_steps - 1):
-            log.info("round %d step %d/%d loss %.4f lr %.2e", round_index, step + 1, train.inner_steps, losses[-1], lr)
+        if rank == 0 and (step % log_every == 0 or step == train.inner_steps - 1):
+            log.info("round %d step %d/%d loss %.4f (rank 0) lr %.2e", round_index, step + 1, train.inner_steps, losses[step], lr)
     seconds = time.perf_counter() - start
+    dist.all_reduce(losses)  # the one sync point of the loop: the island's mean loss per step
     tokens = train.inner_steps * train.micro_batch_size * train.gradient_accumulation_steps * world * config.model.seq_len
-    return {"loss": losses, "lr": lrs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"loss": (losses / world).tolist(), "lr": lrs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
 def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str, merged: dict[str, torch.Tensor]) -> int | None:
