@@ -53,13 +53,14 @@ class OuterOptimizer:
         return grad
 
     def outer_step(self, before: ModuleState, grad: ModuleState, momentum: ModuleState | None) -> tuple[ModuleState, ModuleState]:
-        """SGD(lr, momentum, nesterov) from torch: returns (new parameters, new momentum buffers)."""
+        """SGD(lr, momentum, nesterov) from torch: returns (new parameters, new momentum buffers).
+        The gradient and buffers become the optimizer's own (the merge owns them, read fresh)."""
         params = {k: v.detach().float().clone().requires_grad_(True) for k, v in before.items()}
         sgd = torch.optim.SGD(params.values(), lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
         for key, param in params.items():
-            param.grad = grad[key].clone()
+            param.grad = grad[key]
             if momentum is not None and self.momentum > 0:
-                sgd.state[param]["momentum_buffer"] = momentum[key].float().clone()
+                sgd.state[param]["momentum_buffer"] = momentum[key].float()
         sgd.step()
         new_buffers = {k: sgd.state[p]["momentum_buffer"].detach() for k, p in params.items()} if self.momentum > 0 else {}
         return {k: p.detach() for k, p in params.items()}, new_buffers
