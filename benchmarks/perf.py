@@ -152,51 +152,6 @@ def timed_merge(root: RunRoot, config: Config, round_index: int) -> float:
     return time.perf_counter() - start
 
 
-# A benchmark-local prototype of the fix proposed for pipeline/merge.py (not used by the pipeline):
-# accumulate g = before - sum_p alpha_p * after_p in place (one fp32 buffer per tensor, no
-# per-path temporaries), and hand SGD the fresh gradient and momentum tensors without cloning them.
-def _fast_outer_gradient(self, before, afters, weights):
-    total = sum(weights)
-    grad = {}
-    for key, tensor in before.items():
-        g = tensor.detach().to(torch.float32, copy=True)
-        for after, weight in zip(afters, weights):
-            g.add_(after[key].float(), alpha=-weight / total)  # sum_p alpha_p (before - after_p), alphas sum to 1
-        if self.sqrt_paths_rescale:
-            g.mul_(len(afters) ** 0.5)
-        grad[key] = g
-    return grad
-
-
-def _fast_outer_step(self, before, grad, momentum):
-    params = {k: v.detach().float().clone().requires_grad_(True) for k, v in before.items()}
-    sgd = torch.optim.SGD(params.values(), lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
-    for key, param in params.items():
-        param.grad = grad[key]  # fresh tensors owned by the merge: no copies
-        if momentum is not None and self.momentum > 0:
-            sgd.state[param]["momentum_buffer"] = momentum[key].float()
-    sgd.step()
-    buffers = {k: sgd.state[p]["momentum_buffer"].detach() for k, p in params.items()} if self.momentum > 0 else {}
-    return {k: p.detach() for k, p in params.items()}, buffers
-
-
-def timed_fast_merge(root: RunRoot, config: Config, round_index: int) -> float:
-    from unittest import mock
-
-    from pipeline.merge import OuterOptimizer
-
-    with mock.patch.object(OuterOptimizer, "outer_gradient", _fast_outer_gradient), \
-            mock.patch.object(OuterOptimizer, "outer_step", _fast_outer_step):
-        return timed_merge(root, config, round_index)
-
-
-def merged_state(root: RunRoot, round_index: int) -> dict:
-    from pipeline.module_store import decode
-
-    rel = layout.modules_dir(round_index)
-    return {name: decode(root.read_committed(rel, name), name) for name in root.marker(rel)["files"]}
-
-
 def hash_speeds(paths: list[Path]) -> dict:
     """MB/s of sha256 (what the run root uses) and blake2b on the merge's own input bytes."""
     import hashlib
@@ -242,16 +197,12 @@ def merge_vs_io(args: argparse.Namespace) -> dict:
     fake_round(root, config, 1)
     report = merge_round(config, 1)
     reads, writes = merge_io_files(root, config, 1)
-    reference = merged_state(root, 2)
-    merge_s, fast_s, plain_s, fsync_s, verified_s = [], [], [], [], []
+    merge_s, plain_s, fsync_s, verified_s = [], [], [], []
     for _ in range(args.merge_reps):
         merge_s.append(timed_merge(root, config, 1))
-        fast_s.append(timed_fast_merge(root, config, 1))
         plain_s.append(plain_io(reads, writes, OUT / "plain-io", fsync=False))
         fsync_s.append(plain_io(reads, writes, OUT / "plain-io", fsync=True))
         verified_s.append(plain_io(reads, writes, OUT / "plain-io", fsync=True, verify=True))
-    fast = merged_state(root, 2)
-    fast_error = max(float((fast[n][k] - reference[n][k]).abs().max()) for n in reference for k in reference[n])
     read_bytes, written_bytes = sum(p.stat().st_size for p in reads), sum(p.stat().st_size for p in writes)
     return {
         "paths": len(all_path_ids(config.model.grid)), "grid": config.model.grid,
@@ -261,10 +212,6 @@ def merge_vs_io(args: argparse.Namespace) -> dict:
         "ratio_vs_fsync_io": statistics.median(m / p for m, p in zip(merge_s, fsync_s)),
         "plain_io_fsync_sha256_seconds": verified_s,
         "ratio_vs_verified_io": statistics.median(m / p for m, p in zip(merge_s, verified_s)),
-        "prototype_ratio_vs_verified_io": statistics.median(m / p for m, p in zip(fast_s, verified_s)),
-        "prototype_merge_seconds": fast_s,
-        "prototype_ratio": statistics.median(m / p for m, p in zip(fast_s, plain_s)),
-        "prototype_max_abs_diff": fast_error,
         "hash_mb_per_s": hash_speeds(reads),
         "profile": merge_profile(root, config, 1),  # last: leaves the pipeline's own merge committed
         "report": {k: report[k] for k in ("bytes_outer", "bytes_data_parallel")},

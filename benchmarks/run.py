@@ -69,10 +69,6 @@ def perf_table(p: dict) -> list[str]:
         rows.append(f"| merge vs read+write+fsync+sha256 of every byte (same integrity guarantee) | {med:.2f} "
                     f"| {sorted(m['plain_io_fsync_sha256_seconds'])[len(m['merge_seconds']) // 2]:.2f} "
                     f"| {m['ratio_vs_verified_io']:.2f} | (diagnostic) | |")
-    if "prototype_ratio" in m:
-        rows.append(f"| merge with the proposed in-place outer math (prototype, max abs diff {m['prototype_max_abs_diff']:.1e}) "
-                    f"| {sorted(m['prototype_merge_seconds'])[len(m['merge_seconds']) // 2]:.2f} | plain read+write {io:.2f} "
-                    f"| {m['prototype_ratio']:.2f} | <= 1.5 | {ok(m['prototype_ratio'], 1.5, False)} |")
     b = p["bytes"]
     rows.append(f"| bytes per round, outer vs data-parallel (H={b['inner_steps']}) | {b['bytes_outer'] / 1e6:.0f} MB "
                 f"| ring all-reduce every step {b['bytes_data_parallel_ring'] / 1e6:.0f} MB | {b['ratio_ring']:.4f} "
@@ -118,7 +114,7 @@ def shape_lines(q: dict) -> list[str]:
 
 
 def render(result: dict, command: str) -> str:
-    lines = [f"# dipaco benchmarks", "",
+    lines = ["# dipaco benchmarks", "",
              f"- date: {result['date']}", f"- machine: {result['machine']}",
              f"- command: `{command}`", f"- total wall-clock: {result['seconds']:.0f} s", ""]
     if "perf" in result:

@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import os
 import time
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 from models.grid import all_path_ids
 from pipeline import layout
 from pipeline.config import Config, load_config
-from pipeline.errors import ConfigError, InputError
+from pipeline.errors import ConfigError
 from pipeline.storage import RunRoot
 from preprocessing import c4
 from preprocessing.router import Router

@@ -10,7 +10,7 @@ import yaml
 from conftest import REPO, tiny_config
 from pipeline import layout, stages
 from pipeline.cli import main
-from pipeline.config import config_from_dict, load_config
+from pipeline.config import config_from_dict
 from pipeline.errors import ConfigError
 
 TINY = str(REPO / "configs" / "tiny.yaml")
