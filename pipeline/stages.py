@@ -104,9 +104,10 @@ def train_round(config: Config, round_index: int) -> dict:
     """Train every path (parallel launches), merge, evaluate, register: one outer round."""
     from pipeline.tracking import get_tracker
 
-    pending = [p for p in list_paths(config) if not RunRoot(config.run_root).is_committed(layout.path_dir(round_index, p))]
-    log.info("round %d: training %d of %d paths", round_index, len(pending), config.n_paths)
-    for path_id, metrics in train_paths(config, round_index, list_paths(config)).items():
+    jobs = list_paths(config)
+    pending = [job for job in jobs if not RunRoot(config.run_root).is_committed(layout.path_dir(round_index, job))]
+    log.info("round %d: training %d of %d path jobs", round_index, len(pending), len(jobs))
+    for path_id, metrics in train_paths(config, round_index, jobs).items():
         if metrics is not None:
             get_tracker(config).log_path(round_index, path_id, metrics)
     report = merge(config, round_index)
