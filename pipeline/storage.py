@@ -16,11 +16,12 @@ import hashlib
 import json
 import os
 import posixpath
+import shutil
 import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -118,8 +119,14 @@ class RunRoot:
 
     # -- writing -------------------------------------------------------------------------------
     def write_bytes(self, rel: str, data: bytes) -> None:
-        """Write through a temporary name and rename into place; a failed write leaves the old
-        file (or none) and raises StorageError naming the file, never a half-written one."""
+        """Write through a temporary name and rename into place (see _replace)."""
+        final = self._replace(rel, lambda handle: handle.write(data))
+        self._written[final] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+
+    def _replace(self, rel: str, fill: Callable[[IO[bytes]], Any]) -> str:
+        """Fill a temporary file, make it durable and rename it over `rel`; returns the full path.
+        A failed write leaves the old file (or none) and raises StorageError naming the file,
+        never a half-written one."""
         _fault_point()
         final = self.path(rel)
         tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -127,18 +134,18 @@ class RunRoot:
             self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
             if self.is_local:
                 with open(tmp, "wb") as handle:
-                    handle.write(data)
+                    fill(handle)
                     handle.flush()
                     os.fsync(handle.fileno())
                 os.replace(tmp, final)
             else:
                 with self.fs.open(tmp, "wb") as handle:
-                    handle.write(data)
+                    fill(handle)
                 self.fs.mv(tmp, final)
-            self._written[final] = {"sha256": sha256_bytes(data), "bytes": len(data)}
         except OSError as exc:
             self._discard(tmp)
             raise StorageError(f"{final}: cannot write ({exc.strerror or exc}); the previous state is intact") from None
+        return final
 
     def _discard(self, tmp: str) -> None:
         try:
@@ -154,24 +161,9 @@ class RunRoot:
         self.write_bytes(rel, text.encode())
 
     def put_file(self, local: str | Path, rel: str) -> None:
-        """Upload (or copy) a local file into the root, atomically."""
-        if self.is_local:
-            _fault_point()
-            final = self.path(rel)
-            tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            try:
-                os.makedirs(posixpath.dirname(final), exist_ok=True)
-                with open(local, "rb") as src, open(tmp, "wb") as dst:
-                    for block in iter(lambda: src.read(1 << 22), b""):
-                        dst.write(block)
-                    dst.flush()
-                    os.fsync(dst.fileno())
-                os.replace(tmp, final)
-            except OSError as exc:
-                self._discard(tmp)
-                raise StorageError(f"{final}: cannot write ({exc.strerror or exc}); the previous state is intact") from None
-            return
-        self.write_bytes(rel, Path(local).read_bytes())
+        """Upload (or copy) a local file into the root, atomically, streaming it in blocks."""
+        with open(local, "rb") as src:
+            self._replace(rel, lambda handle: shutil.copyfileobj(src, handle, 1 << 22))
 
     def put_dir(self, local_dir: str | Path, rel: str) -> None:
         for file in sorted(Path(local_dir).rglob("*")):
