@@ -197,6 +197,15 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
     return config
 
 
+def config_from_yaml(text: str | bytes, source: str) -> Config:
+    """A config from YAML text, validated (run.yaml read back by the trainer, stages, router)."""
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML ({exc})") from None
+    return config_from_dict(raw, source)
+
+
 def dump_yaml(config: Config) -> str:
     return yaml.safe_dump(config.to_dict(), sort_keys=False)
 

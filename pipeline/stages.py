@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import logging
 
-import yaml
-
 from models.grid import all_job_ids
 from pipeline import layout
-from pipeline.config import Config, config_from_dict, dump_yaml
+from pipeline.config import Config, config_from_yaml, dump_yaml
 from pipeline.errors import ConfigError
 from pipeline.evaluate import evaluate_round
 from pipeline.launch import train_path_job, train_paths
@@ -31,7 +29,7 @@ def init_run(config: Config) -> RunRoot:
     """Write run.yaml and the round-0 modules, unless the run root already holds them."""
     root = RunRoot(config.run_root)
     if root.exists(layout.RUN_CONFIG):
-        previous = config_from_dict(yaml.safe_load(root.read_bytes(layout.RUN_CONFIG)), root.path(layout.RUN_CONFIG))
+        previous = config_from_yaml(root.read_bytes(layout.RUN_CONFIG), root.path(layout.RUN_CONFIG))
         for section in _FIXED:
             if getattr(previous, section) != getattr(config, section):
                 raise ConfigError(f"{config.source}: {section} differs from the run in {root.path()} "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from models.grid import parse_job_id
 from models.modular import ModelShape, build_path_model, eos_token_id
 from pipeline import layout
-from pipeline.config import Config, config_from_dict
+from pipeline.config import Config, config_from_yaml
 from pipeline.data import RowStream, micro_batch_start, pack_documents
 from pipeline.distributed import init_distributed
 from pipeline.errors import ConfigError, DipacoError, InputError
@@ -204,9 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(message)s")
     try:
         root = RunRoot(args.run_root)
-        import yaml
-
-        config = config_from_dict(yaml.safe_load(root.read_bytes(layout.RUN_CONFIG)), root.path(layout.RUN_CONFIG))
+        config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG), root.path(layout.RUN_CONFIG))
         metrics = train_path(config, args.round, args.path)
         log.info("path %s round %d: %d tokens, %.0f tokens/s", args.path, args.round, metrics["tokens"], metrics["tokens_per_s"])
         return 0

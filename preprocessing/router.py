@@ -181,10 +181,8 @@ def load_embedder(header: dict[str, Any], root: RunRoot | None, config=None, bat
         return embedders.TfidfEmbedder.load(root, layout.ROUTER_DIR)
     if name == "model":
         if config is None:
-            from pipeline.config import config_from_dict
-            import yaml
+            from pipeline.config import config_from_yaml
 
-            raw = yaml.safe_load(root.read_bytes(layout.RUN_CONFIG))
-            config = config_from_dict(raw, root.path(layout.RUN_CONFIG))
+            config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG), root.path(layout.RUN_CONFIG))
         return embedders.PathModelEmbedder.from_run(root, config, header["model_round"], header["model_path"])
     raise CorruptStateError(f"{root.path(layout.ROUTER_DIR, HEADER)}: unknown embedder {name!r}")
