@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from pipeline import layout
-from pipeline.config import Config, flatten
+from pipeline.config import Config, flatten, resolve_ds_config
 from pipeline.errors import ConfigError
 from pipeline.storage import RunRoot
 
@@ -159,7 +159,7 @@ class MlflowTracker(Tracker):
         config = redact_data(self.config.to_dict())
         self._log_params(parent, {k: _param(v) for k, v in flatten(config).items()})
         self.client.log_text(parent, self._run_yaml(), "run.yaml")
-        ds_path = _ds_config_path(self.config.train.ds_config)
+        ds_path = resolve_ds_config(self.config.train.ds_config)
         if ds_path.is_file():
             self.client.log_artifact(parent, str(ds_path), "ds_configs")
         log.info("MLflow: run %s in experiment %s at %s", parent, self.config.mlflow.experiment, redact(self.uri))
@@ -473,9 +473,3 @@ def _param(value: Any) -> str:
 def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
 
-
-def _ds_config_path(name: str) -> Path:
-    """The DeepSpeed config template as the trainer resolves it."""
-    from pipeline.config import resolve_ds_config
-
-    return resolve_ds_config(name)
