@@ -21,6 +21,7 @@ import mlflow
 import yaml
 
 from pipeline import layout
+from pipeline.config import resolve_ds_config
 from pipeline.storage import SUCCESS, RunRoot
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,6 @@ def _texts(model_input) -> list[str]:
 
 def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml: str) -> Path:
     """A miniature run root: run.yaml, router/, rounds/round=r/modules/, each with its _SUCCESS."""
-    from pipeline.tracking import _ds_config_path
-
     target.mkdir(parents=True, exist_ok=True)
     (target / layout.RUN_CONFIG).write_text(run_yaml)
     for rel in (layout.ROUTER_DIR, layout.modules_dir(round_index)):
@@ -114,7 +113,7 @@ def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml
         root.get_dir(rel, target / rel)
         (target / rel / SUCCESS).write_bytes(root.read_bytes(posixpath.join(rel, SUCCESS)))
         RunRoot(str(target)).verify(rel)  # what is shipped is what was committed
-    shutil.copyfile(_ds_config_path(config.train.ds_config), target / BUNDLE_DS_CONFIG)
+    shutil.copyfile(resolve_ds_config(config.train.ds_config), target / BUNDLE_DS_CONFIG)
     info = {"round": round_index, "grid": list(config.model.grid), "source_run_root": _redact(root.url)}
     (target / BUNDLE_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return target
