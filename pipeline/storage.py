@@ -4,8 +4,14 @@ Two rules make every stage crash-safe and rerunnable (DESIGN.md, storage layout)
 - a file is written under a temporary name and renamed into place, so a reader sees the old
   file or the new one, never half of one;
 - a directory counts only once its `_SUCCESS` marker exists. The marker is written last and
-  records the SHA-256 of each file, and a committed file is checked against it when read, so a
-  corrupted or truncated file is refused with its name rather than loaded.
+  records each file's length and CRC-32, and a committed file is checked against it when read,
+  so a corrupted or truncated file is refused with its name rather than loaded.
+
+Why CRC-32 and not a cryptographic hash: the checksum guards against accidents (a torn write, a
+flipped bit, a truncated copy), not against someone who can rewrite files, since they could
+rewrite the marker too; CRC-32 plus the length is what GCS, HDFS and Parquet use for exactly
+this, and it runs at ~3 GB/s where SHA-256 runs at ~1.2 GB/s on our CPUs, which decides whether a
+merge is bound by I/O or by hashing. Markers written with "sha256" records are still verified.
 
 The root is a local path or any fsspec URL (`file://`, `s3://`, `gs://`, `memory://`).
 """
@@ -20,8 +26,11 @@ import shutil
 import signal
 import time
 import uuid
+import zlib
 from pathlib import Path
-from typing import IO, Any, Callable
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any, Callable, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -29,6 +38,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pipeline.errors import CorruptStateError, InputError, StorageError
 
 SUCCESS = "_SUCCESS"
+T, R = TypeVar("T"), TypeVar("R")
 _TMP_TAG = ".tmp-"
 # Fault injection for the crash tests: the process kills itself (SIGKILL, like `kill -9`) right
 # before its N-th file write, so a test can crash a stage at an exact point. Unset: no effect.
@@ -51,16 +61,42 @@ def safe_relative(name: str, where: str) -> str:
     return name
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+# Threads for reading and writing many files at once: file I/O, fsync and hashing release the
+# GIL, so a merge reading 16 paths overlaps them across the cores instead of one at a time.
+IO_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
-def sha256_file(path: str | Path) -> str:
-    digest = hashlib.sha256()
+def map_io(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """[fn(item) for item in items] on IO_THREADS threads, in order; the first error is raised."""
+    items = list(items)
+    if IO_THREADS == 1 or len(items) < 2:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(min(IO_THREADS, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+def checksum_bytes(data: bytes) -> dict[str, Any]:
+    """The record `_SUCCESS` keeps of a file: its length and CRC-32 (zlib, IEEE polynomial)."""
+    return {"crc32": f"{zlib.crc32(data):08x}", "bytes": len(data)}
+
+
+def checksum_file(path: str | Path) -> dict[str, Any]:
+    crc, size = 0, 0
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return {"crc32": f"{crc:08x}", "bytes": size}
+
+
+def matches_record(data: bytes, record: dict[str, Any]) -> bool:
+    """Whether bytes are the file a `_SUCCESS` record describes (CRC-32, or SHA-256 in old markers)."""
+    if len(data) != record.get("bytes"):
+        return False
+    if "crc32" in record:
+        return f"{zlib.crc32(data):08x}" == record["crc32"]
+    if "sha256" in record:
+        return hashlib.sha256(data).hexdigest() == record["sha256"]
+    return False
 
 
 class RunRoot:
@@ -121,7 +157,7 @@ class RunRoot:
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write through a temporary name and rename into place (see _replace)."""
         final = self._replace(rel, lambda handle: handle.write(data))
-        self._written[final] = {"sha256": sha256_bytes(data), "bytes": len(data)}
+        self._written[final] = checksum_bytes(data)
 
     def _replace(self, rel: str, fill: Callable[[IO[bytes]], Any]) -> str:
         """Fill a temporary file, make it durable and rename it over `rel`; returns the full path.
@@ -224,13 +260,13 @@ class RunRoot:
         """Read a file of a committed directory, refusing it unless it matches its checksum."""
         expected = self.marker(rel_dir)["files"].get(name)
         full = self.path(rel_dir, name)
-        if expected is None:
+        if not isinstance(expected, dict):
             raise CorruptStateError(f"{full}: not listed in its directory's {SUCCESS}")
         data = self.read_bytes(posixpath.join(rel_dir, name))
-        if len(data) != expected["bytes"] or sha256_bytes(data) != expected["sha256"]:
+        if not matches_record(data, expected):
             raise CorruptStateError(
                 f"{full}: checksum does not match its {SUCCESS} record "
-                f"({len(data)} bytes, expected {expected['bytes']}); refusing to load it"
+                f"({len(data)} bytes, expected {expected.get('bytes')}); refusing to load it"
             )
         return data
 
@@ -244,6 +280,5 @@ class RunRoot:
         if full in self._written:
             return self._written.pop(full)
         if self.is_local:
-            return {"sha256": sha256_file(full), "bytes": os.path.getsize(full)}
-        data = self.read_bytes(rel)
-        return {"sha256": sha256_bytes(data), "bytes": len(data)}
+            return checksum_file(full)
+        return checksum_bytes(self.read_bytes(rel))

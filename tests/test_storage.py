@@ -27,6 +27,21 @@ def test_commit_records_checksums_and_reads_are_verified(tmp_path):
         root.read_committed("d", "unlisted.bin")
 
 
+def test_markers_with_sha256_records_are_still_verified(tmp_path):
+    """Run roots committed before the switch to CRC-32 keep loading, and keep being checked."""
+    import hashlib
+    import json
+
+    root = RunRoot(tmp_path)
+    root.write_bytes("d/a.bin", b"weights")
+    record = {"files": {"a.bin": {"sha256": hashlib.sha256(b"weights").hexdigest(), "bytes": 7}}}
+    (tmp_path / "d" / "_SUCCESS").write_text(json.dumps(record))
+    assert root.read_committed("d", "a.bin") == b"weights"
+    (tmp_path / "d" / "a.bin").write_bytes(b"weightz")
+    with pytest.raises(CorruptStateError, match="a.bin: checksum does not match"):
+        root.read_committed("d", "a.bin")
+
+
 def test_memory_filesystem_roots_follow_the_same_contract():
     root = RunRoot("memory://dipaco-test/run")
     root.write_bytes("d/a.bin", b"abc")
