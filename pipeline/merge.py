@@ -20,7 +20,7 @@ from models.grid import ModuleKey, all_job_ids, all_modules, parse_job_id, path_
 from models.modular import ModelShape, ModuleState, split_path_state
 from pipeline import layout
 from pipeline.module_store import decode, load_modules, load_outer_state, write_states
-from pipeline.storage import RunRoot
+from pipeline.storage import RunRoot, map_io
 
 log = logging.getLogger("dipaco.merge")
 
@@ -87,12 +87,16 @@ def merge_round(config, round_index: int) -> dict:
     momentum = load_outer_state(root, round_index, keys)
     committed, left_out = committed_paths(root, config, round_index)
 
-    # Accumulate each module's contributions one path at a time (a path's file is read once).
+    # Each committed path's file is read and verified once (several at once: I/O and hashing
+    # release the GIL); its modules join the contributions of the modules it went through.
     contributions: dict[ModuleKey, list[tuple[ModuleState, float]]] = {key: [] for key in keys}
     merged_paths: dict[str, list[str]] = {str(key): [] for key in keys}
-    for path_id, tokens in committed.items():
-        weights = root.read_committed(layout.path_dir(round_index, path_id), "model.safetensors")
-        trained = split_path_state(shape, decode(weights, root.path(layout.path_dir(round_index, path_id), "model.safetensors")))
+
+    def read_path(path_id: str) -> list[ModuleState]:
+        rel = layout.path_dir(round_index, path_id)
+        return split_path_state(shape, decode(root.read_committed(rel, "model.safetensors"), root.path(rel, "model.safetensors")))
+
+    for (path_id, tokens), trained in zip(committed.items(), map_io(read_path, committed)):
         weight = float(tokens) if config.outer.weighting == "tokens" else 1.0
         for key in path_modules(_modules_of(path_id, config)):
             contributions[key].append((trained[key.level], weight))
@@ -112,7 +116,7 @@ def merge_round(config, round_index: int) -> dict:
         new_modules[key], buffers = outer.outer_step(before[key], grad, momentum.get(key))
         if buffers:
             new_momentum[key] = buffers
-        grad_norms[str(key)] = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grad.values()))
+        grad_norms[str(key)] = math.hypot(*(float(torch.linalg.vector_norm(g)) for g in grad.values()))
 
     next_round = round_index + 1
     info = {"round": next_round, "grid": list(grid), "merged_from_round": round_index}

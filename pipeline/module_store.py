@@ -19,7 +19,7 @@ from models.grid import ModuleKey, all_modules, parse_path_id, path_modules
 from models.modular import ModelShape, ModuleState, build_path_model, initial_level_states
 from pipeline import layout
 from pipeline.errors import CorruptStateError
-from pipeline.storage import RunRoot
+from pipeline.storage import RunRoot, map_io
 
 
 def encode(state: ModuleState, metadata: dict[str, str] | None = None) -> bytes:
@@ -37,10 +37,13 @@ def decode(data: bytes, where: str) -> ModuleState:
 
 
 def write_states(root: RunRoot, rel_dir: str, states: dict[ModuleKey, ModuleState], info: dict) -> None:
-    """Write one safetensors file per module, then commit the directory."""
-    for key, state in sorted(states.items()):
+    """Write one safetensors file per module (several at once), then commit the directory."""
+
+    def write(key: ModuleKey) -> None:
         meta = {"level": str(key.level), "module": str(key.index), **{k: str(v) for k, v in info.items()}}
-        root.write_bytes(posixpath.join(rel_dir, layout.module_file(key)), encode(state, meta))
+        root.write_bytes(posixpath.join(rel_dir, layout.module_file(key)), encode(states[key], meta))
+
+    map_io(write, sorted(states))
     root.commit(rel_dir, info={**info, "modules": [[k.level, k.index] for k in sorted(states)]})
 
 
@@ -61,7 +64,8 @@ def init_modules(root: RunRoot, model_config, grid: list[int]) -> bool:
 
 
 def load_modules(root: RunRoot, round_index: int, keys: list[ModuleKey]) -> dict[ModuleKey, ModuleState]:
-    return {key: read_state(root, layout.modules_dir(round_index), key) for key in keys}
+    rel = layout.modules_dir(round_index)
+    return dict(zip(keys, map_io(lambda key: read_state(root, rel, key), keys)))
 
 
 def load_path_modules(root: RunRoot, round_index: int, modules: tuple[int, ...]) -> list[ModuleState]:
@@ -83,4 +87,5 @@ def load_outer_state(root: RunRoot, round_index: int, keys: list[ModuleKey]) -> 
     if not root.is_committed(rel):
         return {}
     listed = root.marker(rel)["files"]
-    return {key: read_state(root, rel, key) for key in keys if layout.module_file(key) in listed}
+    present = [key for key in keys if layout.module_file(key) in listed]
+    return dict(zip(present, map_io(lambda key: read_state(root, rel, key), present)))
