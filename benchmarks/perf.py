@@ -2,7 +2,8 @@
 
 `python -m benchmarks.perf` (also run by `make bench`). Four figures:
 - trainer: the path trainer's tokens/s under ZeRO-1/2/3 over a plain PyTorch loop, same model,
-  batches and steps, interleaved in one launched process (`benchmarks.perf_worker`); and model
+  batches and steps, interleaved in one launched process (`benchmarks.perf_worker`), at the
+  quality runs' step (one micro batch) and at a step of `--accum-large` micro batches; and model
   FLOP utilisation against an fp32 matmul measured in that process. Target >= 0.95x.
 - prepare: documents/s of the whole Beam job over the raw embedder on the same documents
   (`benchmarks.bench_prepare.bench_prepare`, another engineer's, called when present). Target >= 0.85x.
@@ -44,15 +45,20 @@ OUT = Path("benchmarks/out/perf")
 
 
 # -- trainer throughput and MFU ------------------------------------------------------------------
-def trainer_throughput(args: argparse.Namespace) -> dict:
-    """Launch the worker exactly as a path job is launched (deepspeed launcher, OMP threads set)."""
+def trainer_throughput(args: argparse.Namespace, accum: int = 1) -> dict:
+    """Launch the worker exactly as a path job is launched (deepspeed launcher, OMP threads set).
+
+    `accum` micro batches per optimizer step: ZeRO's extra work (flat gradient buffers, its own
+    norm and clipping, the fp32 partition copied back into the model) is paid once per optimizer
+    step, so its share shrinks as a step carries more tokens; measuring two step sizes shows it."""
     set_runtime_env()
-    out = OUT / "trainer.json"
+    out = OUT / f"trainer-accum{accum}.json"
     out.unlink(missing_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.procs)
+    steps, reps = (args.steps, args.reps) if accum == 1 else (2, max(4, 2 * args.reps // 3))
     command = [str(Path(sys.executable).with_name("deepspeed")), "--num_nodes", "1", "--num_gpus", str(args.procs),
                "--master_port", str(free_port()), "--no_local_rank", "--module", "benchmarks.perf_worker",
-               "--out", str(out), "--steps", str(args.steps), "--reps", str(args.reps),
+               "--out", str(out), "--steps", str(steps), "--reps", str(reps), "--accum", str(accum),
                "--hidden", str(args.hidden), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch)]
     log.info("trainer benchmark: %s", " ".join(command))
     start = time.perf_counter()
@@ -121,16 +127,16 @@ def merge_io_files(root: RunRoot, config: Config, round_index: int) -> tuple[lis
 def plain_io(reads: list[Path], writes: list[Path], scratch: Path, fsync: bool, verify: bool = False) -> float:
     """Read every input file, write the same bytes to as many new files: the I/O floor.
 
-    `verify` adds one sha256 pass over every byte read and written, the integrity guarantee the
+    `verify` adds one CRC-32 pass over every byte read and written, the integrity guarantee the
     run root gives (a checksum per committed file): the floor for any merge that keeps it."""
-    import hashlib
+    import zlib
 
     scratch.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     blobs = [path.read_bytes() for path in reads]
     if verify:
         for blob in blobs:
-            hashlib.sha256(blob).digest()
+            zlib.crc32(blob)
     for index, path in enumerate(writes):
         data = blobs[index % len(blobs)][: path.stat().st_size]
         with open(scratch / f"out-{index}.bin", "wb") as handle:
@@ -139,26 +145,34 @@ def plain_io(reads: list[Path], writes: list[Path], scratch: Path, fsync: bool, 
                 handle.flush()
                 os.fsync(handle.fileno())
         if verify:
-            hashlib.sha256(data).digest()
+            zlib.crc32(data)
     seconds = time.perf_counter() - start
     shutil.rmtree(scratch)
     return seconds
 
 
 def timed_merge(root: RunRoot, config: Config, round_index: int) -> float:
+    """One merge from scratch, as a round meets it: round r+1's outputs do not exist yet (the
+    plain I/O baseline writes new files too; overwriting costs an unlink per file)."""
     root.remove(f"{layout.round_dir(round_index)}/_SUCCESS")  # make the committed merge run again
+    root.remove(layout.modules_dir(round_index + 1))
+    root.remove(layout.outer_state_dir(round_index + 1))
     start = time.perf_counter()
     merge_round(config, round_index)
     return time.perf_counter() - start
 
 
 def hash_speeds(paths: list[Path]) -> dict:
-    """MB/s of sha256 (what the run root uses) and blake2b on the merge's own input bytes."""
+    """MB/s of CRC-32 (what the run root uses) and of cryptographic hashes on the merge's input bytes."""
     import hashlib
+    import zlib
 
     blobs = [p.read_bytes() for p in paths[:4]]
     size = sum(len(b) for b in blobs)
-    speeds = {}
+    start = time.perf_counter()
+    for blob in blobs:
+        zlib.crc32(blob)
+    speeds = {"crc32": size / 1e6 / (time.perf_counter() - start)}
     for name in ("sha256", "blake2b", "md5"):
         start = time.perf_counter()
         for blob in blobs:
@@ -173,12 +187,12 @@ def merge_profile(root: RunRoot, config: Config, round_index: int) -> list[dict]
     profiler = cProfile.Profile()
     profiler.runcall(merge_round, config, round_index)
     stats = pstats.Stats(profiler)
-    wanted = ("sha256", "fsync", "read_committed", "decode", "encode", "outer_gradient", "outer_step",
+    wanted = ("crc32", "fsync", "map_io", "read_committed", "decode", "encode", "outer_gradient", "outer_step",
               "write_bytes", "commit", "load_modules", "write_states", "split_path_state", "_file_record",
               "module_grad", "load_outer_state", "read_bytes", "st_save", "save", "load")
     rows = []
     for (file, _, name), (_, _, _, cumulative, _) in stats.stats.items():
-        if any(w == name or w in name for w in wanted) and ("pipeline" in file or "hashlib" in name or "{" in file
+        if any(w == name or w in name for w in wanted) and ("pipeline" in file or "zlib" in name or "{" in file
                                                             or "safetensors" in file):
             rows.append({"function": f"{Path(file).name}:{name}", "seconds": round(cumulative, 3)})
     total = sum(v[3] for k, v in stats.stats.items() if k[2] == "merge_round")
@@ -210,7 +224,7 @@ def merge_vs_io(args: argparse.Namespace) -> dict:
         "merge_seconds": merge_s, "plain_io_seconds": plain_s, "plain_io_fsync_seconds": fsync_s,
         "ratio": statistics.median(m / p for m, p in zip(merge_s, plain_s)),
         "ratio_vs_fsync_io": statistics.median(m / p for m, p in zip(merge_s, fsync_s)),
-        "plain_io_fsync_sha256_seconds": verified_s,
+        "plain_io_fsync_crc32_seconds": verified_s,
         "ratio_vs_verified_io": statistics.median(m / p for m, p in zip(merge_s, verified_s)),
         "hash_mb_per_s": hash_speeds(reads),
         "profile": merge_profile(root, config, 1),  # last: leaves the pipeline's own merge committed
@@ -247,8 +261,10 @@ def bytes_ratio(merge: dict, config: Config) -> dict:
 def run_perf(args: argparse.Namespace) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     result: dict = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    stages_ = [("merge", lambda: merge_vs_io(args)), ("trainer", lambda: trainer_throughput(args)),
-               ("prepare", lambda: prepare_throughput(args.prepare_docs))]
+    stages_ = [("merge", lambda: merge_vs_io(args)), ("trainer", lambda: trainer_throughput(args))]
+    if args.accum_large > 1:
+        stages_.append(("trainer_large_batch", lambda: trainer_throughput(args, args.accum_large)))
+    stages_.append(("prepare", lambda: prepare_throughput(args.prepare_docs)))
     for name, run in stages_:
         start = time.perf_counter()
         log.info("perf: %s ...", name)
@@ -262,11 +278,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6, help="trainer steps per timed block")
-    parser.add_argument("--reps", type=int, default=3, help="timed blocks per mode")
+    parser.add_argument("--steps", type=int, default=3, help="trainer steps per timed block")
+    parser.add_argument("--reps", type=int, default=12, help="timed blocks per mode, interleaved in shuffled order")
+    parser.add_argument("--accum-large", type=int, default=4,
+                        help="micro batches per step of the second trainer measurement (1: skip it)")
     parser.add_argument("--procs", type=int, default=1, help="ranks of the trainer launch (the island)")
     parser.add_argument("--inner-steps", type=int, default=None, help="H (default: the quality benchmark's)")
-    parser.add_argument("--merge-reps", type=int, default=3)
+    parser.add_argument("--merge-reps", type=int, default=5)
     parser.add_argument("--prepare-docs", type=int, default=1000)
 
 

@@ -5,8 +5,9 @@ Launched by `benchmarks.perf` through the `deepspeed` launcher (`--num_gpus N --
 --module benchmarks.perf_worker --out FILE ...`), so it runs exactly as a path job does: same
 environment, same `OMP_NUM_THREADS`, same process group. Why one process for all modes: on a
 shared 2-core machine the load of other users drifts by minutes; interleaving short blocks of
-steps (plain, ZeRO-1, ZeRO-2, ZeRO-3, plain, ...) and comparing each block with its neighbours
-cancels that drift, where separate launches minutes apart would not.
+steps (every mode once per rep, in a shuffled order) and comparing each block with the plain
+block of the same rep cancels that drift, where separate launches minutes apart would not; the
+median over many short reps keeps one disturbed block from deciding the figure.
 
 Modes, each with its own model copy (same init) and optimizer:
 - `plain`: the loop a PyTorch user writes (AdamW, warmup+cosine lr, clip 1.0; DDP when N > 1);
@@ -25,6 +26,7 @@ import gzip
 import json
 import logging
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -51,7 +53,7 @@ def bench_config(args: argparse.Namespace) -> Config:
         "model": {"grid": [1], "blocks_per_level": [args.blocks], "hidden_size": args.hidden,
                   "num_heads": args.heads, "seq_len": args.seq_len},
         "train": {"rounds": 10_000, "inner_steps": args.steps, "micro_batch_size": args.micro_batch,
-                  "lr": 2.0e-3, "warmup_steps": 10},
+                  "gradient_accumulation_steps": args.accum, "lr": 2.0e-3, "warmup_steps": 10},
         "mlflow": {"enabled": False},
     })
 
@@ -86,11 +88,13 @@ class PlainLoop:
             global_step = round_index * train.inner_steps + step
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(global_step, train.rounds * train.inner_steps, train)
-            first = micro_batch_start(global_step, 0, rank, train.micro_batch_size, 1, world)
-            inputs, labels = stream.micro_batch(first, train.micro_batch_size)  # (B, T)
-            loss = F.cross_entropy(self.model(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            accum = train.gradient_accumulation_steps
+            for micro in range(accum):
+                first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, accum, world)
+                inputs, labels = stream.micro_batch(first, train.micro_batch_size)  # (B, T)
+                loss = F.cross_entropy(self.model(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
+                (loss / accum).backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
             self.optimizer.step()
         return time.perf_counter() - start
@@ -115,11 +119,13 @@ class TrainerLoop:
             global_step = round_index * train.inner_steps + step
             for group in self.engine.optimizer.param_groups:
                 group["lr"] = lr_at(global_step, train.rounds * train.inner_steps, train)
-            inputs, labels = stream.micro_batch(micro_batch_start(global_step, 0, rank, train.micro_batch_size, 1, world),
-                                                train.micro_batch_size)
-            loss = F.cross_entropy(self.engine(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
-            self.engine.backward(loss)
-            self.engine.step()
+            accum = train.gradient_accumulation_steps
+            for micro in range(accum):
+                first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, accum, world)
+                inputs, labels = stream.micro_batch(first, train.micro_batch_size)
+                loss = F.cross_entropy(self.engine(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
+                self.engine.backward(loss)
+                self.engine.step()  # steps the optimizer at the accumulation boundary only
         return time.perf_counter() - start
 
 
@@ -153,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=8, help="steps per timed block")
-    parser.add_argument("--reps", type=int, default=3, help="timed blocks per mode, interleaved")
+    parser.add_argument("--accum", type=int, default=1, help="micro batches per optimizer step")
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
+    parser.add_argument("--reps", type=int, default=12, help="timed blocks per mode, interleaved")
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -171,13 +178,19 @@ def main(argv: list[str] | None = None) -> int:
             TrainerLoop(model, config, int(mode[4]), world, bare=mode.endswith("bare"))
     peak = [matmul_flops()]
     seconds: dict[str, list[float]] = {mode: [] for mode in loops}
+    order = list(loops)
     for rep in range(args.reps + 1):  # rep 0 is the warm-up block
-        for mode, loop in loops.items():
-            elapsed = loop.run(stream, rep, rank, world)
+        # A fixed order would always give one mode the slot after the same neighbour (its
+        # allocator leftovers, its cache state); a seeded shuffle per rep spreads that evenly.
+        random.Random(rep).shuffle(order)
+        if world > 1:
+            torch.distributed.broadcast_object_list(order, src=0)
+        for mode in order:
+            elapsed = loops[mode].run(stream, rep, rank, world)
             if rep:
                 seconds[mode].append(elapsed)
     peak.append(matmul_flops())
-    tokens = args.steps * args.micro_batch * args.seq_len * world
+    tokens = args.steps * args.accum * args.micro_batch * args.seq_len * world
     flops_token = model_flops_per_token(build_path_model(shape), shape)
     result = {
         "world_size": world, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
