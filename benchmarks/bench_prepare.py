@@ -1,7 +1,8 @@
 """Throughput of the Beam prepare job against the bare embedder on the same documents.
 
-`python -m benchmarks.bench_prepare [--n-docs N]`. The documents are the first N Wikipedia leads
-of the bundled sample's source, written as one C4 file. Three numbers, all documents/second:
+`python -m benchmarks.bench_prepare [--n-docs N] [--multi-processing]`. The documents are the
+first N Wikipedia leads of the bundled sample's source (10,033 in all), written as one C4 file;
+the job runs with the config's default Beam options. Three numbers, all documents/second:
 - `raw_embedder`: `SentenceTransformer.encode` of the documents' 32-token prefixes (model load
   excluded): the ceiling, since embedding is the job's dominant cost;
 - `beam_route`: the routing pipeline (read, tokenize, embed via RunInference, assign, write
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+MULTI_PROCESSING = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
 
 
 def _write_docs(directory: Path, n_docs: int) -> list[str]:
@@ -35,18 +37,23 @@ def _write_docs(directory: Path, n_docs: int) -> list[str]:
     return [a["text"] for a in articles]
 
 
-def bench_prepare(n_docs: int = 2000, options: list[str] | None = None, sample_docs: int = 1000) -> dict:
-    """Documents/s of the raw embedder, the routing pipeline and the whole job; and their ratios."""
+def bench_prepare(n_docs: int = 10000, options: list[str] | None = None, sample_docs: int = 200,
+                  other_options: dict[str, list[str]] | None = None) -> dict:
+    """Documents/s of the raw embedder, the routing pipeline and the whole job; and their ratios.
+
+    `options`: the Beam options of the measured job (default: the config's default, i.e. what
+    `dipaco prepare` runs); `other_options`: more option sets whose routing pipeline is timed
+    too, against the same raw figure (e.g. the DirectRunner's multi-processing mode)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from pipeline import layout
-    from pipeline.config import config_from_dict
+    from pipeline.config import BeamConfig, config_from_dict
     from pipeline.storage import RunRoot
     from preprocessing.embedders import MiniLMEmbedder
     from preprocessing.prepare import run_prepare
     from preprocessing.tokenizer import encode, prefix_texts
 
-    options = options or ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
+    options = options or BeamConfig().options
     with tempfile.TemporaryDirectory() as tmp:
         texts = _write_docs(Path(tmp) / "in", n_docs)
         prefixes = prefix_texts(encode(texts), 32)
@@ -72,6 +79,15 @@ def bench_prepare(n_docs: int = 2000, options: list[str] | None = None, sample_d
         start = time.perf_counter()
         run_prepare(config)
         route_s = time.perf_counter() - start
+        other = {}
+        for name, flags in (other_options or {}).items():
+            RunRoot(config.run_root).remove(layout.SHARDS_DIR)
+            config.beam.options = flags
+            start = time.perf_counter()
+            run_prepare(config)
+            seconds = time.perf_counter() - start
+            other[name] = {"options": flags, "route_docs_per_s": n_docs / seconds, "route_ratio": raw_s / seconds,
+                           "seconds": seconds}
 
     result = {
         "n_docs": n_docs,
@@ -82,19 +98,21 @@ def bench_prepare(n_docs: int = 2000, options: list[str] | None = None, sample_d
         "route_ratio": raw_s / route_s,
         "full_ratio": raw_s / full_s,
         "seconds": {"raw": raw_s, "route": route_s, "full": full_s},
+        "sample_docs": sample_docs,
+        "other_options": other,
     }
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n-docs", type=int, default=2000)
-    parser.add_argument("--sample-docs", type=int, default=1000)
-    parser.add_argument("--in-memory", action="store_true", help="one worker, no subprocesses")
+    parser.add_argument("--n-docs", type=int, default=10000)
+    parser.add_argument("--sample-docs", type=int, default=200)
+    parser.add_argument("--multi-processing", action="store_true", help="also time the 2-worker multi-processing mode")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    options = ["--direct_running_mode=in_memory"] if args.in_memory else None
-    result = bench_prepare(args.n_docs, options, args.sample_docs)
+    other = {"multi_processing_2": MULTI_PROCESSING} if args.multi_processing else None
+    result = bench_prepare(args.n_docs, None, args.sample_docs, other)
     logging.getLogger().setLevel(logging.INFO)
     log.info("%s", json.dumps(result, indent=2))
 

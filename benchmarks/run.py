@@ -59,10 +59,16 @@ def perf_table(p: dict) -> list[str]:
                     f"| fp32 matmul {t['matmul_flops'] / 1e9:.1f} GFLOP/s | {t['mfu'][mode]:.3f} | (report) | |")
     if p.get("prepare"):
         pr = p["prepare"]
-        rows.append(f"| prepare, whole Beam job ({pr['n_docs']} docs, router fitted on a tenth) docs/s | {pr['beam_full_docs_per_s']:.1f} "
-                    f"| raw MiniLM {pr['raw_embedder_docs_per_s']:.1f} | {pr['full_ratio']:.3f} | >= 0.85 | {ok(pr['full_ratio'], 0.85)} |")
+        sample = pr.get("sample_docs")
+        fitted = f"router fitted on {sample} docs" if sample else "router fitted on a tenth"
+        rows.append(f"| prepare, whole Beam job ({pr['n_docs']:,} docs, {fitted}, {' '.join(pr['options'])}) docs/s "
+                    f"| {pr['beam_full_docs_per_s']:.1f} | raw MiniLM {pr['raw_embedder_docs_per_s']:.1f} "
+                    f"| {pr['full_ratio']:.3f} | >= 0.85 | {ok(pr['full_ratio'], 0.85)} |")
         rows.append(f"| prepare, routing only (router committed) docs/s | {pr['beam_route_docs_per_s']:.1f} "
                     f"| raw MiniLM {pr['raw_embedder_docs_per_s']:.1f} | {pr['route_ratio']:.3f} | >= 0.85 | {ok(pr['route_ratio'], 0.85)} |")
+        for name, other in pr.get("other_options", {}).items():
+            rows.append(f"| prepare, routing only, {' '.join(other['options'])} docs/s | {other['route_docs_per_s']:.1f} "
+                        f"| raw MiniLM {pr['raw_embedder_docs_per_s']:.1f} | {other['route_ratio']:.3f} | (diagnostic) | |")
     else:
         rows.append("| prepare | not measured: benchmarks/bench_prepare.py absent | | | >= 0.85 | |")
     m = p["merge"]

@@ -119,9 +119,10 @@ class AirflowConfig:
 @dataclass
 class BeamConfig:
     runner: str = "DirectRunner"
-    options: list[str] = field(
-        default_factory=lambda: ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
-    )
+    # One in-process worker: torch already spreads the embedder over every core, while the
+    # multi-processing mode loads the model once per worker and ships every element between
+    # processes (benchmarks/RESULTS.md: 0.90x of the raw embedder in memory, 0.7-0.8x with 2 workers).
+    options: list[str] = field(default_factory=lambda: ["--direct_running_mode=in_memory"])
 
 
 @dataclass
