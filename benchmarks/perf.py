@@ -192,7 +192,7 @@ def merge_profile(root: RunRoot, config: Config, round_index: int) -> list[dict]
     stats = pstats.Stats(profiler)
     wanted = ("crc32", "fsync", "map_io", "read_committed", "decode", "encode", "outer_gradient", "outer_step",
               "write_bytes", "commit", "load_modules", "write_states", "split_path_state", "_file_record",
-              "module_grad", "load_outer_state", "read_bytes", "st_save", "save", "load")
+              "module_grad", "read_state", "write_state", "read_bytes", "st_save", "save", "load")
     rows = []
     for (file, _, name), (_, _, _, cumulative, _) in stats.stats.items():
         if any(w == name or w in name for w in wanted) and ("pipeline" in file or "zlib" in name or "{" in file

@@ -13,14 +13,15 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from models.grid import ModuleKey, all_job_ids, all_modules, parse_job_id, path_modules
+from models.grid import all_job_ids, all_modules, parse_job_id, path_modules
 from models.modular import ModelShape, ModuleState, split_path_state
 from pipeline import layout
-from pipeline.module_store import decode, load_modules, load_outer_state, write_states
-from pipeline.storage import RunRoot, map_io
+from pipeline.module_store import commit_states, decode, outer_state_keys, read_state, write_state
+from pipeline.storage import IO_THREADS, RunRoot
 
 log = logging.getLogger("dipaco.merge")
 
@@ -83,47 +84,60 @@ def merge_round(config, round_index: int) -> dict:
     start = time.perf_counter()
     grid, shape = config.model.grid, ModelShape.from_config(config.model)
     keys = all_modules(grid)
-    before = load_modules(root, round_index, keys)
-    momentum = load_outer_state(root, round_index, keys)
     committed, left_out = committed_paths(root, config, round_index)
-
-    # Each committed path's file is read and verified once (several at once: I/O and hashing
-    # release the GIL); its modules join the contributions of the modules it went through.
-    contributions: dict[ModuleKey, list[tuple[ModuleState, float]]] = {key: [] for key in keys}
-    merged_paths: dict[str, list[str]] = {str(key): [] for key in keys}
+    modules_of = {pid: path_modules(_modules_of(pid, config)) for pid in committed}
+    next_round = round_index + 1
+    info = {"round": next_round, "grid": list(grid), "merged_from_round": round_index}
+    rel_before, rel_momentum = layout.modules_dir(round_index), layout.outer_state_dir(round_index)
+    rel_modules, rel_outer = layout.modules_dir(next_round), layout.outer_state_dir(next_round)
 
     def read_path(path_id: str) -> list[ModuleState]:
         rel = layout.path_dir(round_index, path_id)
-        return split_path_state(shape, decode(root.read_committed(rel, "model.safetensors"), root.path(rel, "model.safetensors")))
+        data = root.read_committed(rel, "model.safetensors", writable=True)
+        return split_path_state(shape, decode(data, root.path(rel, "model.safetensors")))
 
-    for (path_id, tokens), trained in zip(committed.items(), map_io(read_path, committed)):
-        weight = float(tokens) if config.outer.weighting == "tokens" else 1.0
-        for key in path_modules(_modules_of(path_id, config)):
-            contributions[key].append((trained[key.level], weight))
-            merged_paths[str(key)].append(path_id)
-
+    # One pool for the whole merge: every input is read and verified at once (file I/O and
+    # checksums release the GIL), each module is computed as soon as its inputs are in, and its
+    # files are written while the next module is computed. The math and its order of summation
+    # are those of a sequential merge, so the files are bitwise the same.
     outer = OuterOptimizer(config.outer.lr, config.outer.momentum, config.outer.nesterov, config.outer.sqrt_paths_rescale)
-    new_modules, new_momentum, grad_norms, untouched = {}, {}, {}, []
-    for key in keys:
-        parts = contributions[key]
-        if not parts:  # no path through this module finished: it keeps its parameters
-            new_modules[key] = before[key]
-            if key in momentum:
-                new_momentum[key] = momentum[key]
-            untouched.append(str(key))
-            continue
-        grad = outer.outer_gradient(before[key], [p for p, _ in parts], [w for _, w in parts])
-        new_modules[key], buffers = outer.outer_step(before[key], grad, momentum.get(key))
-        if buffers:
-            new_momentum[key] = buffers
-        grad_norms[str(key)] = math.hypot(*(float(torch.linalg.vector_norm(g)) for g in grad.values()))
+    grad_norms, untouched, sizes, momentum_keys = {}, [], {}, []
+    merged_paths = {str(key): [pid for pid in committed if key in modules_of[pid]] for key in keys}
+    # The math runs on one torch thread: its pieces are small, and torch's spinning worker
+    # threads would take the cores from the reading and writing threads.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(IO_THREADS) as pool:
+            before_f = {key: pool.submit(read_state, root, rel_before, key) for key in keys}
+            momentum_f = {key: pool.submit(read_state, root, rel_momentum, key) for key in outer_state_keys(root, round_index, keys)}
+            path_f = {pid: pool.submit(read_path, pid) for pid in committed}
+            writes = []
+            for key in keys:
+                before = before_f[key].result()
+                momentum = momentum_f[key].result() if key in momentum_f else None
+                sizes[key] = module_bytes(before)
+                through = merged_paths[str(key)]
+                if not through:  # no path through this module finished: it keeps its parameters
+                    new, buffers = before, momentum
+                    untouched.append(str(key))
+                else:
+                    weights = [float(committed[pid]) if config.outer.weighting == "tokens" else 1.0 for pid in through]
+                    grad = outer.outer_gradient(before, [path_f[pid].result()[key.level] for pid in through], weights)
+                    new, buffers = outer.outer_step(before, grad, momentum)
+                    grad_norms[str(key)] = math.hypot(*(float(torch.linalg.vector_norm(g)) for g in grad.values()))
+                writes.append(pool.submit(write_state, root, rel_modules, key, new, info))
+                if buffers:
+                    writes.append(pool.submit(write_state, root, rel_outer, key, buffers, info))
+                    momentum_keys.append(key)
+            for write in writes:
+                write.result()
+    finally:
+        torch.set_num_threads(threads)
+    commit_states(root, rel_modules, keys, info)
+    commit_states(root, rel_outer, momentum_keys, info)
 
-    next_round = round_index + 1
-    info = {"round": next_round, "grid": list(grid), "merged_from_round": round_index}
-    write_states(root, layout.modules_dir(next_round), new_modules, info)
-    write_states(root, layout.outer_state_dir(next_round), new_momentum, info)
-
-    path_bytes = {pid: sum(module_bytes(before[k]) for k in path_modules(_modules_of(pid, config))) for pid in committed}
+    path_bytes = {pid: sum(sizes[k] for k in modules_of[pid]) for pid in committed}
     bytes_outer = 2 * sum(path_bytes.values())  # each island sends its outer gradient, receives its modules
     report = {
         "round": round_index,

@@ -8,6 +8,7 @@ load is verified and a corrupted file is refused by name (never unpickled: safet
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 
 import torch
@@ -29,27 +30,68 @@ def encode(state: ModuleState, metadata: dict[str, str] | None = None) -> bytes:
     return st_save({k: v.detach().contiguous().cpu() for k, v in state.items()}, metadata=header)
 
 
-def decode(data: bytes, where: str) -> ModuleState:
+# The dtypes viewed in place; any other goes through safetensors' own (copying) loader.
+_VIEW_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
+
+
+def decode(data: bytes | bytearray, where: str) -> ModuleState:
+    """safetensors bytes -> tensors. A bytearray (`read_committed(..., writable=True)`) is viewed
+    in place: a merge reads hundreds of MB of path files, and copying them into fresh memory
+    costs as much as reading them. Either way a malformed file is refused by name."""
     try:
-        return st_load(data)
-    except (SafetensorError, ValueError, RuntimeError) as exc:
+        views = _views(data) if isinstance(data, bytearray) else None
+        return views if views is not None else st_load(bytes(data))
+    except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise CorruptStateError(f"{where}: not a valid safetensors file ({exc})") from None
+
+
+def _views(buffer: bytearray) -> ModuleState | None:
+    """Tensors over the buffer, after the checks safetensors makes (header inside the file, each
+    tensor's byte range inside the data and exactly its shape's size); None for other dtypes."""
+    if len(buffer) < 8:
+        raise ValueError("shorter than the 8-byte header length")
+    size = int.from_bytes(buffer[:8], "little")
+    if 8 + size > len(buffer):
+        raise ValueError("header runs past the end of the file")
+    header = json.loads(bytes(buffer[8:8 + size]))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    base, state = 8 + size, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _VIEW_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            return None
+        (begin, end), shape = entry["data_offsets"], [int(d) for d in entry["shape"]]
+        count = math.prod(shape)
+        if not 0 <= begin <= end <= len(buffer) - base or end - begin != count * dtype.itemsize:
+            raise ValueError(f"tensor {name!r}: bytes {begin}..{end} do not fit its shape {shape} or the file")
+        state[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + begin).view(shape) \
+            if count else torch.empty(shape, dtype=dtype)
+    return state
+
+
+def write_state(root: RunRoot, rel_dir: str, key: ModuleKey, state: ModuleState, info: dict) -> None:
+    """One module's safetensors file (atomic); the directory counts once commit_states runs."""
+    meta = {"level": str(key.level), "module": str(key.index), **{k: str(v) for k, v in info.items()}}
+    root.write_bytes(posixpath.join(rel_dir, layout.module_file(key)), encode(state, meta))
+
+
+def commit_states(root: RunRoot, rel_dir: str, keys: list[ModuleKey], info: dict) -> None:
+    root.commit(rel_dir, info={**info, "modules": [[k.level, k.index] for k in sorted(keys)]})
 
 
 def write_states(root: RunRoot, rel_dir: str, states: dict[ModuleKey, ModuleState], info: dict) -> None:
     """Write one safetensors file per module (several at once), then commit the directory."""
-
-    def write(key: ModuleKey) -> None:
-        meta = {"level": str(key.level), "module": str(key.index), **{k: str(v) for k, v in info.items()}}
-        root.write_bytes(posixpath.join(rel_dir, layout.module_file(key)), encode(states[key], meta))
-
-    map_io(write, sorted(states))
-    root.commit(rel_dir, info={**info, "modules": [[k.level, k.index] for k in sorted(states)]})
+    map_io(lambda key: write_state(root, rel_dir, key, states[key], info), sorted(states))
+    commit_states(root, rel_dir, list(states), info)
 
 
 def read_state(root: RunRoot, rel_dir: str, key: ModuleKey) -> ModuleState:
     name = layout.module_file(key)
-    return decode(root.read_committed(rel_dir, name), root.path(rel_dir, name))
+    return decode(root.read_committed(rel_dir, name, writable=True), root.path(rel_dir, name))
 
 
 def init_modules(root: RunRoot, model_config, grid: list[int]) -> bool:
@@ -81,11 +123,10 @@ def load_path_model(root: RunRoot, config, round_index: int, path_id: str) -> to
     return build_path_model(shape, load_path_modules(root, round_index, modules))
 
 
-def load_outer_state(root: RunRoot, round_index: int, keys: list[ModuleKey]) -> dict[ModuleKey, ModuleState]:
-    """Momentum buffers at the start of a round; modules without a buffer yet are absent."""
+def outer_state_keys(root: RunRoot, round_index: int, keys: list[ModuleKey]) -> list[ModuleKey]:
+    """The modules among `keys` that have momentum buffers at the start of a round."""
     rel = layout.outer_state_dir(round_index)
     if not root.is_committed(rel):
-        return {}
+        return []
     listed = root.marker(rel)["files"]
-    present = [key for key in keys if layout.module_file(key) in listed]
-    return dict(zip(present, map_io(lambda key: read_state(root, rel, key), present)))
+    return [key for key in keys if layout.module_file(key) in listed]

@@ -126,10 +126,18 @@ class RunRoot:
     def exists(self, rel: str) -> bool:
         return self.fs.exists(self.path(rel))
 
-    def read_bytes(self, rel: str) -> bytes:
+    def read_bytes(self, rel: str, writable: bool = False) -> bytes | bytearray:
+        """A file's bytes; `writable` gives a bytearray that tensors can view without a copy
+        (read straight into it on local roots)."""
         try:
+            if writable and self.is_local:
+                with open(self.path(rel), "rb") as handle:
+                    buffer = bytearray(os.fstat(handle.fileno()).st_size)
+                    del buffer[handle.readinto(buffer):]  # a file that shrank meanwhile fails its checksum
+                    return buffer
             with self.fs.open(self.path(rel), "rb") as handle:
-                return handle.read()
+                data = handle.read()
+            return bytearray(data) if writable else data
         except FileNotFoundError:
             raise InputError(f"{self.path(rel)}: file not found") from None
 
@@ -256,13 +264,13 @@ class RunRoot:
             safe_relative(name, self.path(marker))
         return record
 
-    def read_committed(self, rel_dir: str, name: str) -> bytes:
+    def read_committed(self, rel_dir: str, name: str, writable: bool = False) -> bytes | bytearray:
         """Read a file of a committed directory, refusing it unless it matches its checksum."""
         expected = self.marker(rel_dir)["files"].get(name)
         full = self.path(rel_dir, name)
         if not isinstance(expected, dict):
             raise CorruptStateError(f"{full}: not listed in its directory's {SUCCESS}")
-        data = self.read_bytes(posixpath.join(rel_dir, name))
+        data = self.read_bytes(posixpath.join(rel_dir, name), writable)
         if not matches_record(data, expected):
             raise CorruptStateError(
                 f"{full}: checksum does not match its {SUCCESS} record "

@@ -68,3 +68,22 @@ except StorageError as exc:
     assert "state.bin: cannot write (File too large); the previous state is intact" in result.stdout, result.stderr
     assert (tmp_path / "state.bin").read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["state.bin"]  # no temporary left behind
+
+
+def test_module_files_decode_in_place_and_malformed_ones_are_refused():
+    """The merge views verified bytes without a copy; the views must equal safetensors' own
+    loader bit for bit, and a header that lies about sizes must be refused, not read past."""
+    import torch
+    from safetensors.torch import load, save
+
+    from pipeline.module_store import decode
+
+    state = {"w": torch.randn(3, 4), "ids": torch.arange(5), "empty": torch.zeros(0, 2), "half": torch.randn(2).bfloat16()}
+    data = save(state, metadata={"k": "v"})
+    viewed, loaded = decode(bytearray(data), "m.safetensors"), load(data)
+    assert set(viewed) == set(state)
+    for name in state:
+        assert viewed[name].dtype == loaded[name].dtype and torch.equal(viewed[name], loaded[name])
+    for broken in (data[:6], data[:40], data[:-2]):
+        with pytest.raises(CorruptStateError, match="m.safetensors: not a valid safetensors file"):
+            decode(bytearray(broken), "m.safetensors")
