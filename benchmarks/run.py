@@ -130,14 +130,19 @@ def render(result: dict, command: str) -> str:
              f"- date: {result['date']}", f"- machine: {result['machine']}",
              f"- command: `{command}`", f"- total wall-clock: {result['seconds']:.0f} s", ""]
     if "perf" in result:
-        lines += ["## Performance (ratios measured side by side in this run)", "", *perf_table(result["perf"]), ""]
+        when = result["perf"].get("carried_over_from")
+        title = f"carried over from the run of {when}" if when else "ratios measured side by side in this run"
+        lines += [f"## Performance ({title})", "", *perf_table(result["perf"]), ""]
         prof = result["perf"]["merge"]["profile"]
-        lines += ["Merge profile (cProfile, cumulative seconds of one merge):", "",
+        lines += ["Merge profile (cProfile of the merging thread, cumulative seconds; the reads and writes on the I/O "
+                  "threads overlap it and are not in it):", "",
                   "| function | s |", "|---|---|", *[f"| `{r['function']}` | {r['seconds']} |" for r in prof], ""]
     if "quality" in result:
         q = result["quality"]
         a = q["args"]
-        lines += ["## Quality (same held-out documents, tokens after the 32-token routing prefix)", "",
+        when = result["quality"].get("carried_over_from")
+        carried = f"; carried over from the run of {when}" if when else ""
+        lines += [f"## Quality (same held-out documents, tokens after the 32-token routing prefix{carried})", "",
                   f"Model per path: hidden {a['hidden']}, {a['blocks']} blocks, seq_len {a['seq_len']}, micro batch "
                   f"{a['micro_batch']}; {a['rounds']} rounds x H={a['inner_steps']}; router {a['embedder']} product k-means "
                   f"(balanced); inner lr {a['lr']}; trainer launched in process (ZeRO-2). Same scored tokens in every "
@@ -271,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     previous = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
     for half, skipped in (("perf", args.skip_perf), ("quality", args.skip_quality)):
         if skipped and half in previous:  # refresh one half; the other stays from its own run
-            result[half] = {**previous[half], "carried_over_from": previous.get("date")}
+            result[half] = {**previous[half], "carried_over_from": previous[half].get("carried_over_from") or previous.get("date")}
     if not args.skip_perf:
         result["perf"] = perf.run_perf(args)
         (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
