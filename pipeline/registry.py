@@ -23,6 +23,7 @@ import yaml
 from pipeline import layout
 from pipeline.config import resolve_ds_config
 from pipeline.storage import SUCCESS, RunRoot
+from pipeline.tracking import redact
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml
         (target / rel / SUCCESS).write_bytes(root.read_bytes(posixpath.join(rel, SUCCESS)))
         RunRoot(str(target)).verify(rel)  # what is shipped is what was committed
     shutil.copyfile(resolve_ds_config(config.train.ds_config), target / BUNDLE_DS_CONFIG)
-    info = {"round": round_index, "grid": list(config.model.grid), "source_run_root": _redact(root.url)}
+    info = {"round": round_index, "grid": list(config.model.grid), "source_run_root": redact(root.url)}
     (target / BUNDLE_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return target
 
@@ -151,9 +152,3 @@ def _requirements() -> list[str]:
         except importlib.metadata.PackageNotFoundError:
             pins.append(dist)
     return pins
-
-
-def _redact(text: str) -> str:
-    from pipeline.tracking import redact
-
-    return redact(text)

@@ -27,9 +27,9 @@ import signal
 import time
 import uuid
 import zlib
-from pathlib import Path
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import IO, Any, Callable, TypeVar
 
 import fsspec
@@ -75,9 +75,13 @@ def map_io(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         return list(pool.map(fn, items))
 
 
-def checksum_bytes(data: bytes) -> dict[str, Any]:
+def _record(crc: int, size: int) -> dict[str, Any]:
     """The record `_SUCCESS` keeps of a file: its length and CRC-32 (zlib, IEEE polynomial)."""
-    return {"crc32": f"{zlib.crc32(data):08x}", "bytes": len(data)}
+    return {"crc32": f"{crc:08x}", "bytes": size}
+
+
+def checksum_bytes(data: bytes) -> dict[str, Any]:
+    return _record(zlib.crc32(data), len(data))
 
 
 def checksum_file(path: str | Path) -> dict[str, Any]:
@@ -85,7 +89,7 @@ def checksum_file(path: str | Path) -> dict[str, Any]:
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
             crc, size = zlib.crc32(block, crc), size + len(block)
-    return {"crc32": f"{crc:08x}", "bytes": size}
+    return _record(crc, size)
 
 
 def matches_record(data: bytes, record: dict[str, Any]) -> bool:
@@ -93,7 +97,7 @@ def matches_record(data: bytes, record: dict[str, Any]) -> bool:
     if len(data) != record.get("bytes"):
         return False
     if "crc32" in record:
-        return f"{zlib.crc32(data):08x}" == record["crc32"]
+        return checksum_bytes(data)["crc32"] == record["crc32"]
     if "sha256" in record:
         return hashlib.sha256(data).hexdigest() == record["sha256"]
     return False

@@ -472,4 +472,3 @@ def _param(value: Any) -> str:
 
 def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
-

@@ -19,7 +19,6 @@ from pipeline.distributed import init_distributed
 from pipeline.errors import ConfigError
 
 
-
 def fill_ds_config(raw: dict[str, Any], train, hidden_size: int, world_size: int, source: str) -> dict[str, Any]:
     """Replace every "auto" with the value our config implies; refuse contradictions by key."""
     config = copy.deepcopy(raw)

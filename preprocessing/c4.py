@@ -12,7 +12,6 @@ by name in both.
 from __future__ import annotations
 
 import gzip
-
 import hashlib
 import json
 from collections.abc import Iterator
