@@ -14,7 +14,6 @@ The ratios against `raw_embedder` are what the issue's 0.85 target refers to.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import logging
 import os
@@ -27,13 +26,11 @@ MULTI_PROCESSING = ["--direct_num_workers=2", "--direct_running_mode=multi_proce
 
 
 def _write_docs(directory: Path, n_docs: int) -> list[str]:
-    from preprocessing.sample import load_articles
+    from preprocessing.sample import load_articles, write_c4_file
 
     articles = load_articles()[:n_docs]
-    directory.mkdir(parents=True, exist_ok=True)
-    with gzip.open(directory / "c4-train.00000-of-00001.json.gz", "wt", encoding="utf-8") as handle:
-        for a in articles:
-            handle.write(json.dumps({"text": a["text"], "url": a["url"], "timestamp": a["timestamp"]}) + "\n")
+    rows = [{"text": a["text"], "url": a["url"], "timestamp": a["timestamp"]} for a in articles]
+    write_c4_file(directory / "c4-train.00000-of-00001.json.gz", rows)
     return [a["text"] for a in articles]
 
 

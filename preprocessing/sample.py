@@ -52,7 +52,8 @@ def load_articles() -> list[dict]:
     return articles
 
 
-def _write_gz(path: Path, rows: list[dict]) -> None:
+def write_c4_file(path: Path, rows: list[dict]) -> None:
+    """Rows as one gzipped C4-format file (a JSON object a line), written under a temporary name."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as handle:
@@ -76,8 +77,8 @@ def build_sample(out: str | Path, validation_fraction: float = 0.05, train_files
     n_val = max(1, round(len(articles) * validation_fraction))
     validation, train = articles[:n_val], articles[n_val:]
     for i in range(train_files):
-        _write_gz(out / "train" / f"c4-train.{i:05d}-of-{train_files:05d}.json.gz", train[i::train_files])
-    _write_gz(out / "validation" / "c4-validation.00000-of-00001.json.gz", validation)
+        write_c4_file(out / "train" / f"c4-train.{i:05d}-of-{train_files:05d}.json.gz", train[i::train_files])
+    write_c4_file(out / "validation" / "c4-validation.00000-of-00001.json.gz", validation)
     info = {"train": len(train), "validation": len(validation), "source": str(source_file().name),
             "topics": sorted({a["topic"] for a in articles}), "license": "CC BY-SA 4.0"}
     (out / "_SUCCESS").write_text(json.dumps(info, indent=2) + "\n")
