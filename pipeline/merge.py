@@ -10,6 +10,7 @@ no path finished keeps its parameters and its buffer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -67,6 +68,18 @@ class OuterOptimizer:
         return {k: p.detach() for k, p in params.items()}, new_buffers
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """The merge's math on one torch thread: its pieces are small, and torch's spinning worker
+    threads would take the cores from the threads reading and writing module files."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def module_bytes(state: ModuleState) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
@@ -103,37 +116,30 @@ def merge_round(config, round_index: int) -> dict:
     outer = OuterOptimizer(config.outer.lr, config.outer.momentum, config.outer.nesterov, config.outer.sqrt_paths_rescale)
     grad_norms, untouched, sizes, momentum_keys = {}, [], {}, []
     merged_paths = {str(key): [pid for pid in committed if key in modules_of[pid]] for key in keys}
-    # The math runs on one torch thread: its pieces are small, and torch's spinning worker
-    # threads would take the cores from the reading and writing threads.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(IO_THREADS) as pool:
-            before_f = {key: pool.submit(read_state, root, rel_before, key) for key in keys}
-            momentum_f = {key: pool.submit(read_state, root, rel_momentum, key) for key in outer_state_keys(root, round_index, keys)}
-            path_f = {pid: pool.submit(read_path, pid) for pid in committed}
-            writes = []
-            for key in keys:
-                before = before_f[key].result()
-                momentum = momentum_f[key].result() if key in momentum_f else None
-                sizes[key] = module_bytes(before)
-                through = merged_paths[str(key)]
-                if not through:  # no path through this module finished: it keeps its parameters
-                    new, buffers = before, momentum
-                    untouched.append(str(key))
-                else:
-                    weights = [float(committed[pid]) if config.outer.weighting == "tokens" else 1.0 for pid in through]
-                    grad = outer.outer_gradient(before, [path_f[pid].result()[key.level] for pid in through], weights)
-                    new, buffers = outer.outer_step(before, grad, momentum)
-                    grad_norms[str(key)] = math.hypot(*(float(torch.linalg.vector_norm(g)) for g in grad.values()))
-                writes.append(pool.submit(write_state, root, rel_modules, key, new, info))
-                if buffers:
-                    writes.append(pool.submit(write_state, root, rel_outer, key, buffers, info))
-                    momentum_keys.append(key)
-            for write in writes:
-                write.result()
-    finally:
-        torch.set_num_threads(threads)
+    with one_torch_thread(), ThreadPoolExecutor(IO_THREADS) as pool:
+        before_f = {key: pool.submit(read_state, root, rel_before, key) for key in keys}
+        momentum_f = {key: pool.submit(read_state, root, rel_momentum, key) for key in outer_state_keys(root, round_index, keys)}
+        path_f = {pid: pool.submit(read_path, pid) for pid in committed}
+        writes = []
+        for key in keys:
+            before = before_f[key].result()
+            momentum = momentum_f[key].result() if key in momentum_f else None
+            sizes[key] = module_bytes(before)
+            through = merged_paths[str(key)]
+            if not through:  # no path through this module finished: it keeps its parameters
+                new, buffers = before, momentum
+                untouched.append(str(key))
+            else:
+                weights = [float(committed[pid]) if config.outer.weighting == "tokens" else 1.0 for pid in through]
+                grad = outer.outer_gradient(before, [path_f[pid].result()[key.level] for pid in through], weights)
+                new, buffers = outer.outer_step(before, grad, momentum)
+                grad_norms[str(key)] = math.hypot(*(float(torch.linalg.vector_norm(g)) for g in grad.values()))
+            writes.append(pool.submit(write_state, root, rel_modules, key, new, info))
+            if buffers:
+                writes.append(pool.submit(write_state, root, rel_outer, key, buffers, info))
+                momentum_keys.append(key)
+        for write in writes:
+            write.result()
     commit_states(root, rel_modules, keys, info)
     commit_states(root, rel_outer, momentum_keys, info)
 

@@ -102,8 +102,8 @@ def train_round(config: Config, round_index: int) -> dict:
     """Train every path (parallel launches), merge, evaluate, register: one outer round."""
     from pipeline.tracking import get_tracker
 
-    jobs = list_paths(config)
-    pending = [job for job in jobs if not RunRoot(config.run_root).is_committed(layout.path_dir(round_index, job))]
+    jobs, root = list_paths(config), RunRoot(config.run_root)
+    pending = [job for job in jobs if not root.is_committed(layout.path_dir(round_index, job))]
     log.info("round %d: training %d of %d path jobs", round_index, len(pending), len(jobs))
     for path_id, metrics in train_paths(config, round_index, jobs).items():
         if metrics is not None:
