@@ -2,9 +2,11 @@
 
 `python -m benchmarks.perf` (also run by `make bench`). Four figures:
 - trainer: the path trainer's tokens/s under ZeRO-1/2/3 over a plain PyTorch loop, same model,
-  batches and steps, interleaved in one launched process (`benchmarks.perf_worker`), at the
-  quality runs' step (one micro batch) and at a step of `--accum-large` micro batches; and model
-  FLOP utilisation against an fp32 matmul measured in that process. Target >= 0.95x.
+  batches and steps, interleaved in one launched process (`benchmarks.perf_worker`), on the path
+  `dipaco run` trains by default (its 2,048-token step); and model FLOP utilisation against an
+  fp32 matmul measured in that process. Target >= 0.95x. Beside it, as a diagnostic, the quality
+  runs' toy path at a 512-token step, where DeepSpeed's fixed per-optimizer-step work (its flat
+  gradient buffers, float64 norm, fp32 master copy) is a visible share of a step.
 - prepare: documents/s of the whole Beam job over the raw embedder on the same documents
   (`benchmarks.bench_prepare.bench_prepare`, another engineer's, called when present). Target >= 0.85x.
 - merge: `pipeline.merge.merge_round` seconds for a 16-path [4, 4] grid over plainly reading and
@@ -45,21 +47,26 @@ OUT = Path("benchmarks/out/perf")
 
 
 # -- trainer throughput and MFU ------------------------------------------------------------------
-def trainer_throughput(args: argparse.Namespace, accum: int = 1) -> dict:
-    """Launch the worker exactly as a path job is launched (deepspeed launcher, OMP threads set).
+def default_path_shape() -> dict[str, int]:
+    """The path `dipaco run` trains when a config says nothing (DESIGN.md: hidden 256, 4 heads,
+    2 + 2 blocks, seq_len 256, micro batch 8): the trainer figure is measured on it."""
+    model, train = Config().model, Config().train
+    return {"hidden": model.hidden_size, "heads": model.num_heads, "blocks": sum(model.blocks_per_level),
+            "seq_len": model.seq_len, "micro_batch": train.micro_batch_size, "accum": train.gradient_accumulation_steps}
 
-    `accum` micro batches per optimizer step: ZeRO's extra work (flat gradient buffers, its own
-    norm and clipping, the fp32 partition copied back into the model) is paid once per optimizer
-    step, so its share shrinks as a step carries more tokens; measuring two step sizes shows it."""
+
+def trainer_throughput(args: argparse.Namespace, name: str, shape: dict[str, int], steps: int, reps: int,
+                       modes: str) -> dict:
+    """Launch the worker exactly as a path job is launched (deepspeed launcher, OMP threads set)."""
     set_runtime_env()
-    out = OUT / f"trainer-accum{accum}.json"
+    out = OUT / f"{name}.json"
     out.unlink(missing_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.procs)
-    steps, reps = (args.steps, args.reps) if accum == 1 else (2, max(4, 2 * args.reps // 3))
     command = [str(Path(sys.executable).with_name("deepspeed")), "--num_nodes", "1", "--num_gpus", str(args.procs),
                "--master_port", str(free_port()), "--no_local_rank", "--module", "benchmarks.perf_worker",
-               "--out", str(out), "--steps", str(steps), "--reps", str(reps), "--accum", str(accum),
-               "--hidden", str(args.hidden), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch)]
+               "--out", str(out), "--steps", str(steps), "--reps", str(reps), "--modes", modes]
+    for key, value in shape.items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
     log.info("trainer benchmark: %s", " ".join(command))
     start = time.perf_counter()
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, capture_output=True, text=True)
@@ -264,9 +271,15 @@ def bytes_ratio(merge: dict, config: Config) -> dict:
 def run_perf(args: argparse.Namespace) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     result: dict = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    stages_ = [("merge", lambda: merge_vs_io(args)), ("trainer", lambda: trainer_throughput(args))]
-    if args.accum_large > 1:
-        stages_.append(("trainer_large_batch", lambda: trainer_throughput(args, args.accum_large)))
+    # The figure: the default path at its default step (2,048 tokens). The diagnostic: the quality
+    # runs' toy path at a 512-token step, where DeepSpeed's fixed per-step work shows (see README).
+    toy = {"hidden": args.hidden, "heads": 4, "blocks": 2, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+           "accum": 1}
+    stages_ = [("merge", lambda: merge_vs_io(args)),
+               ("trainer", lambda: trainer_throughput(args, "trainer", default_path_shape(), 1, args.trainer_reps,
+                                                      "plain,zero1,zero2,zero3")),
+               ("trainer_small_step", lambda: trainer_throughput(args, "trainer_small_step", toy, args.steps, args.reps,
+                                                                 "plain,zero1,zero2,zero3,zero2_bare"))]
     stages_.append(("prepare", lambda: prepare_throughput(args.prepare_docs)))
     for name, run in stages_:
         start = time.perf_counter()
@@ -281,10 +294,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3, help="trainer steps per timed block")
-    parser.add_argument("--reps", type=int, default=12, help="timed blocks per mode, interleaved in shuffled order")
-    parser.add_argument("--accum-large", type=int, default=4,
-                        help="micro batches per step of the second trainer measurement (1: skip it)")
+    parser.add_argument("--trainer-reps", type=int, default=16,
+                        help="timed one-step blocks per mode on the default path, interleaved in shuffled order")
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed block of the small-step diagnostic")
+    parser.add_argument("--reps", type=int, default=12, help="timed blocks per mode of the small-step diagnostic")
     parser.add_argument("--procs", type=int, default=1, help="ranks of the trainer launch (the island)")
     parser.add_argument("--inner-steps", type=int, default=None, help="H (default: the quality benchmark's)")
     parser.add_argument("--merge-reps", type=int, default=5)

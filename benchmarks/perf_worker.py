@@ -199,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": {m: tokens / statistics.median(s) for m, s in seconds.items()},
         # Each block against the plain block of the same rep (adjacent in time): drift cancels.
         "ratio_to_plain": {m: statistics.median(p / s for p, s in zip(seconds["plain"], seconds[m])) for m in seconds},
+        # What a mode adds to each optimizer step, from the same paired blocks. ZeRO's extra work
+        # (flat gradient buffers, its own norm, the master copy written back) is paid per step,
+        # whatever the step's token count: this is the number that predicts other step sizes.
+        "extra_seconds_per_step": {m: statistics.median((s - p) / args.steps for p, s in zip(seconds["plain"], seconds[m]))
+                                   for m in seconds},
+        "plain_seconds_per_step": statistics.median(seconds["plain"]) / args.steps,
         "matmul_flops": max(peak), "model_flops_per_token": flops_token,
         "args": vars(args),
     }
