@@ -40,6 +40,12 @@ def ok(value: float, target: float, higher_is_better: bool = True) -> str:
     return "meets" if (value >= target if higher_is_better else value <= target) else "**misses**"
 
 
+def trainer_run_label(key: str, args: dict) -> tuple[str, int]:
+    """("default path (hidden 256, 4 blocks)", tokens per optimizer step) of one trainer measurement."""
+    tokens = args.get("accum", 1) * args["micro_batch"] * args["seq_len"]
+    return f"{'default' if key == 'trainer' else 'toy'} path (hidden {args['hidden']}, {args['blocks']} blocks)", tokens
+
+
 def zero_cost_table(p: dict) -> list[str]:
     """ZeRO's cost per optimizer step, and the step size at which it falls under 5%.
 
@@ -49,21 +55,22 @@ def zero_cost_table(p: dict) -> list[str]:
     carries 19 * d / t * T tokens (more micro batches or gradient accumulation), with d / t taken
     from the measured ratio (1/r - 1) so the estimate agrees with the figure."""
     rows = ["ZeRO's fixed cost per optimizer step (medians of paired blocks; the last column estimates, from the "
-            "measured ratio, the step size from which it reaches 0.95, the plain step growing with its tokens):", "", "| path | tokens/step | plain s/step | mode | extra ms/step | share of a plain step "
+            "measured ratio, the step size from which it reaches 0.95, the plain step growing with its tokens):", "",
+            "| path | tokens/step | plain s/step | mode | extra ms/step | share of a plain step "
             "| tokens/step for 0.95 (estimate) |", "|---|---|---|---|---|---|---|"]
-    for key, name in (("trainer", "default"), ("trainer_small_step", "toy")):
+    for key in ("trainer", "trainer_small_step"):
         run = p.get(key)
         if not run or "extra_seconds_per_step" not in run:
             continue
-        a, plain = run["args"], run["plain_seconds_per_step"]
-        tokens = a.get("accum", 1) * a["micro_batch"] * a["seq_len"]
+        plain = run["plain_seconds_per_step"]
+        name, tokens = trainer_run_label(key, run["args"])
         for mode in ("zero1", "zero2", "zero3"):
             extra = run["extra_seconds_per_step"].get(mode)
             if extra is None:
                 continue
             # From the measured ratio r = t / (t + d): d / t = 1/r - 1, so r reaches 0.95 at 19 (1/r - 1) T tokens.
             needed = 19 * (1 / run["ratio_to_plain"][mode] - 1) * tokens
-            rows.append(f"| {name} (hidden {a['hidden']}, {a['blocks']} blocks) | {tokens:,} | {plain:.3f} | ZeRO-{mode[4]} "
+            rows.append(f"| {name} | {tokens:,} | {plain:.3f} | ZeRO-{mode[4]} "
                         f"| {1000 * extra:+.0f} | {extra / plain:.1%} | {needed:,.0f} |")
     return [*rows, ""] if len(rows) > 4 else []
 
@@ -74,9 +81,9 @@ def perf_table(p: dict) -> list[str]:
     for key, target in (("trainer", "target"), ("trainer_small_step", "diagnostic")):
         if not p.get(key):
             continue
-        run, a = p[key], p[key]["args"]
-        what = (f"{'default' if key == 'trainer' else 'toy'} path (hidden {a['hidden']}, {a['blocks']} blocks), "
-                f"{a.get('accum', 1) * a['micro_batch'] * a['seq_len']:,} tokens/step")
+        run = p[key]
+        name, tokens = trainer_run_label(key, run["args"])
+        what = f"{name}, {tokens:,} tokens/step"
         for mode in ("zero1", "zero2", "zero3", "zero2_bare"):
             if mode not in run["ratio_to_plain"]:
                 continue
