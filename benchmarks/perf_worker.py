@@ -72,8 +72,16 @@ def load_rows(data_glob: str, n_docs: int, seq_len: int) -> np.ndarray:
     return pack_documents(docs, seq_len, seed=0, eos=eos_token_id(50257))
 
 
+# A ZeRO-3 engine built with memory_efficient_linear replaces torch.nn.functional.linear for the
+# whole process. Every mode here shares one process, so each block runs with the linear its own
+# path job would have: torch's for the plain loop and ZeRO-1/2, whatever ZeRO-3 installed for it.
+TORCH_LINEAR = torch.nn.functional.linear
+
+
 class PlainLoop:
     """The reference: what a user writes in PyTorch, with the trainer's schedule and clipping."""
+
+    linear = staticmethod(TORCH_LINEAR)
 
     def __init__(self, model: torch.nn.Module, config: Config, world: int):
         self.model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
@@ -109,6 +117,7 @@ class TrainerLoop:
         shape = ModelShape.from_config(config.model)
         self.engine = wrap_with_zero(model, adamw_for(model, config.train), load_ds_config(config.train, shape.hidden_size, world))
         self.config, self.bare = config, bare
+        self.linear = torch.nn.functional.linear if stage == 3 else TORCH_LINEAR
 
     def run(self, stream: RowStream, round_index: int, rank: int, world: int) -> float:
         if not self.bare:
@@ -186,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1:
             torch.distributed.broadcast_object_list(order, src=0)
         for mode in order:
+            torch.nn.functional.linear = loops[mode].linear
             elapsed = loops[mode].run(stream, rep, rank, world)
             if rep:
                 seconds[mode].append(elapsed)

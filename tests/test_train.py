@@ -80,6 +80,8 @@ def test_zero_stages_give_the_same_loss_curve_on_a_two_process_gloo_launch(run_r
         assert metrics is not None, f"ZeRO-{stage} launch failed: {root.path(layout.attempts_dir(0, 'p0'))}"
         assert metrics["world_size"] == 2 and metrics["ds_config"]["zero_optimization"]["stage"] == stage
         assert metrics["ds_config"]["train_batch_size"] == 2 * config.train.micro_batch_size
+        if stage == 3:  # partitioned over two ranks: DeepSpeed's memory-efficient linear, its default
+            assert metrics["ds_config"]["zero_optimization"]["memory_efficient_linear"] is True
         curves[stage] = metrics["loss"]
     assert curves[1][-1] < curves[1][0]  # it learns
     assert curves[2] == pytest.approx(curves[1], rel=1e-5)
@@ -122,6 +124,26 @@ def test_zero3_gathers_each_transformer_block_as_one_unit(run_root):
     blocks = list(engine.module.model.layers)
     assert len(blocks) == 2 and all(z3_leaf_module(block) for block in blocks)
     assert not any(z3_leaf_module(child) for block in blocks for child in block.modules() if child is not block)
+
+
+def test_one_rank_zero3_leaves_torch_linear_in_place(run_root):
+    """On one rank ZeRO-3 partitions nothing, so its memory-efficient linear would save nothing;
+    "auto" turns it off there, and the process keeps torch's own linear (DeepSpeed's replaced
+    it process-wide and cost ~2% of a CPU path's forward and backward)."""
+    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.ds_config=ds_configs/zero3.json")
+    shape = ModelShape.from_config(config.model)
+    ds_config = load_ds_config(config.train, shape.hidden_size, 1)
+    assert ds_config["zero_optimization"]["memory_efficient_linear"] is False
+    engine = wrap_with_zero(model := build_path_model(shape, seed=0), adamw_for(model, config.train), ds_config)
+    assert torch.nn.functional.linear is torch._C._nn.linear
+    inputs = torch.randint(0, shape.vocab_size, (2, config.model.seq_len))
+    losses = []
+    for _ in range(3):
+        loss = F.cross_entropy(engine(input_ids=inputs).logits.flatten(0, 1), inputs.flatten())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses[2] < losses[0]
 
 
 def test_zero3_step_starts_no_processes(run_root, monkeypatch):
