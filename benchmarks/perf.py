@@ -50,7 +50,8 @@ OUT = Path("benchmarks/out/perf")
 def default_path_shape() -> dict[str, int]:
     """The path `dipaco run` trains when a config says nothing (DESIGN.md: hidden 256, 4 heads,
     2 + 2 blocks, seq_len 256, micro batch 8): the trainer figure is measured on it."""
-    model, train = Config().model, Config().train
+    defaults = Config()
+    model, train = defaults.model, defaults.train
     return {"hidden": model.hidden_size, "heads": model.num_heads, "blocks": sum(model.blocks_per_level),
             "seq_len": model.seq_len, "micro_batch": train.micro_batch_size, "accum": train.gradient_accumulation_steps}
 

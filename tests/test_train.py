@@ -88,13 +88,31 @@ def test_zero_stages_give_the_same_loss_curve_on_a_two_process_gloo_launch(run_r
     assert curves[3] == pytest.approx(curves[1], rel=1e-5)
 
 
-@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero2_offload"])
-def test_written_parameters_survive_a_step_in_every_zero_stage(ds_config, run_root):
-    """The trap: DeepSpeed restores its fp32 master copy at step(); our writer must persist."""
-    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", f"train.ds_config=ds_configs/{ds_config}.json")
+def one_rank_engine(run_root, ds_config: str, blocks: int = 1):
+    """A path model wrapped by DeepSpeed in this process (one rank), as train_path wraps it."""
+    config = tiny_config(run_root, "model.grid=[1]", f"model.blocks_per_level=[{blocks}]",
+                         f"train.ds_config=ds_configs/{ds_config}.json")
     shape = ModelShape.from_config(config.model)
     engine = wrap_with_zero(model := build_path_model(shape, seed=0), adamw_for(model, config.train),
                             load_ds_config(config.train, shape.hidden_size, 1))
+    return engine, shape, config
+
+
+def next_token_steps(engine, inputs: torch.Tensor, steps: int) -> list[float]:
+    """`steps` optimizer steps on `inputs`; returns each step's loss."""
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(engine(input_ids=inputs).logits.flatten(0, 1), inputs.flatten())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero2_offload"])
+def test_written_parameters_survive_a_step_in_every_zero_stage(ds_config, run_root):
+    """The trap: DeepSpeed restores its fp32 master copy at step(); our writer must persist."""
+    engine, shape, _ = one_rank_engine(run_root, ds_config)
     inputs = torch.randint(0, shape.vocab_size, (2, 8))
     engine.backward(engine(input_ids=inputs).logits.mean())
     engine.step()  # optimizer state now exists
@@ -117,10 +135,7 @@ def test_zero3_gathers_each_transformer_block_as_one_unit(run_root):
     per optimizer step on the default path is now close to ZeRO-2's)."""
     from deepspeed.utils import z3_leaf_module
 
-    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[2]", "train.ds_config=ds_configs/zero3.json")
-    shape = ModelShape.from_config(config.model)
-    engine = wrap_with_zero(model := build_path_model(shape, seed=0), adamw_for(model, config.train),
-                            load_ds_config(config.train, shape.hidden_size, 1))
+    engine, _, _ = one_rank_engine(run_root, "zero3", blocks=2)
     blocks = list(engine.module.model.layers)
     assert len(blocks) == 2 and all(z3_leaf_module(block) for block in blocks)
     assert not any(z3_leaf_module(child) for block in blocks for child in block.modules() if child is not block)
@@ -130,19 +145,10 @@ def test_one_rank_zero3_leaves_torch_linear_in_place(run_root):
     """On one rank ZeRO-3 partitions nothing, so its memory-efficient linear would save nothing;
     "auto" turns it off there, and the process keeps torch's own linear (DeepSpeed's replaces it
     for every model the process builds afterwards, the benchmark's plain loop included)."""
-    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.ds_config=ds_configs/zero3.json")
-    shape = ModelShape.from_config(config.model)
-    ds_config = load_ds_config(config.train, shape.hidden_size, 1)
-    assert ds_config["zero_optimization"]["memory_efficient_linear"] is False
-    engine = wrap_with_zero(model := build_path_model(shape, seed=0), adamw_for(model, config.train), ds_config)
+    engine, shape, config = one_rank_engine(run_root, "zero3")
+    assert load_ds_config(config.train, shape.hidden_size, 1)["zero_optimization"]["memory_efficient_linear"] is False
     assert torch.nn.functional.linear is torch._C._nn.linear
-    inputs = torch.randint(0, shape.vocab_size, (2, config.model.seq_len))
-    losses = []
-    for _ in range(3):
-        loss = F.cross_entropy(engine(input_ids=inputs).logits.flatten(0, 1), inputs.flatten())
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = next_token_steps(engine, torch.randint(0, shape.vocab_size, (2, config.model.seq_len)), 3)
     assert losses[2] < losses[0]
 
 
@@ -152,10 +158,7 @@ def test_zero3_step_starts_no_processes(run_root, monkeypatch):
     gradient bucket, about 35 process starts per optimizer step on the default path."""
     import subprocess
 
-    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[2]", "train.ds_config=ds_configs/zero3.json")
-    shape = ModelShape.from_config(config.model)
-    engine = wrap_with_zero(model := build_path_model(shape, seed=0), adamw_for(model, config.train),
-                            load_ds_config(config.train, shape.hidden_size, 1))
+    engine, shape, config = one_rank_engine(run_root, "zero3", blocks=2)
     started: list[object] = []
     real_popen = subprocess.Popen
 
@@ -164,11 +167,7 @@ def test_zero3_step_starts_no_processes(run_root, monkeypatch):
         return real_popen(args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess, "Popen", recording_popen)
-    inputs = torch.randint(0, shape.vocab_size, (2, config.model.seq_len))
-    for _ in range(2):
-        loss = F.cross_entropy(engine(input_ids=inputs).logits.flatten(0, 1), inputs.flatten())
-        engine.backward(loss)
-        engine.step()
+    next_token_steps(engine, torch.randint(0, shape.vocab_size, (2, config.model.seq_len)), 2)
     assert started == []
 
 
