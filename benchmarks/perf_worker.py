@@ -115,7 +115,7 @@ class TrainerLoop:
         config = copy.deepcopy(config)
         config.train.ds_config = f"ds_configs/zero{stage}.json"
         shape = ModelShape.from_config(config.model)
-        self.engine = wrap_with_zero(model, adamw_for(model, config.train), load_ds_config(config.train, shape.hidden_size, world))
+        self.engine = wrap_with_zero(model, adamw_for(model, config.train), load_ds_config(config.train, shape, world))
         self.config, self.bare = config, bare
         self.linear = torch.nn.functional.linear if stage == 3 else TORCH_LINEAR
 

@@ -52,6 +52,12 @@ class ModelShape:
         )
 
     @property
+    def largest_parameter(self) -> int:
+        """Elements of the path's largest tensor: the embedding or head (vocab x hidden), or an MLP
+        projection when the intermediate width exceeds the vocabulary."""
+        return self.hidden_size * max(self.vocab_size, self.intermediate_size, self.hidden_size)
+
+    @property
     def n_levels(self) -> int:
         return len(self.blocks_per_level)
 

@@ -79,7 +79,7 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
     merged = load_path_modules(root, round_index, modules)
     model = build_path_model(shape, merged, seed=train.seed)
     start_state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    ds_config = load_ds_config(train, shape.hidden_size, world)
+    ds_config = load_ds_config(train, shape, world)
     engine = wrap_with_zero(model, adamw_for(model, train), ds_config)
     resumed_from = resume_inner_state(engine, root, round_index, path_id, start_state)
 

@@ -82,6 +82,8 @@ def test_zero_stages_give_the_same_loss_curve_on_a_two_process_gloo_launch(run_r
         assert metrics["ds_config"]["train_batch_size"] == 2 * config.train.micro_batch_size
         if stage == 3:  # partitioned over two ranks: DeepSpeed's memory-efficient linear, its default
             assert metrics["ds_config"]["zero_optimization"]["memory_efficient_linear"] is True
+            assert metrics["ds_config"]["zero_optimization"]["reduce_scatter"] is True
+            assert metrics["ds_config"]["zero_optimization"]["reduce_bucket_size"] == config.model.hidden_size ** 2
         curves[stage] = metrics["loss"]
     assert curves[1][-1] < curves[1][0]  # it learns
     assert curves[2] == pytest.approx(curves[1], rel=1e-5)
@@ -94,7 +96,7 @@ def one_rank_engine(run_root, ds_config: str, blocks: int = 1):
                          f"train.ds_config=ds_configs/{ds_config}.json")
     shape = ModelShape.from_config(config.model)
     engine = wrap_with_zero(model := build_path_model(shape, seed=0), adamw_for(model, config.train),
-                            load_ds_config(config.train, shape.hidden_size, 1))
+                            load_ds_config(config.train, shape, 1))
     return engine, shape, config
 
 
@@ -146,10 +148,45 @@ def test_one_rank_zero3_leaves_torch_linear_in_place(run_root):
     "auto" turns it off there, and the process keeps torch's own linear (DeepSpeed's replaces it
     for every model the process builds afterwards, the benchmark's plain loop included)."""
     engine, shape, config = one_rank_engine(run_root, "zero3")
-    assert load_ds_config(config.train, shape.hidden_size, 1)["zero_optimization"]["memory_efficient_linear"] is False
+    assert load_ds_config(config.train, shape, 1)["zero_optimization"]["memory_efficient_linear"] is False
     assert torch.nn.functional.linear is torch._C._nn.linear
     losses = next_token_steps(engine, torch.randint(0, shape.vocab_size, (2, config.model.seq_len)), 3)
     assert losses[2] < losses[0]
+
+
+def test_one_rank_zero3_all_reduces_instead_of_scattering_and_steps_like_plain_pytorch(run_root, monkeypatch):
+    """On one rank ZeRO-3's reduce-scatter scatters to itself, yet gloo copies every gradient
+    through it (13 ms for the default path's embedding). "auto" turns reduce_scatter off there and
+    sizes the bucket for the largest tensor, so every gradient takes ZeRO-3's all-reduce, a no-op
+    on one rank; the steps must still be plain PyTorch's AdamW steps with clipping."""
+    import deepspeed.comm
+
+    engine, shape, config = one_rank_engine(run_root, "zero3", blocks=2)
+    zero = load_ds_config(config.train, shape, 1)["zero_optimization"]
+    assert zero["reduce_scatter"] is False and zero["reduce_bucket_size"] >= shape.largest_parameter
+    scattered: list[int] = []
+    real_reduce_scatter = deepspeed.comm.reduce_scatter_fn
+
+    def recording_reduce_scatter(output_tensor, tensor, *args, **kwargs):
+        scattered.append(tensor.numel())
+        return real_reduce_scatter(output_tensor, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(deepspeed.comm, "reduce_scatter_fn", recording_reduce_scatter)
+    inputs = torch.randint(0, shape.vocab_size, (2, config.model.seq_len), generator=torch.Generator().manual_seed(0))
+    ours = next_token_steps(engine, inputs, 3)
+    assert scattered == []
+
+    model = build_path_model(shape, seed=0)
+    optimizer, reference = adamw_for(model, config.train), []
+    for _ in range(3):
+        loss = F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), inputs.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
+        optimizer.step()
+        reference.append(loss.item())
+    assert ours == pytest.approx(reference, rel=1e-5)
+    assert ours[2] < ours[0]
 
 
 def test_zero3_step_starts_no_processes(run_root, monkeypatch):
