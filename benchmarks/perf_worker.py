@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     result["mfu"] = {m: result["tokens_per_s"][m] * flops_token / result["matmul_flops"] for m in seconds}
     if rank == 0:
         Path(args.out).write_text(json.dumps(result, indent=2))
+    torch.distributed.destroy_process_group()  # as a path job ends (pipeline.train_path.main)
     return 0
 
 

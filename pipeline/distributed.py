@@ -67,7 +67,35 @@ def init_distributed() -> tuple[int, int]:
             os.environ.setdefault("LOCAL_SIZE", os.environ["LOCAL_WORLD_SIZE"])
         backend = "nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo"
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        unlink_shm_workspace(dist.get_rank(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size()
+
+
+def shm_workspace_path(rank: int) -> Path:
+    """The shared-memory workspace DeepSpeed's CPU comm op creates for `rank` (ops/csrc/cpu/comm/
+    shm.cpp: named by uid, MASTER_ADDR, MASTER_PORT and rank)."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def unlink_shm_workspace(rank: int, world_size: int) -> None:
+    """Remove this rank's DeepSpeed shared-memory workspace name once every rank has mapped it.
+
+    When all ranks share a host (WORLD_SIZE == LOCAL_SIZE, one-rank jobs included), DeepSpeed's CPU
+    accelerator creates a 69 MB workspace per rank in /dev/shm, which is RAM, and never removes
+    it: every path job left one per rank behind, and 192 of them (13 GB) pushed a benchmark run on
+    this 24 GB machine out of memory. Peers open a workspace by name only inside
+    `deepspeed.init_distributed`, so after the barrier the name is no longer needed; the mappings
+    stay valid and the kernel frees the memory when the last rank exits, even when it is killed.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if world_size > 1:
+        # Every rank has mapped every peer's workspace. An all-reduce rather than dist.barrier():
+        # a gloo barrier left a worker thread that aborted ~1 in 4 processes at exit.
+        dist.all_reduce(torch.zeros(1))
+    shm_workspace_path(rank).unlink(missing_ok=True)
 
 
 def _has_cuda() -> bool:
