@@ -99,8 +99,8 @@ def release_engine(engine) -> None:
     launcher, the quality benchmark, the tests) does not keep every engine it ever built.
 
     `engine.destroy()` is DeepSpeed's release (hooks off, buffers dropped); without it each ZeRO-2
-    engine of the toy path stayed alive (+120 MB per job, 11 GB over a quality benchmark's 69
-    jobs). ZeRO-3 also keeps each engine's parameter coordinator, and through it the model and its
+    engine of the toy path stayed alive (+120 MB per job; a quality benchmark's process, which
+    trains every job of every variant in process, had reached 11 GB when it ran out of memory). ZeRO-3 also keeps each engine's parameter coordinator, and through it the model and its
     optimizer state, in an unbounded `functools.lru_cache` on a method
     (`PartitionedParameterCoordinator.__params_to_release`); clearing that cache only makes a live
     engine recompute which parameters a submodule releases. And every ZeRO-3 engine pushes its
