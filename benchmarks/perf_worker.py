@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from models.modular import ModelShape, build_path_model, eos_token_id, initial_level_states
 from pipeline.config import Config, config_from_dict
 from pipeline.data import RowStream, micro_batch_start, pack_documents
-from pipeline.distributed import init_distributed
+from pipeline.distributed import close_distributed, init_distributed
 from pipeline.train_path import adamw_for, lr_at, run_inner_loop
 from pipeline.zero import load_ds_config, wrap_with_zero
 
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     result["mfu"] = {m: result["tokens_per_s"][m] * flops_token / result["matmul_flops"] for m in seconds}
     if rank == 0:
         Path(args.out).write_text(json.dumps(result, indent=2))
-    torch.distributed.destroy_process_group()  # as a path job ends (pipeline.train_path.main)
+    close_distributed()  # as a path job ends (pipeline.train_path.main)
     return 0
 
 

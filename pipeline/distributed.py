@@ -71,6 +71,18 @@ def init_distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def close_distributed() -> None:
+    """End this rank's process group before the process exits, as a launched rank's last act.
+
+    A rank that exits with its gloo group alive can abort at exit ("terminate called without an
+    active exception", exit -6): 2 of 16 two-rank launches of a minimal script did; with the group
+    destroyed first, 0 of 10."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def shm_workspace_path(rank: int) -> Path:
     """The shared-memory workspace DeepSpeed's CPU comm op creates for `rank` (ops/csrc/cpu/comm/
     shm.cpp: named by uid, MASTER_ADDR, MASTER_PORT and rank)."""

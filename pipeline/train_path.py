@@ -25,7 +25,7 @@ from models.modular import ModelShape, build_path_model, eos_token_id
 from pipeline import layout
 from pipeline.config import Config, config_from_yaml
 from pipeline.data import RowStream, micro_batch_start, pack_documents
-from pipeline.distributed import init_distributed
+from pipeline.distributed import close_distributed, init_distributed
 from pipeline.errors import ConfigError, DipacoError, InputError
 from pipeline.module_store import load_path_modules
 from pipeline.shards import read_path_documents
@@ -214,13 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dipaco train-path: {exc}", file=sys.stderr)
         return 2
     finally:
-        # A rank that exits with its gloo group alive can abort at exit ("terminate called without
-        # an active exception", exit -6): 2 of 16 two-rank launches of a minimal script did; with
-        # the group destroyed first, 0 of 10.
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed()
 
 
 if __name__ == "__main__":

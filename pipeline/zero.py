@@ -36,8 +36,16 @@ def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: in
             config[key] = value
         elif given != value:
             raise ConfigError(f"{source}: {key} is {given} but the run config implies {value}; use \"auto\"")
+    zero = config.setdefault("zero_optimization", {"stage": 0})
+    reduce_scatter = zero.get("reduce_scatter", True)  # DeepSpeed's default
+    scatters = world_size > 1 if reduce_scatter == "auto" else reduce_scatter
     zero_auto = {
-        "reduce_bucket_size": hidden_size * hidden_size,
+        # Without the reduce-scatter, ZeRO-3 all-reduces only a bucket that holds its gradients; a
+        # gradient larger than the bucket goes back to the reduce-scatter. One bucket as large as
+        # the largest tensor (the embedding) keeps every gradient on the all-reduce; DeepSpeed's
+        # own default is 5e8.
+        "reduce_bucket_size": hidden_size * hidden_size if scatters else max(hidden_size * hidden_size,
+                                                                             shape.largest_parameter),
         "allgather_bucket_size": int(5e8),
         "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
         "stage3_param_persistence_threshold": 10 * hidden_size,
@@ -53,17 +61,11 @@ def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: in
         # one rank. DeepSpeed's default (true) wherever there is more than one rank to scatter to.
         "reduce_scatter": world_size > 1,
     }
-    zero = config.setdefault("zero_optimization", {"stage": 0})
-    auto_keys = {key for key, value in zero.items() if value == "auto"}
-    for key in auto_keys:
-        if key not in zero_auto:
-            raise ConfigError(f"{source}: zero_optimization.{key} cannot be \"auto\"")
-        zero[key] = zero_auto[key]
-    if "reduce_bucket_size" in auto_keys and zero.get("reduce_scatter") is False:
-        # ZeRO-3 all-reduces only a bucket that holds its gradients; a gradient larger than the
-        # bucket goes back to the reduce-scatter. One bucket as large as the largest tensor (the
-        # embedding) keeps every gradient on the all-reduce; DeepSpeed's own default is 5e8.
-        zero["reduce_bucket_size"] = max(zero["reduce_bucket_size"], shape.largest_parameter)
+    for key, value in list(zero.items()):
+        if value == "auto":
+            if key not in zero_auto:
+                raise ConfigError(f"{source}: zero_optimization.{key} cannot be \"auto\"")
+            zero[key] = zero_auto[key]
     if "optimizer" in config:
         # A config-declared optimizer JIT-compiles FusedAdam/CPUAdam (~95 s on this CPU); the
         # trainer passes a torch AdamW instead, built from train.lr/betas/weight_decay.
@@ -100,7 +102,8 @@ def release_engine(engine) -> None:
 
     `engine.destroy()` is DeepSpeed's release (hooks off, buffers dropped); without it each ZeRO-2
     engine of the toy path stayed alive (+120 MB per job; a quality benchmark's process, which
-    trains every job of every variant in process, had reached 11 GB when it ran out of memory). ZeRO-3 also keeps each engine's parameter coordinator, and through it the model and its
+    trains every job of every variant in process, had reached 11 GB when it ran out of memory).
+    ZeRO-3 also keeps each engine's parameter coordinator, and through it the model and its
     optimizer state, in an unbounded `functools.lru_cache` on a method
     (`PartitionedParameterCoordinator.__params_to_release`); clearing that cache only makes a live
     engine recompute which parameters a submodule releases. And every ZeRO-3 engine pushes its

@@ -150,6 +150,20 @@ def test_zero3_gathers_each_transformer_block_as_one_unit(run_root):
     assert not any(z3_leaf_module(child) for block in blocks for child in block.modules() if child is not block)
 
 
+def record_calls(monkeypatch, owner, name: str) -> list[tuple]:
+    """Replace `owner.name` by a wrapper that records each call's positional arguments and still
+    calls the real thing; returns the record."""
+    calls: list[tuple] = []
+    real = getattr(owner, name)
+
+    def recording(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recording)
+    return calls
+
+
 def test_one_rank_zero3_leaves_torch_linear_in_place(run_root):
     """On one rank ZeRO-3 partitions nothing, so its memory-efficient linear would save nothing;
     "auto" turns it off there, and the process keeps torch's own linear (DeepSpeed's replaces it
@@ -171,14 +185,7 @@ def test_one_rank_zero3_all_reduces_instead_of_scattering_and_steps_like_plain_p
     engine, shape, config = one_rank_engine(run_root, "zero3", blocks=2)
     zero = load_ds_config(config.train, shape, 1)["zero_optimization"]
     assert zero["reduce_scatter"] is False and zero["reduce_bucket_size"] >= shape.largest_parameter
-    scattered: list[int] = []
-    real_reduce_scatter = deepspeed.comm.reduce_scatter_fn
-
-    def recording_reduce_scatter(output_tensor, tensor, *args, **kwargs):
-        scattered.append(tensor.numel())
-        return real_reduce_scatter(output_tensor, tensor, *args, **kwargs)
-
-    monkeypatch.setattr(deepspeed.comm, "reduce_scatter_fn", recording_reduce_scatter)
+    scattered = record_calls(monkeypatch, deepspeed.comm, "reduce_scatter_fn")
     inputs = torch.randint(0, shape.vocab_size, (2, config.model.seq_len), generator=torch.Generator().manual_seed(0))
     ours = next_token_steps(engine, inputs, 3)
     assert scattered == []
@@ -200,17 +207,8 @@ def test_zero3_step_starts_no_processes(run_root, monkeypatch):
     """An in-process rank carries the LOCAL_SIZE the deepspeed launcher gives launched ranks;
     without it DeepSpeed's CPU accelerator runs `numactl --hardware` each time ZeRO-3 reduces a
     gradient bucket, about 35 process starts per optimizer step on the default path."""
-    import subprocess
-
     engine, shape, config = one_rank_engine(run_root, "zero3", blocks=2)
-    started: list[object] = []
-    real_popen = subprocess.Popen
-
-    def recording_popen(args, *rest, **kwargs):
-        started.append(args)
-        return real_popen(args, *rest, **kwargs)
-
-    monkeypatch.setattr(subprocess, "Popen", recording_popen)
+    started = record_calls(monkeypatch, subprocess, "Popen")
     next_token_steps(engine, torch.randint(0, shape.vocab_size, (2, config.model.seq_len)), 2)
     assert started == []
 
