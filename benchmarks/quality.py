@@ -163,7 +163,8 @@ def run_variant(args: QualityArgs, variant: Variant, prep: dict, eval_glob: str)
         result = stages.evaluate(config, round_index + 1)
         seconds["eval"] += time.perf_counter() - t0
         evals.append({"round": round_index + 1, "steps_per_path": (round_index + 1) * config.train.inner_steps,
-                      "perplexity": result["perplexity"], "tokens": result["tokens"]})
+                      "perplexity": result["perplexity"], "bits_per_byte": result.get("bits_per_byte"),
+                      "tokens": result["tokens"]})
         log.info("%s round %d: ppl %.2f (%d tokens)", variant.name, round_index + 1, result["perplexity"], result["tokens"])
     if not args.keep_rounds:
         shutil.rmtree(run_root / "rounds", ignore_errors=True)  # results are in eval/ and the return value
@@ -172,7 +173,8 @@ def run_variant(args: QualityArgs, variant: Variant, prep: dict, eval_glob: str)
         "steps_per_path": config.train.rounds * config.train.inner_steps,
         "tokens_per_step": config.train.micro_batch_size * config.model.seq_len,
         "jobs": len(stages.list_paths(config)),
-        "perplexity": evals[-1]["perplexity"], "eval_tokens": evals[-1]["tokens"],
+        "perplexity": evals[-1]["perplexity"], "bits_per_byte": evals[-1].get("bits_per_byte"),
+        "eval_tokens": evals[-1]["tokens"],
         "eval_docs_per_path": {p: v["docs"] for p, v in result["paths"].items()},
         "evals": evals, "losses": losses, "seconds": {**seconds, "total": time.perf_counter() - start},
         "prepare_seconds": prep["seconds"], "bytes_outer_per_round": report["bytes_outer"],

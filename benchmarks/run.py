@@ -128,11 +128,12 @@ def perf_table(p: dict) -> list[str]:
 
 
 def quality_table(q: dict) -> list[str]:
-    rows = ["| variant | grid | jobs/round | steps per path | tokens/step | routed ppl | vs dense | scored tokens | wall-clock s |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| variant | grid | jobs/round | steps per path | tokens/step | routed ppl | bits/byte | vs dense | scored tokens | wall-clock s |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for v in q["variants"]:
+        bpb = "-" if v.get("bits_per_byte") is None else f"{v['bits_per_byte']:.3f}"
         rows.append(f"| {v['name']} | {v['grid']} | {v['jobs']} | {v['steps_per_path']} | {v['tokens_per_step']} "
-                    f"| {v['perplexity']:.2f} | {100 * v['rel_to_dense']:+.1f}% | {v['eval_tokens']} | {v['seconds']['total']:.0f} |")
+                    f"| {v['perplexity']:.2f} | {bpb} | {100 * v['rel_to_dense']:+.1f}% | {v['eval_tokens']} | {v['seconds']['total']:.0f} |")
     return rows
 
 
@@ -249,6 +250,8 @@ def log_mlflow(result: dict, files: list[Path]) -> None:
             metrics["prepare_route_ratio"] = p["prepare"]["route_ratio"]
     for v in result.get("quality", {}).get("variants", []):
         metrics[f"ppl_{v['name']}"] = v["perplexity"]
+        if v.get("bits_per_byte") is not None:
+            metrics[f"bpb_{v['name']}"] = v["bits_per_byte"]
         metrics[f"rel_dense_{v['name']}"] = v["rel_to_dense"]
         metrics[f"seconds_{v['name']}"] = v["seconds"]["total"]
         for e in v["evals"]:

@@ -19,10 +19,14 @@ _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.(.+)$")
 EMBED, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 EOS_TOKEN_ID = 50256  # GPT-2's <|endoftext|>
+BPE_EOS_TOKEN_ID = 0  # a trained BPE's <|endoftext|>: special tokens come first in its vocabulary
 
 
-def eos_token_id(vocab_size: int) -> int:
-    """GPT-2's EOS; the last id when a test shrinks the vocabulary below GPT-2's."""
+def eos_token_id(vocab_size: int, tokenizer: str = "gpt2") -> int:
+    """The id of <|endoftext|>: GPT-2's (the last id when a test shrinks the vocabulary below
+    GPT-2's), or 0 for a BPE trained by the prepare job."""
+    if tokenizer == "bpe":
+        return BPE_EOS_TOKEN_ID
     return min(EOS_TOKEN_ID, vocab_size - 1)
 
 
@@ -36,6 +40,11 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     max_positions: int
+    tokenizer: str = "gpt2"  # gpt2 | bpe: where <|endoftext|> sits in the vocabulary
+
+    @property
+    def eos_id(self) -> int:
+        return eos_token_id(self.vocab_size, self.tokenizer)
 
     @classmethod
     def from_config(cls, model_config) -> "ModelShape":
@@ -49,6 +58,7 @@ class ModelShape:
             intermediate_size=intermediate,
             vocab_size=model_config.vocab_size,
             max_positions=model_config.seq_len,
+            tokenizer=model_config.tokenizer,
         )
 
     @property
@@ -81,9 +91,9 @@ class ModelShape:
             max_position_embeddings=self.max_positions,
             # Embedding and head belong to different levels, so they cannot share one tensor.
             tie_word_embeddings=False,
-            bos_token_id=eos_token_id(self.vocab_size),
-            eos_token_id=eos_token_id(self.vocab_size),
-            pad_token_id=eos_token_id(self.vocab_size),
+            bos_token_id=self.eos_id,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.eos_id,
             attn_implementation="sdpa",
         )
 

@@ -1,4 +1,4 @@
-"""Routed perplexity: each held-out document scored by the path its prefix routes to.
+"""Routed perplexity and bits per byte: each held-out document scored by the path its prefix routes to.
 
 The prepare job already routed the validation split with the training router
 (`shards/validation/path=<id>/`), so evaluation reads each path's held-out documents and scores
@@ -6,6 +6,11 @@ them with that path's model at the start of round r. As in the DiPaCo paper, the
 `router.prefix_tokens` tokens are context only: every token after them is scored, for every model
 (dense baselines included), so all numbers are over the same tokens. Documents longer than
 `model.seq_len + 1` tokens are scored on their first `seq_len + 1` tokens.
+
+Token perplexity cannot be compared across tokenizers (a 4k-id BPE cuts the same text into more,
+easier tokens than GPT-2's 50k), so every result also reports **bits per UTF-8 byte** over exactly
+the scored text: the summed negative log-likelihood in bits divided by the bytes the scored tokens
+stand for (`preprocessing.tokenizer.token_byte_lengths`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 
 from models.grid import all_path_ids
 from models.modular import EOS_TOKEN_ID, eos_token_id
+from preprocessing.tokenizer import load_tokenizer, token_byte_lengths
 from pipeline import layout
 from pipeline.module_store import load_path_model
 from pipeline.shards import read_path_documents, shard_parts
@@ -30,10 +36,10 @@ log = logging.getLogger("dipaco.eval")
 @torch.no_grad()
 def score_documents(model: torch.nn.Module, docs: list[np.ndarray], prefix: int, seq_len: int, batch_size: int,
                     pad_id: int = EOS_TOKEN_ID) -> tuple[float, int]:
-    """(summed negative log-likelihood, tokens scored) over the tokens after each prefix."""
+    """(summed negative log-likelihood in nats, tokens scored) over the tokens after each prefix."""
     model.eval()
     nll, count = 0.0, 0
-    docs = [d[: seq_len + 1] for d in docs if len(d) > prefix]
+    docs = scored_windows(docs, prefix, seq_len)
     for start in range(0, len(docs), batch_size):
         batch = docs[start:start + batch_size]
         width = max(len(d) for d in batch) - 1
@@ -51,28 +57,49 @@ def score_documents(model: torch.nn.Module, docs: list[np.ndarray], prefix: int,
     return nll, count
 
 
+def scored_windows(docs: list[np.ndarray], prefix: int, seq_len: int) -> list[np.ndarray]:
+    """The part of each document a model sees: its first seq_len + 1 tokens, if any follow the prefix."""
+    return [d[: seq_len + 1] for d in docs if len(d) > prefix]
+
+
+def scored_bytes(docs: list[np.ndarray], prefix: int, seq_len: int, byte_lengths: np.ndarray) -> int:
+    """UTF-8 bytes of exactly the text score_documents scores: tokens prefix..seq_len of each window."""
+    return int(sum(byte_lengths[np.asarray(d[prefix:], dtype=np.int64)].sum() for d in scored_windows(docs, prefix, seq_len)))
+
+
+def bits_per_byte(nll_nats: float, n_bytes: int) -> float | None:
+    return nll_nats / math.log(2) / n_bytes if n_bytes else None
+
+
 def evaluate_round(config, round_index: int) -> dict:
     """Perplexity per path and overall of the modules at the start of round r; eval/round=<r>.json."""
     root = RunRoot(config.run_root)
-    prefix, seq_len = config.router.prefix_tokens, config.model.seq_len
-    paths, total_nll, total_tokens = {}, 0.0, 0
-    for path_id in all_path_ids(config.model.grid):
+    prefix, seq_len, m = config.router.prefix_tokens, config.model.seq_len, config.model
+    byte_lengths = token_byte_lengths(load_tokenizer(root, m.tokenizer), m.vocab_size)
+    paths, total_nll, total_tokens, total_bytes = {}, 0.0, 0, 0
+    for path_id in all_path_ids(m.grid):
         if not shard_parts(root, path_id, split="validation"):
             continue
         docs = read_path_documents(root, path_id, split="validation")[: config.eval.max_docs]
         model = load_path_model(root, config, round_index, path_id)
         nll, tokens = score_documents(model, docs, prefix, seq_len, config.eval.batch_size,
-                                      pad_id=eos_token_id(config.model.vocab_size))
+                                      pad_id=eos_token_id(m.vocab_size, m.tokenizer))
         if tokens:
-            paths[path_id] = {"perplexity": math.exp(nll / tokens), "tokens": tokens, "docs": len(docs)}
-            total_nll, total_tokens = total_nll + nll, total_tokens + tokens
+            n_bytes = scored_bytes(docs, prefix, seq_len, byte_lengths)
+            paths[path_id] = {"perplexity": math.exp(nll / tokens), "bits_per_byte": bits_per_byte(nll, n_bytes),
+                              "tokens": tokens, "bytes": n_bytes, "docs": len(docs)}
+            total_nll, total_tokens, total_bytes = total_nll + nll, total_tokens + tokens, total_bytes + n_bytes
     result = {
         "round": round_index,
         "perplexity": math.exp(total_nll / total_tokens) if total_tokens else None,
+        "bits_per_byte": bits_per_byte(total_nll, total_bytes),
         "tokens": total_tokens,
+        "bytes": total_bytes,
+        "tokenizer": m.tokenizer,
         "paths": paths,
     }
     root.write_json(layout.eval_file(round_index), result)
     if total_tokens:
-        log.info("round %d: routed perplexity %.2f over %d tokens", round_index, result["perplexity"], total_tokens)
+        log.info("round %d: routed perplexity %.2f, %.3f bits per byte over %d tokens (%d bytes)",
+                 round_index, result["perplexity"], result["bits_per_byte"] or float("nan"), total_tokens, total_bytes)
     return result

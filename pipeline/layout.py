@@ -10,6 +10,7 @@ from models.grid import ModuleKey
 
 RUN_CONFIG = "run.yaml"
 ROUTER_DIR = "router"
+TOKENIZER_DIR = "tokenizer"  # model.tokenizer: bpe, trained by prepare
 SHARDS_DIR = "shards"
 MANIFEST = "shards/manifest.json"
 REJECTED_DIR = "shards/rejected"

@@ -53,17 +53,19 @@ def docs_per_path(docs: dict[str, int]) -> Figure:
     return fig
 
 
-def perplexity_by_round(overall: dict[int, float], per_path: dict[str, dict[int, float]]) -> Figure:
-    """Routed perplexity after each merge; the overall curve is the one that matters."""
+def perplexity_by_round(overall: dict[int, float], per_path: dict[str, dict[int, float]],
+                        metric: str = "perplexity") -> Figure:
+    """Routed perplexity (or bits per byte) after each merge; the overall curve is the one that matters."""
+    label = {"perplexity": "perplexity", "bits_per_byte": "bits per byte"}.get(metric, metric)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for pid in sorted(per_path):
         rounds = sorted(per_path[pid])
         ax.plot(rounds, [per_path[pid][r] for r in rounds], linewidth=0.8, alpha=0.6, label=pid)
     rounds = sorted(overall)
     ax.plot(rounds, [overall[r] for r in rounds], "k-o", linewidth=2, label="overall")
-    ax.set(xlabel="round (modules at its start)", ylabel="perplexity", title="Routed perplexity by round")
+    ax.set(xlabel="round (modules at its start)", ylabel=label, title=f"Routed {label} by round")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if overall and min(overall.values()) > 0:
+    if metric == "perplexity" and overall and min(overall.values()) > 0:
         ax.set_yscale("log")
     _legend(ax, len(per_path) + 1)
     fig.tight_layout()

@@ -1,10 +1,12 @@
 """The registered model: one MLflow pyfunc holding the router and every module of a round.
 
-`predict(["some text", ...])` routes each text by its prefix to a path (the same router the Beam
-job and evaluation use), assembles that path's LlamaForCausalLM from its modules and returns the
-greedy continuation. The model is logged "from code" (a tiny script naming `DipacoModel`), so
-nothing is pickled; its one artifact is a miniature run root (run.yaml, router/, the round's
-modules with their `_SUCCESS` checksums) that the pipeline's own loaders read back unchanged.
+`predict(["some text", ...], params={...})` routes each text by its prefix to a path (the same
+router the Beam job and evaluation use), assembles that path's LlamaForCausalLM from its modules
+and returns each continuation as text, generated as a user of `transformers` expects:
+`max_new_tokens`, `temperature` (0 = greedy), `top_k`, `seed`, stopping at end of text. The model
+is logged "from code" (a tiny script naming `DipacoModel`), so nothing is pickled; its one artifact
+is a miniature run root (run.yaml, router/, the run's trained tokenizer/, the round's modules,
+each with its `_SUCCESS` checksums) that the pipeline's own loaders read back unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ log = logging.getLogger(__name__)
 BUNDLE_INFO = "bundle.json"
 BUNDLE_DS_CONFIG = "ds_config.json"
 DEFAULT_NEW_TOKENS = 32
+# Generation defaults: sampled but reproducible (the same seed gives the same text); temperature 0
+# is greedy decoding, which a small model tends to spend on repeating itself.
+GENERATION_DEFAULTS = {"max_new_tokens": DEFAULT_NEW_TOKENS, "temperature": 0.8, "top_k": 40, "seed": 0}
 _REPO = Path(__file__).resolve().parent.parent
 _CODE = ("pipeline", "models", "preprocessing")  # the code a loaded model needs, shipped with it
 _REQUIREMENTS = (
@@ -62,30 +67,36 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
         self.root = RunRoot(str(bundle))
         self.round_index = int(info["round"])
         self.router = Router.load(self.root)
-        self.tokenizer = load_tokenizer()
+        self.tokenizer = load_tokenizer(self.root, self.config.model.tokenizer)
         self._models: dict[str, Any] = {}
 
     # No type hints on predict: MLflow would derive a signature from them that drops the params.
     def predict(self, context, model_input, params=None):
-        """Greedy continuations (list[str]), one per input text; params: max_new_tokens."""
+        """Continuations (list[str]), one per input text; params: GENERATION_DEFAULTS' keys."""
+        texts = _texts(model_input)
+        options = generation_options(params)
+        return [self.continue_text(text, path_id, **options)
+                for text, path_id in zip(texts, self.router.route_texts(texts))]
+
+    def continue_text(self, text: str, path_id: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
+        """One continuation by one path; sampling draws from a generator of its own seed, so the
+        caller's torch RNG is left as it was and the same seed gives the same text."""
         import torch
 
-        texts = _texts(model_input)
-        max_new = int((params or {}).get("max_new_tokens", DEFAULT_NEW_TOKENS))
-        paths = self.router.route_texts(texts)
         eos = self.tokenizer.eos_token_id
-        out = []
-        for text, path_id in zip(texts, paths):
-            # the prompt's last seq_len tokens: the window the path was trained on
-            ids = self.tokenizer(text)["input_ids"][-self.config.model.seq_len:] or [eos]
-            model = self._model(path_id)
-            with torch.no_grad():
-                generated = model.generate(
-                    torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                    pad_token_id=eos, eos_token_id=eos,
-                )
-            out.append(self.tokenizer.decode(generated[0, len(ids):].tolist(), skip_special_tokens=True))
-        return out
+        # A document starts after EOS in the packed training rows, so a prompt does too; then the
+        # prompt's last tokens, leaving room for the continuation inside the trained window.
+        room = max(1, self.config.model.seq_len - max_new_tokens)
+        ids = ([eos] + self.tokenizer(text, add_special_tokens=False)["input_ids"])[-room:]
+        sampling = temperature > 0
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            generated = self._model(path_id).generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=sampling,
+                temperature=temperature if sampling else None, top_k=top_k if sampling and top_k > 0 else None,
+                top_p=None, pad_token_id=eos, eos_token_id=eos,
+            )
+        return self.tokenizer.decode(generated[0, len(ids):].tolist(), skip_special_tokens=True)
 
     def _model(self, path_id: str):
         if path_id not in self._models:
@@ -94,6 +105,27 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
             model = load_path_model(self.root, self.config, self.round_index, path_id)
             self._models[path_id] = model.eval()
         return self._models[path_id]
+
+
+def champion_continuation(config, prompt: str) -> str:
+    """What a user of the registry gets: `models:/<name>@champion` loaded as MLflow loads it, asked
+    to continue `prompt` with the default generation params."""
+    from pipeline.tracking import CHAMPION, tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri(config))
+    model = mlflow.pyfunc.load_model(f"models:/{config.mlflow.registered_model}@{CHAMPION}")
+    return model.predict([prompt])[0]
+
+
+def generation_options(params: dict | None) -> dict[str, Any]:
+    """GENERATION_DEFAULTS updated by the caller's params, each coerced to its type."""
+    options = dict(GENERATION_DEFAULTS)
+    for key, value in (params or {}).items():
+        if key in options and value is not None:
+            options[key] = type(GENERATION_DEFAULTS[key])(value)
+    if options["max_new_tokens"] < 1 or options["temperature"] < 0 or options["top_k"] < 0:
+        raise ValueError(f"generation params out of range: {options}")
+    return options
 
 
 def _texts(model_input) -> list[str]:
@@ -109,13 +141,17 @@ def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml
     """A miniature run root: run.yaml, router/, rounds/round=r/modules/, each with its _SUCCESS."""
     target.mkdir(parents=True, exist_ok=True)
     (target / layout.RUN_CONFIG).write_text(run_yaml)
-    for rel in (layout.ROUTER_DIR, layout.modules_dir(round_index)):
+    bundled = [layout.ROUTER_DIR, layout.modules_dir(round_index)]
+    if config.model.tokenizer != "gpt2":
+        bundled.append(layout.TOKENIZER_DIR)  # the run's trained tokenizer travels with its model
+    for rel in bundled:
         root.marker(rel)  # refuse an uncommitted directory by name
         root.get_dir(rel, target / rel)
         (target / rel / SUCCESS).write_bytes(root.read_bytes(posixpath.join(rel, SUCCESS)))
         RunRoot(str(target)).verify(rel)  # what is shipped is what was committed
     shutil.copyfile(resolve_ds_config(config.train.ds_config), target / BUNDLE_DS_CONFIG)
-    info = {"round": round_index, "grid": list(config.model.grid), "source_run_root": redact(root.url)}
+    info = {"round": round_index, "grid": list(config.model.grid), "tokenizer": config.model.tokenizer,
+            "source_run_root": redact(root.url)}
     (target / BUNDLE_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return target
 
@@ -141,7 +177,7 @@ def _signature():
     """list[str] in, list[str] out, and the generation params a caller may set."""
     from mlflow.models import infer_signature
 
-    return infer_signature(["some text"], ["a continuation"], params={"max_new_tokens": DEFAULT_NEW_TOKENS})
+    return infer_signature(["some text"], ["a continuation"], params=dict(GENERATION_DEFAULTS))
 
 
 def _requirements() -> list[str]:

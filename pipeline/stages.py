@@ -136,6 +136,11 @@ def run(config: Config, rounds: int | None = None) -> dict:
 
             summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
                            model_version=next((v for v in reversed(versions) if v), None))
+            if config.eval.sample_prompt:
+                from pipeline.registry import champion_continuation
+
+                prompt = config.eval.sample_prompt
+                summary["sample"] = {"prompt": prompt, "continuation": champion_continuation(config, prompt)}
         tracker.finish(summary)
         return summary
 

@@ -43,6 +43,7 @@ STATE_FILE = "tracking.json"  # under the run root: where this run's MLflow reco
 KIND, KEY, RUN_KEY = "dipaco.kind", "dipaco.key", "dipaco.run_key"
 PARENT_TAG = "mlflow.parentRunId"
 NEWEST, CHAMPION = "newest", "champion"  # registry aliases (MLflow reserves "latest")
+EVAL_SERIES = {"tokens": "eval_tokens", "bytes": "eval_bytes"}  # eval result key -> parent-run metric
 _CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][\w+.-]*://)[^/@\s]+@")
 _BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
 
@@ -237,11 +238,13 @@ class MlflowTracker(Tracker):
         if done_tag in self.client.get_run(parent).data.tags:
             return
         series = {"perplexity": [(round_index, float(result["perplexity"]))]}
-        if _numeric(result.get("tokens")):
-            series["eval_tokens"] = [(round_index, float(result["tokens"]))]
+        for key in ("bits_per_byte", "tokens", "bytes"):
+            if _numeric(result.get(key)):
+                series[EVAL_SERIES.get(key, key)] = [(round_index, float(result[key]))]
         for pid, scores in (result.get("paths") or {}).items():
-            if _numeric(scores.get("perplexity")):
-                series[f"perplexity/{metric_name(pid)}"] = [(round_index, float(scores["perplexity"]))]
+            for key in ("perplexity", "bits_per_byte"):
+                if _numeric(scores.get(key)):
+                    series[f"{key}/{metric_name(pid)}"] = [(round_index, float(scores[key]))]
         self._log_metrics(parent, series)
         if round_index >= 1:  # round r's modules are what the merge of round r-1 produced
             merge = self._find(f"round={round_index - 1}/merge", self._round(round_index - 1))
@@ -274,6 +277,8 @@ class MlflowTracker(Tracker):
             "loss_curves.png": lambda: plots.loss_curves(self._path_series("loss"), self.config.train.inner_steps),
             "docs_per_path.png": lambda: plots.docs_per_path(self._docs_per_path()),
             "perplexity_by_round.png": lambda: plots.perplexity_by_round(*self._perplexities(parent)),
+            "bits_per_byte_by_round.png": lambda: plots.perplexity_by_round(
+                *self._perplexities(parent, "bits_per_byte"), metric="bits_per_byte"),
             "outer_grad_norm_heatmap.png": lambda: plots.grad_norm_heatmap(self._grad_norms(parent)),
         }
         for file_name, build in figures.items():
@@ -455,10 +460,10 @@ class MlflowTracker(Tracker):
     def _history(self, run_id: str, metric: str) -> dict[int, float]:
         return {m.step: m.value for m in sorted(self.client.get_metric_history(run_id, metric), key=lambda m: m.timestamp)}
 
-    def _perplexities(self, parent: str) -> tuple[dict[int, float], dict[str, dict[int, float]]]:
+    def _perplexities(self, parent: str, metric: str = "perplexity") -> tuple[dict[int, float], dict[str, dict[int, float]]]:
         names = self.client.get_run(parent).data.metrics
-        per_path = {k.split("/", 1)[1]: self._history(parent, k) for k in names if k.startswith("perplexity/")}
-        return self._history(parent, "perplexity"), per_path
+        per_path = {k.split("/", 1)[1]: self._history(parent, k) for k in names if k.startswith(f"{metric}/")}
+        return self._history(parent, metric), per_path
 
     def _grad_norms(self, parent: str) -> dict[str, dict[int, float]]:
         names = self.client.get_run(parent).data.metrics

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from models.grid import parse_job_id
-from models.modular import ModelShape, build_path_model, eos_token_id
+from models.modular import ModelShape, build_path_model
 from pipeline import layout
 from pipeline.config import Config, config_from_yaml
 from pipeline.data import RowStream, micro_batch_start, pack_documents
@@ -71,7 +71,7 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
     torch.manual_seed(train.seed + round_index)
 
     docs = read_path_documents(root, shard_path)[worker::workers]  # worker k: its iid part
-    rows = pack_documents(docs, config.model.seq_len, seed=train.seed + worker, eos=eos_token_id(shape.vocab_size))
+    rows = pack_documents(docs, config.model.seq_len, seed=train.seed + worker, eos=shape.eos_id)
     if len(rows) == 0:
         raise InputError(f"{root.path(layout.shard_dir(shard_path))}: too few tokens for one row of {config.model.seq_len + 1}")
     stream = RowStream(rows, seed=train.seed + worker)

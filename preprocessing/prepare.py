@@ -28,7 +28,7 @@ from pipeline.errors import ConfigError
 from pipeline.storage import RunRoot
 from preprocessing import c4
 from preprocessing.router import Router
-from preprocessing.tokenizer import TOKENIZER_NAME, encode, prefix_texts
+from preprocessing.tokenizer import commit_bpe, describe, encode, load_tokenizer, prefix_texts, train_bpe
 from preprocessing.transforms import (
     WORK_DIR,
     SUMMARY,
@@ -112,39 +112,69 @@ def _read_plan(config: Config) -> list[tuple[str, str, int | None]]:
 
 # -- step 1: the router --------------------------------------------------------------------------
 def fit_router(config: Config, root: RunRoot, plan: list[tuple[str, str, int | None]]) -> Router:
-    """Sample, embed, k-means; commits `router/`. A committed router matching the config is reused."""
-    if root.is_committed(layout.ROUTER_DIR):
+    """Sample, train the tokenizer (bpe), embed, k-means; commits `tokenizer/` then `router/`.
+    A committed router matching the config is reused."""
+    tokenizer_pending = config.model.tokenizer == "bpe" and not root.is_committed(layout.TOKENIZER_DIR)
+    if root.is_committed(layout.ROUTER_DIR) and not tokenizer_pending:
         router = Router.load(root, config)
         _check_router(router, config, root)
         log.info("router: reusing the committed router in %s", root.path(layout.ROUTER_DIR))
         return router
-    root.remove(layout.ROUTER_DIR)  # leftovers of a crashed fit
+    root.remove(layout.ROUTER_DIR)  # leftovers of a crashed fit (or a router cut by another tokenizer)
     r = config.router
     start = time.time()
-    train_plan = [p for p in plan if p[0] == "train"]
-    pipeline = make_pipeline(config)
-    documents = pipeline | "ReadC4" >> ReadC4(train_plan, config.data.max_doc_bytes)
-    (
-        documents.documents
-        | "SampleDocs" >> SampleDocs(r.sample_docs, r.seed)
-        | "SaveSample" >> _save_json(root.url, f"{ROUTER_WORK}/sample.json")
-    )
-    pipeline.run().wait_until_finish()
-    sample = json.loads(root.read_bytes(f"{ROUTER_WORK}/sample.json"))  # [[key, doc_id, text]] by key
-    texts = [text for _, _, text in sample]
+    texts = sample_training_texts(config, root, plan)
+    tokenizer = ensure_tokenizer(config, root, texts)
+    texts = texts[: r.sample_docs]  # the sample is sorted by its seeded key: any prefix is uniform too
     log.info("router: sampled %d documents in %.1fs", len(texts), time.time() - start)
-    prefixes = prefix_texts(encode(texts), r.prefix_tokens)
+    prefixes = prefix_texts(encode(texts, tokenizer), r.prefix_tokens, tokenizer)
     embedder, extra = _new_embedder(config, root, prefixes)
     features = embedder.embed(prefixes)
     router = Router.fit(
         features, config.model.grid, embedder=r.embedder, prefix_tokens=r.prefix_tokens, seed=r.seed,
-        iters=r.kmeans_iters, balanced=r.balanced, capacity_factor=r.capacity_factor, extra=extra,
+        iters=r.kmeans_iters, balanced=r.balanced, capacity_factor=r.capacity_factor,
+        extra={"tokenizer": config.model.tokenizer, **extra},
     )
     root.remove(ROUTER_WORK)
     router.save(root, embedder)
     log.info("router: %s features (dim %d), grid %s, fitted and committed in %.1fs",
              r.embedder, features.shape[1], config.model.grid, time.time() - start)
     return Router.load(root, config)
+
+
+def sample_training_texts(config: Config, root: RunRoot, plan) -> list[str]:
+    """A seeded uniform sample of the training documents' texts, sorted by sample key: the
+    router's `router.sample_docs`, or the tokenizer's `model.tokenizer_sample_docs` if larger."""
+    n = config.router.sample_docs
+    if config.model.tokenizer == "bpe":
+        n = max(n, config.model.tokenizer_sample_docs)
+    pipeline = make_pipeline(config)
+    documents = pipeline | "ReadC4" >> ReadC4([p for p in plan if p[0] == "train"], config.data.max_doc_bytes)
+    (
+        documents.documents
+        | "SampleDocs" >> SampleDocs(n, config.router.seed)
+        | "SaveSample" >> _save_json(root.url, f"{ROUTER_WORK}/sample.json")
+    )
+    pipeline.run().wait_until_finish()
+    sample = json.loads(root.read_bytes(f"{ROUTER_WORK}/sample.json"))  # [[key, doc_id, text]] by key
+    return [text for _, _, text in sample]
+
+
+def ensure_tokenizer(config: Config, root: RunRoot, texts: list[str]):
+    """The run's tokenizer; for bpe, trained on the sample and committed first if it is not yet."""
+    m = config.model
+    if m.tokenizer == "bpe" and not root.is_committed(layout.TOKENIZER_DIR):
+        start = time.time()
+        root.remove(layout.TOKENIZER_DIR)
+        sample = texts[: m.tokenizer_sample_docs]
+        trained = train_bpe(sample, m.vocab_size)
+        marker = commit_bpe(root, trained, len(sample))
+        if marker["vocab_size"] < m.vocab_size:
+            log.warning("tokenizer: the sample held merges for %d ids only (model.vocab_size %d): ids above stay unused",
+                        marker["vocab_size"], m.vocab_size)
+        log.info("tokenizer: byte-level BPE of %d ids trained on %d documents and committed in %.1fs",
+                 marker["vocab_size"], len(sample), time.time() - start)
+    return load_tokenizer(root, m.tokenizer)
 
 
 def _save_json(url: str, rel: str):
@@ -171,7 +201,8 @@ def _new_embedder(config: Config, root: RunRoot, prefixes: list[str]):
 
 def _check_router(router: Router, config: Config, root: RunRoot) -> None:
     header, r = router.header, config.router
-    wanted = {"embedder": r.embedder, "grid": list(config.model.grid), "prefix_tokens": r.prefix_tokens}
+    wanted = {"embedder": r.embedder, "grid": list(config.model.grid), "prefix_tokens": r.prefix_tokens,
+              "tokenizer": config.model.tokenizer}
     for key, value in wanted.items():
         if header.get(key) != value:
             raise ConfigError(
@@ -192,7 +223,7 @@ def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pi
     shard_stats = (
         read.documents
         | "SpreadDocs" >> beam.Reshuffle()  # one file would otherwise pin all embedding to one worker
-        | "TokenizeDocs" >> TokenizeDocs(config.router.prefix_tokens)
+        | "TokenizeDocs" >> TokenizeDocs(config.router.prefix_tokens, root.url, config.model.tokenizer)
         | "EmbedPrefix" >> EmbedPrefix(handler)
         | "AssignPath" >> AssignPath(root.url, config.data.parts_per_path)
         | "WriteShards" >> WriteShards(root.url)
@@ -208,7 +239,7 @@ def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pi
     return result
 
 
-def build_manifest(summary: dict, config: Config, router: Router, plan) -> dict[str, Any]:
+def build_manifest(summary: dict, config: Config, router: Router, plan, root: RunRoot) -> dict[str, Any]:
     """Docs and tokens per path and split, and an accounting that must add up exactly."""
     path_ids = all_path_ids(config.model.grid)
     splits_present = sorted({split for split, _, _ in plan}, key=list(SPLITS).index)
@@ -246,7 +277,7 @@ def build_manifest(summary: dict, config: Config, router: Router, plan) -> dict[
         "router": {"checksum": router.checksum, "embedder": router.header["embedder"],
                    "dim": router.header["dim"], "prefix_tokens": router.header["prefix_tokens"]},
         "router_checksum": router.checksum,
-        "tokenizer": TOKENIZER_NAME,
+        "tokenizer": describe(root, config.model.tokenizer),
         "max_docs": config.data.max_docs,
     }
 
@@ -323,7 +354,7 @@ def run_prepare(config: Config, test_pipeline=None) -> dict:
     log.info("prepare: routing pipeline done in %.1fs", time.time() - start)
     summary = root.read_json(SUMMARY)
     root.remove(WORK_DIR)
-    manifest = build_manifest(summary, config, router, plan)
+    manifest = build_manifest(summary, config, router, plan, root)
     manifest["seconds"] = round(time.time() - start, 3)
     root.write_json(layout.MANIFEST, manifest)
     root.commit(layout.SHARDS_DIR, info={"routed": manifest["routed"], "rejected": manifest["rejected"],

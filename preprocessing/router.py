@@ -86,7 +86,7 @@ class Router:
             "capacity_factor": capacity_factor,
             "seed": seed,
             "sample_docs": int(len(features)),
-            "tokenizer": "gpt2",
+            "tokenizer": "gpt2",  # extra names the run's tokenizer (bpe) when it is not GPT-2's
             **(extra or {}),
         }
         return cls(header, centroids)
@@ -144,10 +144,11 @@ class Router:
         return [self.path_ids[i] for i in self.route_indices(features)]
 
     def prefixes(self, texts: list[str]) -> list[str]:
-        """The text of each document's first prefix_tokens GPT-2 tokens: what gets embedded."""
-        from preprocessing.tokenizer import encode, prefix_texts
+        """The text of each document's first prefix_tokens tokens (the run's tokenizer): what gets embedded."""
+        from preprocessing.tokenizer import encode, load_tokenizer, prefix_texts
 
-        return prefix_texts(encode(texts), self.header["prefix_tokens"])
+        tokenizer = load_tokenizer(self._root, self.header.get("tokenizer", "gpt2"))
+        return prefix_texts(encode(texts, tokenizer), self.header["prefix_tokens"], tokenizer)
 
     @property
     def embedder(self):

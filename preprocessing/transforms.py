@@ -109,29 +109,36 @@ class ReadC4(beam.PTransform):
 class _TokenizeFn(beam.DoFn):
     """A batch of Documents -> ((split, doc_id, input_ids), prefix text) per document."""
 
-    def __init__(self, prefix_tokens: int):
-        self.prefix_tokens = prefix_tokens
+    def __init__(self, prefix_tokens: int, root_url: str, kind: str):
+        self.prefix_tokens, self.root_url, self.kind = prefix_tokens, root_url, kind
         self.tokens = Metrics.counter(NAMESPACE, "tokens")
+
+    def setup(self) -> None:
+        from preprocessing.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(RunRoot(self.root_url), self.kind)  # the committed one, on every worker
 
     def process(self, batch: list[c4.Document]) -> Iterator[tuple[tuple[str, str, list[int]], str]]:
         from preprocessing.tokenizer import encode, prefix_texts
 
-        ids = encode([d.text for d in batch])
+        ids = encode([d.text for d in batch], self.tokenizer)
         self.tokens.inc(sum(len(i) for i in ids))
-        for doc, doc_ids, prefix in zip(batch, ids, prefix_texts(ids, self.prefix_tokens)):
+        for doc, doc_ids, prefix in zip(batch, ids, prefix_texts(ids, self.prefix_tokens, self.tokenizer)):
             yield (doc.split, doc.doc_id, doc_ids), prefix
 
 
 class TokenizeDocs(beam.PTransform):
-    def __init__(self, prefix_tokens: int):
+    """Documents -> their token ids (the run's tokenizer) and the text of their routing prefix."""
+
+    def __init__(self, prefix_tokens: int, root_url: str, kind: str = "gpt2"):
         super().__init__()
-        self.prefix_tokens = prefix_tokens
+        self.prefix_tokens, self.root_url, self.kind = prefix_tokens, root_url, kind
 
     def expand(self, documents):
         return (
             documents
             | "BatchDocs" >> beam.BatchElements(min_batch_size=8, max_batch_size=256)
-            | "Tokenize" >> beam.ParDo(_TokenizeFn(self.prefix_tokens))
+            | "Tokenize" >> beam.ParDo(_TokenizeFn(self.prefix_tokens, self.root_url, self.kind))
         )
 
 

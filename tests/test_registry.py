@@ -42,8 +42,8 @@ def write_c4(out: Path, train_per_topic: int = 12, eval_per_topic: int = 3) -> d
 
 
 def real_text_config(run_root: Path, data: dict[str, str], *overrides: str):
-    """tiny.yaml on real text: GPT-2 vocabulary, tracking on, an experiment of the test's own."""
-    return tiny_config(run_root, "model.vocab_size=50257", f"data.train={data['train']}",
+    """tiny.yaml on real text: a BPE trained by prepare, tracking on, an experiment of the test's own."""
+    return tiny_config(run_root, "model.tokenizer=bpe", "model.vocab_size=512", f"data.train={data['train']}",
                        f"data.eval={data['eval']}", "mlflow.enabled=true", *overrides)
 
 
@@ -89,7 +89,7 @@ def test_versions_aliases_and_idempotent_registration(prepared):
     assert sorted(r.data.tags["dipaco.round"] for r in registered) == ["0", "1", "2"]
 
 
-def test_champion_loads_in_a_fresh_process_and_generates_like_its_path(prepared, tmp_path):
+def test_champion_loads_in_a_fresh_process_with_its_tokenizer_and_generates_like_its_path(prepared, tmp_path):
     import torch
 
     from pipeline.module_store import load_path_model
@@ -99,12 +99,16 @@ def test_champion_loads_in_a_fresh_process_and_generates_like_its_path(prepared,
     name = prepared.mlflow.registered_model
     get_tracker(prepared).register(1, {"round": 1, "perplexity": 50.0, "tokens": 10})
     script = (
-        "import json, sys, mlflow\n"
+        "import json, pathlib, sys, mlflow\n"
         f"mlflow.set_tracking_uri({tracking_uri(prepared)!r})\n"
         f"model = mlflow.pyfunc.load_model('models:/{name}@champion')\n"
         "texts = json.loads(sys.argv[1])\n"
-        "print(json.dumps({'default': model.predict(texts),"
-        " 'short': model.predict(texts, params={'max_new_tokens': 4})}))\n"
+        "inner = model.unwrap_python_model()\n"
+        "print(json.dumps({'greedy': model.predict(texts, params={'temperature': 0.0, 'max_new_tokens': 16}),\n"
+        " 'short': model.predict(texts, params={'max_new_tokens': 4, 'temperature': 0.0}),\n"
+        " 'seeded': [model.predict(texts, params={'seed': 7}) for _ in range(2)],\n"
+        " 'other_seed': model.predict(texts, params={'seed': 8}),\n"
+        " 'vocab': len(inner.tokenizer), 'bundled': (inner.root.local_path('tokenizer') / 'tokenizer.json').is_file()}))\n"
     )
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -112,19 +116,24 @@ def test_champion_loads_in_a_fresh_process_and_generates_like_its_path(prepared,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert [type(t) for t in out["default"]] == [str, str]
+    # the run's trained tokenizer travelled inside the model: no run root, no GPT-2 files needed
+    assert out["bundled"] and out["vocab"] == len(load_tokenizer(RunRoot(prepared.run_root), "bpe"))
+    assert [type(t) for t in out["greedy"]] == [str, str]
+    assert out["seeded"][0] == out["seeded"][1]  # the same seed writes the same text
+    assert out["seeded"][0] != out["other_seed"]
 
-    # the reference: route with the run's router, greedy-decode with the path's model of round 1
+    # the reference: route with the run's router, greedy-decode with the path's model of round 1,
+    # the prompt after EOS as documents start in the packed training rows
     root = RunRoot(prepared.run_root)
-    tokenizer = load_tokenizer()
-    for text, got_default, got_short in zip(PROMPTS, out["default"], out["short"]):
+    tokenizer = load_tokenizer(root, "bpe")
+    seq_len = prepared.model.seq_len
+    for text, got_greedy, got_short in zip(PROMPTS, out["greedy"], out["short"]):
         path_id = Router.load(root, prepared).route_texts([text])[0]
         model = load_path_model(root, prepared, 1, path_id).eval()
-        ids = tokenizer(text)["input_ids"][-prepared.model.seq_len:]
-        for new_tokens, got in ((32, got_default), (4, got_short)):
+        for new_tokens, got in ((16, got_greedy), (4, got_short)):
+            ids = ([tokenizer.eos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"])[-(seq_len - new_tokens):]
             with torch.no_grad():
                 gen = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
                                      pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
             assert got == tokenizer.decode(gen[0, len(ids):].tolist(), skip_special_tokens=True)
-        assert len(got_default) > len(got_short)
     assert not (REPO / "mlruns").exists()
