@@ -146,7 +146,7 @@ def test_every_line_is_routed_or_rejected_exactly_once(messy, tmp_path):
     assert len(train_records[bad_at_line(bad_at, "too_large")]["raw"]) <= 500
     assert [r["line"] for r in records if r["split"] == "validation"] == [10]
     assert manifest["router_checksum"] == Router.load(RunRoot(cfg.run_root)).checksum
-    assert manifest["tokenizer"] == "gpt2"
+    assert manifest["tokenizer"] == {"kind": "gpt2", "vocab_size": 50257}
 
 
 def bad_at_line(bad_at: dict[int, str], reason: str) -> int:

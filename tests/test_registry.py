@@ -137,3 +137,19 @@ def test_champion_loads_in_a_fresh_process_with_its_tokenizer_and_generates_like
                                      pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
             assert got == tokenizer.decode(gen[0, len(ids):].tolist(), skip_special_tokens=True)
     assert not (REPO / "mlruns").exists()
+
+
+def test_run_summary_shows_the_champions_continuation(prepared):
+    from pipeline.registry import champion_continuation
+    from pipeline.report import format_summary
+
+    get_tracker(prepared).register(1, {"round": 1, "perplexity": 50.0, "tokens": 10})
+    text = champion_continuation(prepared, PROMPTS[0])
+    assert isinstance(text, str) and text == champion_continuation(prepared, PROMPTS[0])  # seeded: reproducible
+    summary = {"run_root": "runs/x", "rounds_committed": 1, "sample": {"prompt": PROMPTS[0], "continuation": text},
+               "eval": {0: {"perplexity": 600.0, "bits_per_byte": 2.5, "paths": {"p0-0": {"bits_per_byte": 2.25}}},
+                        1: {"perplexity": 300.0, "bits_per_byte": 2.0, "paths": {"p0-0": {"bits_per_byte": 1.875}}}}}
+    lines = format_summary(summary).splitlines()
+    assert lines[2].split() == ["round", "perplexity", "bits/byte", "p0-0"]
+    assert lines[3].split() == ["0", "600.00", "2.500", "2.250"] and lines[4].split() == ["1", "300.00", "2.000", "1.875"]
+    assert lines[-1] == f"champion continues {PROMPTS[0]!r}: {text!r}"

@@ -34,8 +34,8 @@ MERGE = {
                           "level=1/module=1": 0.75},
     "bytes_outer": 1000, "bytes_data_parallel": 8000,
 }
-EVAL = {"round": 1, "perplexity": 42.0, "tokens": 300,
-        "paths": {p: {"perplexity": 40.0 + i, "tokens": 75} for i, p in enumerate(PATHS)}}
+EVAL = {"round": 1, "perplexity": 42.0, "bits_per_byte": 1.25, "tokens": 300, "bytes": 1200,
+        "paths": {p: {"perplexity": 40.0 + i, "bits_per_byte": 1.2 + i / 100, "tokens": 75} for i, p in enumerate(PATHS)}}
 
 
 @pytest.fixture
@@ -125,9 +125,11 @@ def test_a_round_logs_nested_runs_metrics_and_artifacts(config, run_root):
     assert merge.data.metrics["communication_saving"] == 8.0
     assert merge.data.metrics["perplexity"] == 42.0 and merge.data.metrics["perplexity/p1-0"] == 42.0
     assert [(m.step, m.value) for m in client.get_metric_history(parent.info.run_id, "perplexity")] == [(1, 42.0)]
+    assert parent.data.metrics["bits_per_byte"] == 1.25 and parent.data.metrics["bits_per_byte/p0-1"] == 1.21
+    assert merge.data.metrics["bits_per_byte"] == 1.25 and parent.data.metrics["eval_bytes"] == 1200
 
     artifacts = Path(client.download_artifacts(parent.info.run_id, "", str(run_root / "dl")))
-    for name in ("loss_curves", "docs_per_path", "perplexity_by_round", "outer_grad_norm_heatmap"):
+    for name in ("loss_curves", "docs_per_path", "perplexity_by_round", "bits_per_byte_by_round", "outer_grad_norm_heatmap"):
         png = artifacts / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert (artifacts / "ds_configs" / "zero2.json").is_file()
