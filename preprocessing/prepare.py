@@ -106,7 +106,7 @@ def _read_plan(config: Config) -> list[tuple[str, str, int | None]]:
         if globs is None:
             continue
         files = c4.list_input_files(globs, key)
-        plan.extend((split, file, limit) for file, limit in c4.plan_reads(files, config.data.max_docs))
+        plan.extend((split, file, limit) for file, limit in c4.plan_reads(files, config.data.max_docs, config.data.max_doc_bytes))
     return plan
 
 
