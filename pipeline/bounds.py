@@ -82,3 +82,34 @@ def load_json(data: bytes | bytearray | str, where: str, expect: type | tuple[ty
 
 
 _JSON_NAMES = {"dict": "object", "list": "array"}
+
+
+def load_npy(data: bytes | bytearray, where: str, shape: tuple[int, ...] | None = None, ndim: int = 2):
+    """A float64 .npy array, its header checked before any memory is allocated for it: numpy's
+    own loader allocates the shape the header claims, then fails reading it. No pickle, ever."""
+    import io
+
+    import numpy as np
+    from numpy.lib import format as npy
+
+    from pipeline.errors import CorruptStateError
+
+    stream = io.BytesIO(data)
+    try:
+        version = npy.read_magic(stream)
+        read_header = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}.get(version)
+        if read_header is None:
+            raise ValueError(f"unsupported .npy version {version}")
+        found, fortran, dtype = read_header(stream)  # numpy bounds the header at 10,000 bytes
+    except (ValueError, SyntaxError, TypeError, EOFError) as exc:
+        raise CorruptStateError(f"{where}: not a valid .npy array ({one_line(str(exc), SHOWN_CHARS)})") from None
+    count = 1
+    for n in found:
+        count *= n
+    if dtype != np.float64 or len(found) != ndim or (shape is not None and tuple(found) != tuple(shape)):
+        raise CorruptStateError(f"{where}: expected a float64 array of shape {shape or f'{ndim} dimensions'}, "
+                                f"got {shown(dtype)} {shown(found)}")
+    if len(data) - stream.tell() != count * dtype.itemsize:
+        raise CorruptStateError(f"{where}: holds {len(data) - stream.tell():,} bytes of data for a {found} array")
+    array = np.frombuffer(bytes(data), dtype=dtype, count=count, offset=stream.tell())
+    return array.reshape(found, order="F" if fortran else "C").copy()

@@ -21,8 +21,10 @@ import torch
 from models.grid import all_job_ids, all_modules, parse_job_id, path_modules
 from models.modular import ModelShape, ModuleState, split_path_state
 from pipeline import layout
+from pipeline.bounds import shown
+from pipeline.errors import CorruptStateError
 from pipeline.module_store import commit_states, decode, outer_state_keys, read_state, write_state
-from pipeline.storage import IO_THREADS, RunRoot
+from pipeline.storage import IO_THREADS, SUCCESS, RunRoot
 
 log = logging.getLogger("dipaco.merge")
 
@@ -171,7 +173,10 @@ def committed_paths(root: RunRoot, config, round_index: int) -> tuple[dict[str, 
     for path_id in all_job_ids(config.model.grid, config.train.workers_per_path):
         rel = layout.path_dir(round_index, path_id)
         if root.is_committed(rel):
-            committed[path_id] = int(root.marker(rel)["tokens"])
+            tokens = root.marker(rel).get("tokens")
+            if type(tokens) is not int or tokens < 0:
+                raise CorruptStateError(f"{root.path(rel, SUCCESS)}: tokens must be a token count, got {shown(tokens)}")
+            committed[path_id] = tokens
         else:
             left_out.append(path_id)
     return committed, left_out

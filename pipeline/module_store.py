@@ -19,6 +19,7 @@ from safetensors.torch import save as st_save
 from models.grid import ModuleKey, all_modules, parse_path_id, path_modules
 from models.modular import ModelShape, ModuleState, build_path_model, initial_level_states
 from pipeline import layout
+from pipeline.bounds import MAX_JSON_DEPTH, SHOWN_CHARS, one_line, shown, too_deep
 from pipeline.errors import CorruptStateError
 from pipeline.storage import RunRoot, map_io
 
@@ -30,6 +31,7 @@ def encode(state: ModuleState, metadata: dict[str, str] | None = None) -> bytes:
     return st_save({k: v.detach().contiguous().cpu() for k, v in state.items()}, metadata=header)
 
 
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header (MAX_HEADER_SIZE)
 # The dtypes viewed in place; any other goes through safetensors' own (copying) loader.
 _VIEW_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
@@ -42,8 +44,8 @@ def decode(data: bytes | bytearray, where: str) -> ModuleState:
     try:
         views = _views(data) if isinstance(data, bytearray) else None
         return views if views is not None else st_load(bytes(data))
-    except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CorruptStateError(f"{where}: not a valid safetensors file ({exc})") from None
+    except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        raise CorruptStateError(f"{where}: not a valid safetensors file ({one_line(str(exc), SHOWN_CHARS)})") from None
 
 
 def _views(buffer: bytearray) -> ModuleState | None:
@@ -52,8 +54,12 @@ def _views(buffer: bytearray) -> ModuleState | None:
     if len(buffer) < 8:
         raise ValueError("shorter than the 8-byte header length")
     size = int.from_bytes(buffer[:8], "little")
+    if size > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {size:,} bytes is over safetensors' limit of {MAX_HEADER_BYTES:,}")
     if 8 + size > len(buffer):
         raise ValueError("header runs past the end of the file")
+    if too_deep(buffer[8:8 + size]):
+        raise ValueError(f"header nests deeper than {MAX_JSON_DEPTH} levels")
     header = json.loads(bytes(buffer[8:8 + size]))
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
@@ -64,10 +70,12 @@ def _views(buffer: bytearray) -> ModuleState | None:
         dtype = _VIEW_DTYPES.get(entry["dtype"])
         if dtype is None:
             return None
-        (begin, end), shape = entry["data_offsets"], [int(d) for d in entry["shape"]]
+        (begin, end), shape = entry["data_offsets"], entry["shape"]
+        if not all(type(d) is int and d >= 0 for d in [begin, end, *shape]):
+            raise ValueError(f"tensor {shown(name)}: offsets and shape must be non-negative integers")
         count = math.prod(shape)
         if not 0 <= begin <= end <= len(buffer) - base or end - begin != count * dtype.itemsize:
-            raise ValueError(f"tensor {name!r}: bytes {begin}..{end} do not fit its shape {shape} or the file")
+            raise ValueError(f"tensor {shown(name)}: bytes {begin}..{end} do not fit its shape {shape} or the file")
         state[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + begin).view(shape) \
             if count else torch.empty(shape, dtype=dtype)
     return state

@@ -311,7 +311,7 @@ def run_prepare(config: Config, test_pipeline=None) -> dict:
     root = RunRoot(config.run_root)
     if root.is_committed(layout.SHARDS_DIR):
         log.info("prepare: %s is committed; skipping", root.path(layout.SHARDS_DIR))
-        return json.loads(root.read_committed(layout.SHARDS_DIR, "manifest.json"))
+        return root.read_committed_json(layout.SHARDS_DIR, "manifest.json")
     if config.router.prefix_tokens <= 0 or config.data.parts_per_path < 1:
         raise ConfigError(f"{config.source}: router.prefix_tokens and data.parts_per_path must be >= 1")
     plan = _read_plan(config)
