@@ -39,9 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def dispatch(args: argparse.Namespace) -> dict | None:
+    config = load_config(args.config, args.overrides)  # before the heavy imports: a bad config fails fast
     from pipeline import stages
 
-    config = load_config(args.config, args.overrides)
     if args.command == "run":
         return stages.run(config)
     stages.init_run(config)
