@@ -201,19 +201,23 @@ def read_lines(path: str, limit: int | None = None,
                 raw = handle.readline(cap)
                 if not raw:
                     return
-                number += 1
                 if len(raw) == cap and not raw.endswith(b"\n"):
-                    size = len(raw)
-                    for more in iter(lambda: handle.readline(_DRAIN_BYTES), b""):
-                        size += len(more)
-                        if more.endswith(b"\n"):
-                            break
-                    yield number, Oversized(raw[: RAW_CHARS * 4], size)
-                else:
-                    yield number, raw
+                    raw = Oversized(raw[: RAW_CHARS * 4], len(raw) + _skip_line(handle))
+                number += 1  # only once the whole line is read: a break mid-line is that line's Broken
+                yield number, raw
     except (OSError, EOFError, ValueError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
         kind = "corrupt gzip data" if isinstance(exc, zlib.error) else type(exc).__name__
         yield number + 1, Broken(f"{kind}: {exc}")
+
+
+def _skip_line(handle: IO[bytes]) -> int:
+    """Read past the rest of a line in bounded blocks; the number of bytes skipped."""
+    skipped = 0
+    for block in iter(lambda: handle.readline(_DRAIN_BYTES), b""):
+        skipped += len(block)
+        if block.endswith(b"\n"):
+            break
+    return skipped
 
 
 def line_to_record(split: str, file: str, line: int, raw: bytes | Broken | Oversized,

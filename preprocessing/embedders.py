@@ -116,7 +116,7 @@ class TfidfEmbedder:
         where = root.path(rel_dir, TFIDF_VOCAB)
         state = root.read_committed_json(rel_dir, TFIDF_VOCAB)
         vocabulary, idf = state.get("vocabulary"), state.get("idf")
-        if not (isinstance(vocabulary, list) and all(isinstance(t, str) for t in vocabulary)
+        if not (isinstance(vocabulary, list) and vocabulary and all(isinstance(t, str) for t in vocabulary)
                 and isinstance(idf, list) and len(idf) == len(vocabulary)
                 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in idf)):
             raise CorruptStateError(f"{where}: expected a vocabulary (strings) and one idf number per term")

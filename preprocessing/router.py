@@ -167,11 +167,12 @@ def _is_int(value: Any, low: int = 0, high: int | None = None) -> bool:
     return type(value) is int and value >= low and (high is None or value <= high)
 
 
-def _is_ranges(value: Any, levels: int, high: int) -> bool:
-    """`levels` [begin, end] pairs with 0 <= begin <= end <= high."""
-    return (isinstance(value, list) and len(value) == levels
-            and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 0, high) and _is_int(p[1], p[0], high)
-                    for p in value))
+def _is_ranges(value: Any, high: int, sizes: list[int] | None = None) -> bool:
+    """One [begin, end] pair per level with 0 <= begin < end <= high (and end - begin == sizes[l])."""
+    levels = len(sizes) if sizes is not None else None
+    return (isinstance(value, list) and (levels is None or len(value) == levels)
+            and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 0, high) and _is_int(p[1], p[0] + 1, high)
+                    and (sizes is None or p[1] - p[0] == sizes[i]) for i, p in enumerate(value)))
 
 
 def check_header(header: dict[str, Any], where: str) -> None:
@@ -189,8 +190,9 @@ def check_header(header: dict[str, Any], where: str) -> None:
     need(_is_int(header.get("dim"), 1, 1 << 20), "dim", "a positive feature dimension")
     need(_is_int(header.get("prefix_tokens"), 1), "prefix_tokens", "a positive token count")
     need(isinstance(header.get("embedder"), str), "embedder", "a name")
-    need(_is_ranges(header.get("rows"), len(grid), sum(grid)), "rows", "one [begin, end] row range per level")
-    need(_is_ranges(header.get("splits"), len(grid), header["dim"]), "splits", "one [begin, end] column range per level")
+    need(_is_ranges(header.get("rows"), sum(grid), grid), "rows", "one [begin, end] range of grid[l] rows per level")
+    need(_is_ranges(header.get("splits"), header["dim"]) and len(header["splits"]) == len(grid), "splits",
+         "one non-empty [begin, end] column range per level")
     n_paths = int(np.prod(grid))
     ids = header.get("path_ids")
     need(isinstance(ids, list) and len(ids) == n_paths and all(isinstance(i, str) for i in ids), "path_ids",
