@@ -7,6 +7,7 @@ load is verified and a corrupted file is refused by name (never unpickled: safet
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import posixpath
@@ -15,9 +16,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from transformers import LlamaForCausalLM
 
 from models.grid import ModuleKey, all_modules, parse_path_id, path_modules
-from models.modular import ModelShape, ModuleState, build_path_model, initial_level_states
+from models.modular import ModelShape, ModuleState, build_path_model, initial_level_states, path_state, split_path_state
 from pipeline import layout
 from pipeline.bounds import MAX_JSON_DEPTH, SHOWN_CHARS, one_line, shown, too_deep
 from pipeline.errors import CorruptStateError
@@ -97,9 +99,35 @@ def write_states(root: RunRoot, rel_dir: str, states: dict[ModuleKey, ModuleStat
     commit_states(root, rel_dir, list(states), info)
 
 
-def read_state(root: RunRoot, rel_dir: str, key: ModuleKey) -> ModuleState:
+@functools.lru_cache(maxsize=8)
+def level_shapes(shape: ModelShape) -> tuple[dict[str, tuple[int, ...]], ...]:
+    """Every tensor name and shape a module of each level holds, from a model built on the meta
+    device (no memory, and the caller's random state untouched)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = LlamaForCausalLM(shape.llama_config())
+    return tuple({k: tuple(t.shape) for k, t in level.items()} for level in split_path_state(shape, path_state(model)))
+
+
+def check_state(state: ModuleState, expected: dict[str, tuple[int, ...]], where: str) -> ModuleState:
+    """A decoded module holds exactly the expected tensors with their shapes: the math that reads
+    it indexes by name and adds tensors, and would fail deep inside torch instead of naming the file."""
+    if state.keys() != expected.keys():
+        missing, extra = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+        raise CorruptStateError(f"{where}: tensors do not fit the model config (missing {shown(missing[:3])}, "
+                                f"unexpected {shown(extra[:3])})")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise CorruptStateError(f"{where}: tensor {shown(name)} has shape {tuple(tensor.shape)}, "
+                                    f"the model config gives {expected[name]}")
+    return state
+
+
+def read_state(root: RunRoot, rel_dir: str, key: ModuleKey, shape: ModelShape | None = None) -> ModuleState:
+    """One committed module, checked against the model's shapes when `shape` is given."""
     name = layout.module_file(key)
-    return decode(root.read_committed(rel_dir, name, writable=True), root.path(rel_dir, name))
+    where = root.path(rel_dir, name)
+    state = decode(root.read_committed(rel_dir, name, writable=True), where)
+    return state if shape is None else check_state(state, level_shapes(shape)[key.level], where)
 
 
 def init_modules(root: RunRoot, model_config, grid: list[int]) -> bool:
@@ -113,14 +141,16 @@ def init_modules(root: RunRoot, model_config, grid: list[int]) -> bool:
     return True
 
 
-def load_modules(root: RunRoot, round_index: int, keys: list[ModuleKey]) -> dict[ModuleKey, ModuleState]:
+def load_modules(root: RunRoot, round_index: int, keys: list[ModuleKey],
+                 shape: ModelShape | None = None) -> dict[ModuleKey, ModuleState]:
     rel = layout.modules_dir(round_index)
-    return dict(zip(keys, map_io(lambda key: read_state(root, rel, key), keys)))
+    return dict(zip(keys, map_io(lambda key: read_state(root, rel, key, shape), keys)))
 
 
-def load_path_modules(root: RunRoot, round_index: int, modules: tuple[int, ...]) -> list[ModuleState]:
+def load_path_modules(root: RunRoot, round_index: int, modules: tuple[int, ...],
+                      shape: ModelShape | None = None) -> list[ModuleState]:
     keys = path_modules(modules)
-    loaded = load_modules(root, round_index, keys)
+    loaded = load_modules(root, round_index, keys, shape)
     return [loaded[key] for key in keys]
 
 
@@ -128,7 +158,7 @@ def load_path_model(root: RunRoot, config, round_index: int, path_id: str) -> to
     """The LlamaForCausalLM of one path at the start of a round (for evaluation and inference)."""
     modules = parse_path_id(path_id, config.model.grid)
     shape = ModelShape.from_config(config.model)
-    return build_path_model(shape, load_path_modules(root, round_index, modules))
+    return build_path_model(shape, load_path_modules(root, round_index, modules, shape))
 
 
 def outer_state_keys(root: RunRoot, round_index: int, keys: list[ModuleKey]) -> list[ModuleKey]:

@@ -20,8 +20,8 @@ from pipeline.config import check_dag_params, load_config
 from pipeline.errors import ConfigError, CorruptStateError
 from pipeline.launch import read_metrics
 from pipeline.lock import _heartbeat_lock
-from pipeline.merge import committed_paths
-from pipeline.module_store import decode, encode
+from pipeline.merge import committed_paths, merge_round
+from pipeline.module_store import decode, encode, init_modules, load_path_model
 from pipeline.storage import RunRoot
 from preprocessing import c4
 from preprocessing.prepare import run_prepare
@@ -315,6 +315,38 @@ def test_a_hostile_safetensors_header_is_refused_naming_the_file(damage, expecte
         decode(damage(header, data), where)
     message = one_short_line(error.value)
     assert message.startswith(f"{where}: not a valid safetensors file") and expected in message
+
+
+@pytest.mark.parametrize("tensors, expected", [
+    ({"model.embed_tokens.weight": torch.zeros(3, 3)}, "path=p0-0/model.safetensors: tensors do not fit the model config"),
+    ({"lm_head.weight": torch.zeros(2), "not.a.parameter": torch.zeros(1)}, "path=p0-0/model.safetensors: 'not.a.parameter' belongs to no module"),
+])
+def test_a_path_model_that_does_not_fit_the_config_is_refused_by_the_merge(run_root, tensors, expected):
+    """A well-formed safetensors file with the wrong tensors: refused by name, not a KeyError or
+    a shape error from deep inside the outer step."""
+    config = tiny_config(run_root)
+    root = RunRoot(run_root)
+    init_modules(root, config.model, config.model.grid)
+    rel = layout.path_dir(0, "p0-0")
+    root.write_bytes(f"{rel}/model.safetensors", encode(tensors))
+    root.commit(rel, info={"tokens": 64})
+    with pytest.raises(CorruptStateError) as error:
+        merge_round(config, 0)
+    assert expected in one_short_line(error.value)
+
+
+def test_a_round_module_of_the_wrong_shape_is_refused_naming_it(run_root):
+    config = tiny_config(run_root)
+    root = RunRoot(run_root)
+    init_modules(root, config.model, config.model.grid)
+    rel = layout.modules_dir(0)
+    state = decode(bytearray(root.read_committed(rel, "level=1/module=1.safetensors")), "x")
+    state["norm.weight"] = torch.zeros(7)
+    recommit(root, rel, "level=1/module=1.safetensors", encode(state))
+    with pytest.raises(CorruptStateError) as error:
+        load_path_model(root, config, 0, "p0-1")
+    assert "level=1/module=1.safetensors: tensor 'norm.weight' has shape (7,), the model config gives (32,)" \
+        in one_short_line(error.value)
 
 
 def test_hostile_path_metrics_and_markers_are_refused_naming_them(run_root):
