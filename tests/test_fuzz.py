@@ -298,6 +298,8 @@ def test_a_hostile_router_artifact_loads_and_routes_or_is_refused(good_router_fi
         refused_in_one_line(error)
     else:
         assert set(paths) <= set(router.path_ids)
+    finally:
+        root.remove("")  # the memory filesystem is one store: keep it small, or every glob slows
 
 
 GOOD_METRICS = {"loss": [3.2, 2.9], "lr": [1e-4, 2e-4], "tokens": 640, "tokens_per_s": 100.0, "seconds": 6.4,
@@ -334,6 +336,8 @@ def test_a_hostile_run_root_json_file_is_read_or_refused(data, target):
             root.read_committed_json(layout.SHARDS_DIR, "manifest.json")
     except Exception as error:  # noqa: BLE001
         refused_in_one_line(error)
+    finally:
+        root.remove("")
 
 
 @st.composite
