@@ -22,7 +22,7 @@ import mlflow
 from pipeline import layout
 from pipeline.bounds import load_json
 from pipeline.config import parse_yaml, read_config_text, resolve_ds_config
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, CorruptStateError
 from pipeline.storage import SUCCESS, RunRoot
 from pipeline.tracking import redact
 
@@ -63,7 +63,9 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
         raw.setdefault("train", {})["ds_config"] = str(bundle / BUNDLE_DS_CONFIG)
         self.config = config_from_dict(raw, str(bundle / layout.RUN_CONFIG))
         self.root = RunRoot(str(bundle))
-        self.round_index = int(info["round"])
+        if type(info.get("round")) is not int:
+            raise CorruptStateError(f"{bundle / BUNDLE_INFO}: round must be a round number")
+        self.round_index = info["round"]
         self.router = Router.load(self.root)
         self.tokenizer = load_tokenizer()
         self._models: dict[str, Any] = {}
