@@ -232,7 +232,8 @@ def read_config_text(path: str | Path) -> bytes:
         with open(path, "rb") as handle:
             data = handle.read(MAX_CONFIG_BYTES + 1)
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
-        raise ConfigError(f"{shown(str(path))}: cannot read config file ({getattr(exc, 'strerror', None) or exc})") from None
+        why = one_line(getattr(exc, "strerror", None) or str(exc), SHOWN_CHARS)
+        raise ConfigError(f"{one_line(str(path), SHOWN_CHARS)}: cannot read config file ({why})") from None
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: config file is larger than {MAX_CONFIG_BYTES:,} bytes")
     return data
