@@ -12,9 +12,14 @@ import logging
 import sys
 
 from models.grid import parse_job_id
+from pipeline.bounds import one_line
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, DipacoError, StorageError
 from pipeline.report import format_summary
+
+
+# A backstop: our own messages are bounded where they are made; one from a library need not be.
+CLI_MESSAGE_CHARS = 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def dispatch(args: argparse.Namespace) -> dict | None:
+    config = load_config(args.config, args.overrides)  # before the heavy imports: a bad config fails fast
     from pipeline import stages
 
-    config = load_config(args.config, args.overrides)
     if args.command == "run":
         return stages.run(config)
     stages.init_run(config)
@@ -68,17 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = dispatch(args)
     except DipacoError as exc:
-        print(f"dipaco {args.command}: {exc}", file=sys.stderr)
+        print(f"dipaco {args.command}: {one_line(str(exc), CLI_MESSAGE_CHARS)}", file=sys.stderr)
         return 2
     except StorageError as exc:
-        print(f"dipaco {args.command}: {exc}", file=sys.stderr)
+        print(f"dipaco {args.command}: {one_line(str(exc), CLI_MESSAGE_CHARS)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"dipaco {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     except Exception as exc:  # anything else is a failure, reported in one line, logged in full
         logging.getLogger("dipaco").debug("failure", exc_info=True)
-        print(f"dipaco {args.command}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"dipaco {args.command}: failed: {type(exc).__name__}: {one_line(str(exc), CLI_MESSAGE_CHARS)}", file=sys.stderr)
         return 1
     if args.command == "run":
         print(format_summary(result))

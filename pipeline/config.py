@@ -2,6 +2,12 @@
 
 The key names are the contract of DESIGN.md. Every value is type-checked, unknown keys are
 errors, and every error names the key and the file so a user can fix it without reading code.
+
+Config text comes from users and, through the DAG's `overrides` param, from anyone allowed to
+trigger a run, so YAML is read with bounds: anchors and aliases are refused (nine nested aliases
+in 2 KB expand to 10^9 items: a "billion laughs"), nesting is capped, a file is read up to
+MAX_CONFIG_BYTES and a `--set` item up to MAX_SET_CHARS, and a value is shown in a message cut to
+pipeline.bounds.SHOWN_CHARS characters, so every error is one short line naming key and file.
 """
 
 from __future__ import annotations
@@ -17,7 +23,15 @@ from typing import Any
 
 import yaml
 
+from pipeline.bounds import SHOWN_CHARS, one_line, shown
 from pipeline.errors import ConfigError
+
+MAX_CONFIG_BYTES = 256 * 1024  # a real config is ~2 KB; PyYAML constructs ~250 KB/s
+MAX_SET_CHARS = 64 * 1024  # one --set item (or DAG override)
+MAX_YAML_DEPTH = 32  # a config nests 3 deep (section, key, list)
+MAX_PATH_CHARS = 4096  # PATH_MAX: a config file or project directory named in DAG params
+MAX_OVERRIDES = 256
+MAX_LEVELS, MAX_PATHS = 64, 65536  # a grid is listed path by path; 10^12 paths would never list
 
 
 @dataclass
@@ -158,9 +172,17 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def resolve_ds_config(path: str) -> Path:
     """A ds_config path as given, or relative to the project (so DAG tasks can run anywhere)."""
     candidate = Path(path)
-    if candidate.is_file() or candidate.is_absolute():
+    if _is_file(candidate) or candidate.is_absolute():
         return candidate
     return REPO_ROOT / path
+
+
+def _is_file(path: str | Path) -> bool:
+    """Path.is_file, False for a name no filesystem takes (a NUL byte, longer than NAME_MAX)."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
 
 
 ENUMS: dict[str, tuple[str, ...]] = {
@@ -172,19 +194,61 @@ ENUMS: dict[str, tuple[str, ...]] = {
 _SET_RE = re.compile(r"^([A-Za-z_][\w.]*)=(.*)$", re.S)
 
 
+# libyaml when PyYAML was built with it: the pure-Python parser reads ~35 KB/s on this CPU.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _check_events(text: str | bytes) -> None:
+    """Refuse anchors, aliases and nesting deeper than MAX_YAML_DEPTH from the event stream alone,
+    before anything is composed or constructed: nine nested aliases in 2 KB expand to 10^9 items
+    (a "billion laughs"), and a deep document would end in a RecursionError in the composer."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_YAML_LOADER):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise yaml.composer.ComposerError(None, None, "YAML anchors and aliases (&name, *name) are not allowed",
+                                              event.start_mark)
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nests deeper than {MAX_YAML_DEPTH} levels", event.start_mark)
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
+
+
+def parse_yaml(text: str | bytes, where: str) -> Any:
+    """YAML text -> plain data within the bounds above; ConfigError naming `where` otherwise."""
+    try:
+        _check_events(text)
+        return yaml.load(text, Loader=_YAML_LOADER)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{where}: not valid YAML{at}: {one_line(exc.problem or exc.context or '', SHOWN_CHARS)}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not valid YAML ({one_line(str(exc), SHOWN_CHARS)})") from None
+    except (ValueError, OverflowError, RecursionError) as exc:  # a 5000-digit int, a 13th month
+        raise ConfigError(f"{where}: a YAML value cannot be read ({one_line(str(exc), SHOWN_CHARS)})") from None
+
+
+def read_config_text(path: str | Path) -> bytes:
+    """A config file's bytes, refusing more than MAX_CONFIG_BYTES (read no further than that)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the name
+        why = one_line(getattr(exc, "strerror", None) or str(exc), SHOWN_CHARS)
+        raise ConfigError(f"{one_line(str(path), SHOWN_CHARS)}: cannot read config file ({why})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: config file is larger than {MAX_CONFIG_BYTES:,} bytes")
+    return data
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load, override and validate a config; raises ConfigError naming the key and the file."""
     source = str(path) if path else "<defaults>"
     raw: dict[str, Any] = {}
     if path:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"{source}: cannot read config file ({exc.strerror})") from None
-        try:
-            raw = yaml.safe_load(text) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: not valid YAML ({exc})") from None
+        raw = parse_yaml(read_config_text(path), source) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")
     for item in overrides:
@@ -205,31 +269,65 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> Config:
 
 def config_from_yaml(text: str | bytes, source: str) -> Config:
     """A config from YAML text, validated (run.yaml read back by the trainer, stages, router)."""
-    try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML ({exc})") from None
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{source}: config file is larger than {MAX_CONFIG_BYTES:,} bytes")
+    raw = parse_yaml(text, source) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
     return config_from_dict(raw, source)
 
 
+class _NoAliasDumper(yaml.SafeDumper):
+    """run.yaml is read back through parse_yaml, which refuses aliases: never write one."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump_yaml(config: Config) -> str:
-    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+    return yaml.dump(config.to_dict(), Dumper=_NoAliasDumper, sort_keys=False)
+
+
+def check_dag_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The DAG's run params (`config`, `overrides`, `project_dir`) checked before any use, as the
+    reference every task loads the config from. The DAG declares the same bounds as a JSON schema
+    (Airflow checks it when a run is triggered); this is the check that holds for any caller."""
+    where = "DAG params"
+    if not isinstance(params, dict):
+        raise ConfigError(f"{where}: must be a mapping, got {type(params).__name__}")
+    unknown = sorted(str(k) for k in params if k not in ("config", "overrides", "project_dir"))
+    if unknown:
+        raise ConfigError(f"{where}: unknown param {shown(unknown[0])} (known: config, overrides, project_dir)")
+    for key in ("config", "project_dir"):
+        value = params.get(key)
+        if not isinstance(value, str) or not value.strip() or len(value) > MAX_PATH_CHARS or "\0" in value:
+            raise ConfigError(f"{where}: {key} must be a path of 1 to {MAX_PATH_CHARS} characters, got {shown(value)}")
+    overrides = params.get("overrides", [])
+    if not isinstance(overrides, list) or len(overrides) > MAX_OVERRIDES:
+        raise ConfigError(f"{where}: overrides must be a list of at most {MAX_OVERRIDES} strings, got {shown(overrides)}")
+    for index, item in enumerate(overrides):
+        if not isinstance(item, str) or len(item) > MAX_SET_CHARS or not _SET_RE.match(item):
+            raise ConfigError(f"{where}: overrides[{index}] must be a key.path=value string of at most "
+                              f"{MAX_SET_CHARS:,} characters, got {shown(item)}")
+    if not Path(params["project_dir"]).is_dir():
+        raise ConfigError(f"{where}: project_dir {shown(params['project_dir'])} is not a directory")
+    return {"config": params["config"], "overrides": list(overrides), "project_dir": params["project_dir"]}
 
 
 def _apply_override(raw: dict[str, Any], item: str, source: str) -> None:
+    if len(item) > MAX_SET_CHARS:
+        raise ConfigError(f"--set {shown(item)}: longer than {MAX_SET_CHARS:,} characters")
     match = _SET_RE.match(item)
     if not match:
-        raise ConfigError(f"--set {item!r}: expected key.path=value")
-    keys, value_text = match.group(1).split("."), match.group(2)
-    try:
-        value = yaml.safe_load(value_text) if value_text.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {match.group(1)}: value is not valid YAML ({exc})") from None
+        raise ConfigError(f"--set {shown(item)}: expected key.path=value")
+    key_path, value_text = match.group(1), match.group(2)
+    keys, name = key_path.split("."), one_line(key_path, SHOWN_CHARS)
+    value = parse_yaml(value_text, f"--set {name}") if value_text.strip() else None
     node = raw
     for key in keys[:-1]:
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {match.group(1)}: {key} is not a section (in {source})")
+            raise ConfigError(f"--set {name}: {one_line(key, SHOWN_CHARS)} is not a section (in {source})")
         node = child
     node[keys[-1]] = value
 
@@ -239,9 +337,9 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
-    unknown = sorted(set(raw) - set(fields))
+    unknown = sorted((str(k) for k in set(raw) - set(fields)), key=str)  # YAML keys may be numbers
     if unknown:
-        raise ConfigError(f"{source}: unknown key {prefix}{unknown[0]} (known: {', '.join(fields)})")
+        raise ConfigError(f"{source}: unknown key {one_line(prefix + unknown[0], SHOWN_CHARS)} (known: {', '.join(fields)})")
     values = {}
     for name, value in raw.items():
         key, hint = prefix + name, hints[name]
@@ -256,9 +354,7 @@ def _check_type(value: Any, hint: Any, key: str, source: str) -> Any:
     """Return value coerced to hint (int -> float only), or raise naming the key."""
     if _matches(value, hint):
         return float(value) if hint is float and isinstance(value, int) else value
-    raise ConfigError(
-        f"{source}: {key} must be {_describe(hint)}, got {type(value).__name__} {value!r}"
-    )
+    raise ConfigError(f"{source}: {key} must be {_describe(hint)}, got {type(value).__name__} {shown(value)}")
 
 
 def _matches(value: Any, hint: Any) -> bool:
@@ -297,10 +393,12 @@ def validate(config: Config) -> None:
     for key, allowed in ENUMS.items():
         section, name = key.split(".")
         value = getattr(getattr(config, section), name)
-        need(value in allowed, key, f"must be one of {', '.join(allowed)}, got {value!r}")
+        need(value in allowed, key, f"must be one of {', '.join(allowed)}, got {shown(value)}")
     need(bool(config.run_root.strip()), "run_root", "must not be empty")
     need(".." not in Path(config.run_root.split("://")[-1]).parts, "run_root", "must not contain '..'")
     need(len(m.grid) >= 1 and all(k >= 1 for k in m.grid), "model.grid", "must be a non-empty list of positive module counts")
+    need(len(m.grid) <= MAX_LEVELS and config.n_paths <= MAX_PATHS, "model.grid",
+         f"must have at most {MAX_LEVELS} levels and {MAX_PATHS:,} paths (the paper's largest grid has 256)")
     need(
         len(m.blocks_per_level) == len(m.grid),
         "model.blocks_per_level",
@@ -321,7 +419,7 @@ def validate(config: Config) -> None:
         try:
             parse_path_id(config.router.model_path, m.grid)
         except ValueError as exc:
-            raise ConfigError(f"{src}: router.model_path: {exc}") from None
+            raise ConfigError(f"{src}: router.model_path: {one_line(str(exc), SHOWN_CHARS)}") from None
     need(config.router.sample_docs > 0, "router.sample_docs", "must be positive")
     need(t.rounds >= 1, "train.rounds", "must be >= 1")
     need(t.inner_steps >= 1, "train.inner_steps", "must be >= 1")
@@ -335,10 +433,10 @@ def validate(config: Config) -> None:
     need(t.workers_per_path >= 1, "train.workers_per_path", "must be >= 1")
     need(t.num_nodes >= 1, "train.num_nodes", "must be >= 1")
     need(t.num_nodes == 1 or t.hostfile is not None, "train.hostfile", "must be set when train.num_nodes > 1")
-    need(t.hostfile is None or Path(t.hostfile).is_file(), "train.hostfile", f"names a missing file {t.hostfile}")
+    need(t.hostfile is None or _is_file(t.hostfile), "train.hostfile", f"names a missing file {shown(t.hostfile)}")
     need(t.parallel_paths >= 1, "train.parallel_paths", "must be >= 1")
     need(t.max_attempts >= 1, "train.max_attempts", "must be >= 1")
-    need(resolve_ds_config(t.ds_config).is_file(), "train.ds_config", f"names a missing file {t.ds_config}")
+    need(_is_file(resolve_ds_config(t.ds_config)), "train.ds_config", f"names a missing file {shown(t.ds_config)}")
     need(o.lr > 0, "outer.lr", "must be positive")
     need(0 <= o.momentum < 1, "outer.momentum", "must be within [0, 1)")
     need(config.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")

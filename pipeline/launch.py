@@ -18,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline import layout
+from pipeline.bounds import shown
 from pipeline.distributed import child_env, free_port, set_runtime_env
+from pipeline.errors import CorruptStateError
 from pipeline.storage import RunRoot
 
 log = logging.getLogger("dipaco.launch")
@@ -51,18 +53,37 @@ def train_path_job(config, round_index: int, path_id: str) -> dict | None:
     rel = layout.path_dir(round_index, path_id)
     for attempt in range(1, config.train.max_attempts + 1):
         if root.is_committed(rel):
-            return root.read_json(f"{rel}/metrics.json")
+            return read_metrics(root, rel)
         root.remove(rel)  # an earlier attempt's partial output is never read, only replaced
         started = time.perf_counter()
         returncode, tail = _run_attempt(config, round_index, path_id)
         if returncode == 0 and root.is_committed(rel):
-            return root.read_json(f"{rel}/metrics.json")
+            return read_metrics(root, rel)
         root.write_json(f"{layout.attempts_dir(round_index, path_id)}/attempt-{attempt}.json", {
             "returncode": returncode, "seconds": time.perf_counter() - started, "output_tail": tail,
         })
         log.warning("path %s round %d attempt %d/%d failed (exit %s)%s", path_id, round_index, attempt,
                     config.train.max_attempts, returncode, (": " + tail[-1]) if tail else "")
-    return root.read_json(f"{rel}/metrics.json") if root.is_committed(rel) else None
+    return read_metrics(root, rel) if root.is_committed(rel) else None
+
+
+def read_metrics(root: RunRoot, rel: str) -> dict:
+    """A committed path's metrics.json, with the fields the CLI, the DAG and tracking index into."""
+    metrics = root.read_json(f"{rel}/metrics.json")
+    where = root.path(rel, "metrics.json")
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    loss = metrics.get("loss")
+    checks = {"loss": isinstance(loss, list) and bool(loss) and all(number(x) for x in loss),
+              "tokens": type(metrics.get("tokens")) is int, "tokens_per_s": number(metrics.get("tokens_per_s")),
+              "seconds": number(metrics.get("seconds")), "round": type(metrics.get("round")) is int,
+              "path": isinstance(metrics.get("path"), str)}
+    bad = next((key for key, ok in checks.items() if not ok), None)
+    if bad is not None:
+        raise CorruptStateError(f"{where}: {bad} is missing or of the wrong type ({shown(metrics.get(bad))})")
+    return metrics
 
 
 def _run_attempt(config, round_index: int, path_id: str) -> tuple[int, list[str]]:

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from pipeline import layout
-from pipeline.errors import RunLockedError
+from pipeline.bounds import SHOWN_CHARS, one_line, shown
+from pipeline.errors import CorruptStateError, RunLockedError
 from pipeline.storage import RunRoot
 
 HEARTBEAT_S = 30.0
@@ -42,13 +43,14 @@ def run_lock(root: RunRoot) -> Iterator[None]:
 def _flock(root: RunRoot) -> Iterator[None]:
     path = root.local_path(layout.LOCK)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+")
+    handle = open(path, "a+", errors="replace")
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            raise RunLockedError(f"{root.path()}: another dipaco run holds this run root ({handle.read().strip() or 'unknown holder'})") from None
+            holder = one_line(handle.read(SHOWN_CHARS * 4), SHOWN_CHARS)  # the record, bounded: it is a file anyone can write
+            raise RunLockedError(f"{root.path()}: another dipaco run holds this run root ({holder or 'unknown holder'})") from None
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps(_holder()))
@@ -62,8 +64,12 @@ def _flock(root: RunRoot) -> Iterator[None]:
 def _heartbeat_lock(root: RunRoot) -> Iterator[None]:
     if root.exists(layout.LOCK):
         held = root.read_json(layout.LOCK)
-        if time.time() - float(held.get("heartbeat", 0)) < STALE_AFTER_S:
-            raise RunLockedError(f"{root.url}: another dipaco run holds this run root ({held})")
+        heartbeat = held.get("heartbeat", 0)
+        if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool):
+            raise CorruptStateError(f"{root.path(layout.LOCK)}: heartbeat must be a time, got {shown(heartbeat)}; "
+                                    f"remove the file if no dipaco run is live")
+        if time.time() - heartbeat < STALE_AFTER_S:
+            raise RunLockedError(f"{root.url}: another dipaco run holds this run root ({shown(held)})")
     root.write_json(layout.LOCK, _holder())
     stop = threading.Event()
 

@@ -21,8 +21,18 @@ import torch
 from models.grid import all_job_ids, all_modules, parse_job_id, path_modules
 from models.modular import ModelShape, ModuleState, split_path_state
 from pipeline import layout
-from pipeline.module_store import commit_states, decode, outer_state_keys, read_state, write_state
-from pipeline.storage import IO_THREADS, RunRoot
+from pipeline.bounds import SHOWN_CHARS, one_line, shown
+from pipeline.errors import CorruptStateError
+from pipeline.module_store import (
+    check_state,
+    commit_states,
+    decode,
+    level_shapes,
+    outer_state_keys,
+    read_state,
+    write_state,
+)
+from pipeline.storage import IO_THREADS, SUCCESS, RunRoot
 
 log = logging.getLogger("dipaco.merge")
 
@@ -106,8 +116,13 @@ def merge_round(config, round_index: int) -> dict:
 
     def read_path(path_id: str) -> list[ModuleState]:
         rel = layout.path_dir(round_index, path_id)
-        data = root.read_committed(rel, "model.safetensors", writable=True)
-        return split_path_state(shape, decode(data, root.path(rel, "model.safetensors")))
+        where = root.path(rel, "model.safetensors")
+        state = decode(root.read_committed(rel, "model.safetensors", writable=True), where)
+        try:
+            levels = split_path_state(shape, state)
+        except KeyError as exc:  # a tensor name that belongs to no module of this grid
+            raise CorruptStateError(f"{where}: {one_line(str(exc.args[0] if exc.args else exc), SHOWN_CHARS)}") from None
+        return [check_state(level, expected, where) for level, expected in zip(levels, level_shapes(shape))]
 
     # One pool for the whole merge: every input is read and verified at once (file I/O and
     # checksums release the GIL), each module is computed as soon as its inputs are in, and its
@@ -117,8 +132,9 @@ def merge_round(config, round_index: int) -> dict:
     grad_norms, untouched, sizes, momentum_keys = {}, [], {}, []
     merged_paths = {str(key): [pid for pid in committed if key in modules_of[pid]] for key in keys}
     with one_torch_thread(), ThreadPoolExecutor(IO_THREADS) as pool:
-        before_f = {key: pool.submit(read_state, root, rel_before, key) for key in keys}
-        momentum_f = {key: pool.submit(read_state, root, rel_momentum, key) for key in outer_state_keys(root, round_index, keys)}
+        before_f = {key: pool.submit(read_state, root, rel_before, key, shape) for key in keys}
+        momentum_f = {key: pool.submit(read_state, root, rel_momentum, key, shape)
+                      for key in outer_state_keys(root, round_index, keys)}
         path_f = {pid: pool.submit(read_path, pid) for pid in committed}
         writes = []
         for key in keys:
@@ -171,7 +187,10 @@ def committed_paths(root: RunRoot, config, round_index: int) -> tuple[dict[str, 
     for path_id in all_job_ids(config.model.grid, config.train.workers_per_path):
         rel = layout.path_dir(round_index, path_id)
         if root.is_committed(rel):
-            committed[path_id] = int(root.marker(rel)["tokens"])
+            tokens = root.marker(rel).get("tokens")
+            if type(tokens) is not int or tokens < 1:  # weights divide by the tokens' sum
+                raise CorruptStateError(f"{root.path(rel, SUCCESS)}: tokens must be a token count, got {shown(tokens)}")
+            committed[path_id] = tokens
         else:
             left_out.append(path_id)
     return committed, left_out

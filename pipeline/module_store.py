@@ -7,6 +7,7 @@ load is verified and a corrupted file is refused by name (never unpickled: safet
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import posixpath
@@ -15,10 +16,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from transformers import LlamaForCausalLM
 
 from models.grid import ModuleKey, all_modules, parse_path_id, path_modules
-from models.modular import ModelShape, ModuleState, build_path_model, initial_level_states
+from models.modular import ModelShape, ModuleState, build_path_model, initial_level_states, path_state, split_path_state
 from pipeline import layout
+from pipeline.bounds import MAX_JSON_DEPTH, SHOWN_CHARS, one_line, shown, too_deep
 from pipeline.errors import CorruptStateError
 from pipeline.storage import RunRoot, map_io
 
@@ -30,6 +33,7 @@ def encode(state: ModuleState, metadata: dict[str, str] | None = None) -> bytes:
     return st_save({k: v.detach().contiguous().cpu() for k, v in state.items()}, metadata=header)
 
 
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header (MAX_HEADER_SIZE)
 # The dtypes viewed in place; any other goes through safetensors' own (copying) loader.
 _VIEW_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
@@ -42,8 +46,8 @@ def decode(data: bytes | bytearray, where: str) -> ModuleState:
     try:
         views = _views(data) if isinstance(data, bytearray) else None
         return views if views is not None else st_load(bytes(data))
-    except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CorruptStateError(f"{where}: not a valid safetensors file ({exc})") from None
+    except (SafetensorError, ValueError, RuntimeError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        raise CorruptStateError(f"{where}: not a valid safetensors file ({one_line(str(exc), SHOWN_CHARS)})") from None
 
 
 def _views(buffer: bytearray) -> ModuleState | None:
@@ -52,8 +56,12 @@ def _views(buffer: bytearray) -> ModuleState | None:
     if len(buffer) < 8:
         raise ValueError("shorter than the 8-byte header length")
     size = int.from_bytes(buffer[:8], "little")
+    if size > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {size:,} bytes is over safetensors' limit of {MAX_HEADER_BYTES:,}")
     if 8 + size > len(buffer):
         raise ValueError("header runs past the end of the file")
+    if too_deep(buffer[8:8 + size]):
+        raise ValueError(f"header nests deeper than {MAX_JSON_DEPTH} levels")
     header = json.loads(bytes(buffer[8:8 + size]))
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
@@ -64,10 +72,12 @@ def _views(buffer: bytearray) -> ModuleState | None:
         dtype = _VIEW_DTYPES.get(entry["dtype"])
         if dtype is None:
             return None
-        (begin, end), shape = entry["data_offsets"], [int(d) for d in entry["shape"]]
+        (begin, end), shape = entry["data_offsets"], entry["shape"]
+        if not all(type(d) is int and d >= 0 for d in [begin, end, *shape]):
+            raise ValueError(f"tensor {shown(name)}: offsets and shape must be non-negative integers")
         count = math.prod(shape)
         if not 0 <= begin <= end <= len(buffer) - base or end - begin != count * dtype.itemsize:
-            raise ValueError(f"tensor {name!r}: bytes {begin}..{end} do not fit its shape {shape} or the file")
+            raise ValueError(f"tensor {shown(name)}: bytes {begin}..{end} do not fit its shape {shape} or the file")
         state[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + begin).view(shape) \
             if count else torch.empty(shape, dtype=dtype)
     return state
@@ -89,9 +99,35 @@ def write_states(root: RunRoot, rel_dir: str, states: dict[ModuleKey, ModuleStat
     commit_states(root, rel_dir, list(states), info)
 
 
-def read_state(root: RunRoot, rel_dir: str, key: ModuleKey) -> ModuleState:
+@functools.lru_cache(maxsize=8)
+def level_shapes(shape: ModelShape) -> tuple[dict[str, tuple[int, ...]], ...]:
+    """Every tensor name and shape a module of each level holds, from a model built on the meta
+    device (no memory, and the caller's random state untouched)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = LlamaForCausalLM(shape.llama_config())
+    return tuple({k: tuple(t.shape) for k, t in level.items()} for level in split_path_state(shape, path_state(model)))
+
+
+def check_state(state: ModuleState, expected: dict[str, tuple[int, ...]], where: str) -> ModuleState:
+    """A decoded module holds exactly the expected tensors with their shapes: the math that reads
+    it indexes by name and adds tensors, and would fail deep inside torch instead of naming the file."""
+    if state.keys() != expected.keys():
+        missing, extra = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+        raise CorruptStateError(f"{where}: tensors do not fit the model config (missing {shown(missing[:3])}, "
+                                f"unexpected {shown(extra[:3])})")
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise CorruptStateError(f"{where}: tensor {shown(name)} has shape {tuple(tensor.shape)}, "
+                                    f"the model config gives {expected[name]}")
+    return state
+
+
+def read_state(root: RunRoot, rel_dir: str, key: ModuleKey, shape: ModelShape | None = None) -> ModuleState:
+    """One committed module, checked against the model's shapes when `shape` is given."""
     name = layout.module_file(key)
-    return decode(root.read_committed(rel_dir, name, writable=True), root.path(rel_dir, name))
+    where = root.path(rel_dir, name)
+    state = decode(root.read_committed(rel_dir, name, writable=True), where)
+    return state if shape is None else check_state(state, level_shapes(shape)[key.level], where)
 
 
 def init_modules(root: RunRoot, model_config, grid: list[int]) -> bool:
@@ -105,14 +141,16 @@ def init_modules(root: RunRoot, model_config, grid: list[int]) -> bool:
     return True
 
 
-def load_modules(root: RunRoot, round_index: int, keys: list[ModuleKey]) -> dict[ModuleKey, ModuleState]:
+def load_modules(root: RunRoot, round_index: int, keys: list[ModuleKey],
+                 shape: ModelShape | None = None) -> dict[ModuleKey, ModuleState]:
     rel = layout.modules_dir(round_index)
-    return dict(zip(keys, map_io(lambda key: read_state(root, rel, key), keys)))
+    return dict(zip(keys, map_io(lambda key: read_state(root, rel, key, shape), keys)))
 
 
-def load_path_modules(root: RunRoot, round_index: int, modules: tuple[int, ...]) -> list[ModuleState]:
+def load_path_modules(root: RunRoot, round_index: int, modules: tuple[int, ...],
+                      shape: ModelShape | None = None) -> list[ModuleState]:
     keys = path_modules(modules)
-    loaded = load_modules(root, round_index, keys)
+    loaded = load_modules(root, round_index, keys, shape)
     return [loaded[key] for key in keys]
 
 
@@ -120,7 +158,7 @@ def load_path_model(root: RunRoot, config, round_index: int, path_id: str) -> to
     """The LlamaForCausalLM of one path at the start of a round (for evaluation and inference)."""
     modules = parse_path_id(path_id, config.model.grid)
     shape = ModelShape.from_config(config.model)
-    return build_path_model(shape, load_path_modules(root, round_index, modules))
+    return build_path_model(shape, load_path_modules(root, round_index, modules, shape))
 
 
 def outer_state_keys(root: RunRoot, round_index: int, keys: list[ModuleKey]) -> list[ModuleKey]:

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
-import yaml
 
 from pipeline import layout
-from pipeline.config import resolve_ds_config
+from pipeline.bounds import load_json
+from pipeline.config import parse_yaml, read_config_text, resolve_ds_config
+from pipeline.errors import ConfigError, CorruptStateError
 from pipeline.storage import SUCCESS, RunRoot
 from pipeline.tracking import redact
 
@@ -58,14 +59,18 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
         from preprocessing.tokenizer import load_tokenizer
 
         bundle = Path(context.artifacts["run_root"]).resolve()
-        info = json.loads((bundle / BUNDLE_INFO).read_text())
-        raw = yaml.safe_load((bundle / layout.RUN_CONFIG).read_text())
+        info = load_json((bundle / BUNDLE_INFO).read_bytes(), str(bundle / BUNDLE_INFO))
+        raw = parse_yaml(read_config_text(bundle / layout.RUN_CONFIG), str(bundle / layout.RUN_CONFIG))
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{bundle / layout.RUN_CONFIG}: the top level must be a mapping of sections")
         # The bundle is the run root now; the DeepSpeed template travels with it (validation needs it).
         raw["run_root"] = str(bundle)
         raw.setdefault("train", {})["ds_config"] = str(bundle / BUNDLE_DS_CONFIG)
         self.config = config_from_dict(raw, str(bundle / layout.RUN_CONFIG))
         self.root = RunRoot(str(bundle))
-        self.round_index = int(info["round"])
+        if type(info.get("round")) is not int:
+            raise CorruptStateError(f"{bundle / BUNDLE_INFO}: round must be a round number")
+        self.round_index = info["round"]
         self.router = Router.load(self.root)
         self.tokenizer = load_tokenizer(self.root, self.config.model.tokenizer)
         self._models: dict[str, Any] = {}

@@ -8,11 +8,12 @@ returns its recorded result at once).
 from __future__ import annotations
 
 import logging
+import re
 
 from models.grid import all_job_ids
 from pipeline import layout
 from pipeline.config import Config, config_from_yaml, dump_yaml
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, CorruptStateError
 from pipeline.evaluate import evaluate_round
 from pipeline.launch import train_path_job, train_paths
 from pipeline.lock import run_lock
@@ -23,6 +24,7 @@ from pipeline.storage import RunRoot
 log = logging.getLogger("dipaco")
 # Sections that fix what the committed state means; a run root refuses a config that changes them.
 _FIXED = ("model", "router")
+_EVAL_FILE = re.compile(r"round=(\d{1,9})\.json")
 
 
 def init_run(config: Config) -> RunRoot:
@@ -148,7 +150,19 @@ def run(config: Config, rounds: int | None = None) -> dict:
 def summarize(config: Config) -> dict:
     """Perplexity per path and overall by round, from the committed eval files."""
     root = RunRoot(config.run_root)
-    rounds = sorted(int(n.split("=")[1].split(".")[0]) for n in root.listdir(layout.EVAL_DIR) if n.startswith("round="))
+    rounds = sorted(int(m.group(1)) for n in root.listdir(layout.EVAL_DIR) if (m := _EVAL_FILE.fullmatch(n)))
     return {"run_root": root.path() if root.is_local else root.url,
             "rounds_committed": next_round(config),
-            "eval": {r: root.read_json(layout.eval_file(r)) for r in rounds}}
+            "eval": {r: read_eval(root, r) for r in rounds}}
+
+
+def read_eval(root: RunRoot, round_index: int) -> dict:
+    """eval/round=<r>.json with the numbers the run summary prints (perplexity overall and per path)."""
+    result = root.read_json(layout.eval_file(round_index))
+    paths = result.get("paths", {})
+    numbers = [result.get("perplexity")] + [p.get("perplexity") if isinstance(p, dict) else "?" for p in
+                                            (paths.values() if isinstance(paths, dict) else ["?"])]
+    if not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+        raise CorruptStateError(f"{root.path(layout.eval_file(round_index))}: perplexity (overall and per path "
+                                f"under \"paths\") must be numbers")
+    return result

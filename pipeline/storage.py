@@ -35,6 +35,7 @@ from typing import IO, Any, Callable, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from pipeline.bounds import MAX_STATE_JSON_BYTES, load_json
 from pipeline.errors import CorruptStateError, InputError, StorageError
 
 SUCCESS = "_SUCCESS"
@@ -103,6 +104,12 @@ def matches_record(data: bytes, record: dict[str, Any]) -> bool:
     return False
 
 
+def _is_file_record(record: Any) -> bool:
+    """A `_SUCCESS` entry: a non-negative int length and a CRC-32 (or an old marker's SHA-256) string."""
+    return (isinstance(record, dict) and type(record.get("bytes")) is int and record["bytes"] >= 0
+            and any(isinstance(record.get(k), str) for k in ("crc32", "sha256")))
+
+
 class RunRoot:
     """One run's storage. Paths given to its methods are relative to the root, '/'-separated."""
 
@@ -130,26 +137,30 @@ class RunRoot:
     def exists(self, rel: str) -> bool:
         return self.fs.exists(self.path(rel))
 
-    def read_bytes(self, rel: str, writable: bool = False) -> bytes | bytearray:
+    def read_bytes(self, rel: str, writable: bool = False, max_bytes: int | None = None) -> bytes | bytearray:
         """A file's bytes; `writable` gives a bytearray that tensors can view without a copy
-        (read straight into it on local roots)."""
+        (read straight into it on local roots). A file longer than `max_bytes` is refused after
+        reading no more than that, so a hostile file costs bounded memory."""
         try:
-            if writable and self.is_local:
+            if writable and self.is_local and max_bytes is None:
                 with open(self.path(rel), "rb") as handle:
                     buffer = bytearray(os.fstat(handle.fileno()).st_size)
                     del buffer[handle.readinto(buffer):]  # a file that shrank meanwhile fails its checksum
                     return buffer
             with self.fs.open(self.path(rel), "rb") as handle:
-                data = handle.read()
-            return bytearray(data) if writable else data
+                data = handle.read() if max_bytes is None else handle.read(max_bytes + 1)
         except FileNotFoundError:
             raise InputError(f"{self.path(rel)}: file not found") from None
+        except IsADirectoryError:
+            raise CorruptStateError(f"{self.path(rel)}: is a directory, expected a file") from None
+        if max_bytes is not None and len(data) > max_bytes:
+            raise CorruptStateError(f"{self.path(rel)}: larger than {max_bytes:,} bytes; refusing to read it")
+        return bytearray(data) if writable else data
 
-    def read_json(self, rel: str) -> Any:
-        try:
-            return json.loads(self.read_bytes(rel))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CorruptStateError(f"{self.path(rel)}: not valid JSON ({exc})") from None
+    def read_json(self, rel: str, expect: type | tuple[type, ...] | None = dict) -> Any:
+        """A stored JSON file (its top level an `expect`), within pipeline.bounds' size and depth
+        bounds; anything else is a CorruptStateError naming the file."""
+        return load_json(self.read_bytes(rel, max_bytes=MAX_STATE_JSON_BYTES), self.path(rel), expect)
 
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) in a directory, sorted; empty when it does not exist."""
@@ -257,30 +268,41 @@ class RunRoot:
         return self.exists(posixpath.join(rel, SUCCESS))
 
     def marker(self, rel: str) -> dict[str, Any]:
-        """The _SUCCESS record of a committed directory (refused when it is missing)."""
+        """The _SUCCESS record of a committed directory (refused when it is missing or malformed)."""
         marker = posixpath.join(rel, SUCCESS)
         if not self.exists(marker):
             raise InputError(f"{self.path(rel)}: not committed (no {SUCCESS})")
         record = self.read_json(marker)
-        if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
-            raise CorruptStateError(f"{self.path(marker)}: not a valid commit marker")
-        for name in record["files"]:
+        files = record.get("files")
+        if not isinstance(files, dict) or not all(_is_file_record(r) for r in files.values()):
+            raise CorruptStateError(f"{self.path(marker)}: not a valid commit marker (no files with bytes and a checksum)")
+        for name in files:
             safe_relative(name, self.path(marker))
         return record
 
-    def read_committed(self, rel_dir: str, name: str, writable: bool = False) -> bytes | bytearray:
-        """Read a file of a committed directory, refusing it unless it matches its checksum."""
+    def read_committed(self, rel_dir: str, name: str, writable: bool = False,
+                       max_bytes: int | None = None) -> bytes | bytearray:
+        """Read a file of a committed directory, refusing it unless it matches its checksum (and,
+        with `max_bytes`, when its record or the file is longer than that)."""
         expected = self.marker(rel_dir)["files"].get(name)
         full = self.path(rel_dir, name)
         if not isinstance(expected, dict):
             raise CorruptStateError(f"{full}: not listed in its directory's {SUCCESS}")
-        data = self.read_bytes(posixpath.join(rel_dir, name), writable)
+        if max_bytes is not None and expected["bytes"] > max_bytes:
+            raise CorruptStateError(f"{full}: its {SUCCESS} record says {expected['bytes']:,} bytes, more than the "
+                                    f"{max_bytes:,} this file may have; refusing to read it")
+        data = self.read_bytes(posixpath.join(rel_dir, name), writable, max_bytes)
         if not matches_record(data, expected):
             raise CorruptStateError(
                 f"{full}: checksum does not match its {SUCCESS} record "
                 f"({len(data)} bytes, expected {expected.get('bytes')}); refusing to load it"
             )
         return data
+
+    def read_committed_json(self, rel_dir: str, name: str, expect: type | tuple[type, ...] | None = dict) -> Any:
+        """A committed JSON file (router.json, manifest.json, ...), checked and parsed within bounds."""
+        data = self.read_committed(rel_dir, name, max_bytes=MAX_STATE_JSON_BYTES)
+        return load_json(data, self.path(rel_dir, name), expect)
 
     def verify(self, rel: str) -> None:
         """Check every file of a committed directory against its marker."""

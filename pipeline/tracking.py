@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from pipeline import layout
-from pipeline.config import Config, flatten, resolve_ds_config
+from pipeline.config import MAX_CONFIG_BYTES, Config, flatten, parse_yaml, resolve_ds_config
 from pipeline.errors import ConfigError
 from pipeline.storage import RunRoot
 
@@ -393,7 +393,8 @@ class MlflowTracker(Tracker):
     def _run_yaml(self) -> str:
         """run.yaml as committed (or the live config before init), credentials redacted."""
         if self.root.exists(layout.RUN_CONFIG):
-            data = yaml.safe_load(self.root.read_bytes(layout.RUN_CONFIG)) or {}
+            data = parse_yaml(self.root.read_bytes(layout.RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES),
+                              self.root.path(layout.RUN_CONFIG)) or {}
         else:
             data = self.config.to_dict()
         return yaml.safe_dump(redact_data(data), sort_keys=False)

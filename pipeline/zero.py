@@ -9,15 +9,15 @@ its own fp32 master copy: a plain write into a live engine is undone at the next
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 import torch
 
 from models.modular import ModelShape
-from pipeline.config import resolve_ds_config
+from pipeline.bounds import load_json
+from pipeline.config import read_config_text, resolve_ds_config
 from pipeline.distributed import init_distributed
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, CorruptStateError
 
 
 def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: int, source: str) -> dict[str, Any]:
@@ -79,9 +79,9 @@ def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: in
 def load_ds_config(train, shape: ModelShape, world_size: int) -> dict[str, Any]:
     path = resolve_ds_config(train.ds_config)
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"train.ds_config: cannot read {path} ({exc})") from None
+        raw = load_json(read_config_text(path), str(path))
+    except CorruptStateError as exc:  # not JSON, too deep, or not an object: the user's file, so a config error
+        raise ConfigError(f"train.ds_config: {exc}") from None
     return fill_ds_config(raw, train, shape, world_size, str(path))
 
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pipeline.errors import InputError
+from pipeline.errors import CorruptStateError, InputError
 from pipeline.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -111,11 +111,22 @@ class TfidfEmbedder:
 
     @classmethod
     def load(cls, root: RunRoot, rel_dir: str) -> "TfidfEmbedder":
-        import json
+        from pipeline.bounds import load_npy
 
-        state = json.loads(root.read_committed(rel_dir, TFIDF_VOCAB))
-        components = np.load(io.BytesIO(root.read_committed(rel_dir, TFIDF_SVD)), allow_pickle=False)
-        return cls(state["vocabulary"], np.asarray(state["idf"], dtype=np.float64), components)
+        where = root.path(rel_dir, TFIDF_VOCAB)
+        state = root.read_committed_json(rel_dir, TFIDF_VOCAB)
+        vocabulary, idf = state.get("vocabulary"), state.get("idf")
+        if not (isinstance(vocabulary, list) and vocabulary and all(isinstance(t, str) for t in vocabulary)
+                and isinstance(idf, list) and len(idf) == len(vocabulary)
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in idf)):
+            raise CorruptStateError(f"{where}: expected a vocabulary (strings) and one idf number per term")
+        if len(set(vocabulary)) != len(vocabulary):
+            raise CorruptStateError(f"{where}: the vocabulary repeats a term")
+        components = load_npy(root.read_committed(rel_dir, TFIDF_SVD), root.path(rel_dir, TFIDF_SVD))
+        if components.shape[1] != len(vocabulary) or components.shape[0] < 1:
+            raise CorruptStateError(f"{root.path(rel_dir, TFIDF_SVD)}: shape {components.shape} does not fit "
+                                    f"the {len(vocabulary)} terms of {TFIDF_VOCAB}")
+        return cls(vocabulary, np.asarray(idf, dtype=np.float64), components)
 
 
 class PathModelEmbedder:

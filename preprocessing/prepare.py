@@ -106,7 +106,7 @@ def _read_plan(config: Config) -> list[tuple[str, str, int | None]]:
         if globs is None:
             continue
         files = c4.list_input_files(globs, key)
-        plan.extend((split, file, limit) for file, limit in c4.plan_reads(files, config.data.max_docs))
+        plan.extend((split, file, limit) for file, limit in c4.plan_reads(files, config.data.max_docs, config.data.max_doc_bytes))
     return plan
 
 
@@ -342,7 +342,7 @@ def run_prepare(config: Config, test_pipeline=None) -> dict:
     root = RunRoot(config.run_root)
     if root.is_committed(layout.SHARDS_DIR):
         log.info("prepare: %s is committed; skipping", root.path(layout.SHARDS_DIR))
-        return json.loads(root.read_committed(layout.SHARDS_DIR, "manifest.json"))
+        return root.read_committed_json(layout.SHARDS_DIR, "manifest.json")
     if config.router.prefix_tokens <= 0 or config.data.parts_per_path < 1:
         raise ConfigError(f"{config.source}: router.prefix_tokens and data.parts_per_path must be >= 1")
     plan = _read_plan(config)

@@ -24,6 +24,7 @@ import numpy as np
 
 from models.grid import all_path_ids
 from pipeline import layout
+from pipeline.bounds import SHOWN_CHARS, load_npy, one_line, shown
 from pipeline.errors import CorruptStateError, InputError
 from pipeline.storage import RunRoot
 from preprocessing import kmeans
@@ -107,20 +108,14 @@ class Router:
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, root: RunRoot, config=None) -> "Router":
-        """The committed router of a run root; every file checked against `router/_SUCCESS`."""
+        """The committed router of a run root; every file checked against `router/_SUCCESS`, the
+        header checked field by field before anything indexes into it."""
         if not root.is_committed(layout.ROUTER_DIR):
             raise InputError(f"{root.path(layout.ROUTER_DIR)}: no committed router; run `dipaco prepare` first")
-        try:
-            header = json.loads(root.read_committed(layout.ROUTER_DIR, HEADER))
-        except ValueError as exc:
-            raise CorruptStateError(f"{root.path(layout.ROUTER_DIR, HEADER)}: not valid JSON ({exc})") from None
-        full = np.load(io.BytesIO(root.read_committed(layout.ROUTER_DIR, CENTROIDS)), allow_pickle=False)
-        expected = (sum(header.get("grid", [])), header.get("dim"))
-        if header.get("format") != FORMAT_VERSION or full.shape != expected:
-            raise CorruptStateError(
-                f"{root.path(layout.ROUTER_DIR)}: router header and centroids disagree "
-                f"(centroids {full.shape}, header says {expected}, format {header.get('format')})"
-            )
+        header = root.read_committed_json(layout.ROUTER_DIR, HEADER)
+        check_header(header, root.path(layout.ROUTER_DIR, HEADER))
+        full = load_npy(root.read_committed(layout.ROUTER_DIR, CENTROIDS), root.path(layout.ROUTER_DIR, CENTROIDS),
+                        shape=(sum(header["grid"]), header["dim"]))
         centroids = [full[r0:r1, c0:c1] for (r0, r1), (c0, c1) in zip(header["rows"], header["splits"])]
         return cls(header, centroids, root=root, config=config)
 
@@ -153,7 +148,12 @@ class Router:
     @property
     def embedder(self):
         if self._embedder is None:
-            self._embedder = load_embedder(self.header, self._root, self._config)
+            embedder = load_embedder(self.header, self._root, self._config)
+            if getattr(embedder, "dim", self.header["dim"]) != self.header["dim"]:
+                where = self._root.path(layout.ROUTER_DIR, HEADER) if self._root else HEADER
+                raise CorruptStateError(f"{where}: dim {self.header['dim']} but the {embedder.name} embedder "
+                                        f"gives {embedder.dim}-dimensional features")
+            self._embedder = embedder
         return self._embedder
 
     def embed_prefixes(self, prefixes: list[str]) -> np.ndarray:
@@ -162,6 +162,48 @@ class Router:
     def route_texts(self, texts: list[str]) -> list[str]:
         """Path id of each whole document text (evaluation and inference call this)."""
         return self.route_features(self.embed_prefixes(self.prefixes(list(texts))))
+
+
+def _is_int(value: Any, low: int = 0, high: int | None = None) -> bool:
+    return type(value) is int and value >= low and (high is None or value <= high)
+
+
+def _is_ranges(value: Any, high: int, sizes: list[int] | None = None) -> bool:
+    """One [begin, end] pair per level with 0 <= begin < end <= high (and end - begin == sizes[l])."""
+    levels = len(sizes) if sizes is not None else None
+    return (isinstance(value, list) and (levels is None or len(value) == levels)
+            and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 0, high) and _is_int(p[1], p[0] + 1, high)
+                    and (sizes is None or p[1] - p[0] == sizes[i]) for i, p in enumerate(value)))
+
+
+def check_header(header: dict[str, Any], where: str) -> None:
+    """router.json as Router.fit writes it, or CorruptStateError naming the first field that is not."""
+    from pipeline.config import MAX_LEVELS, MAX_PATHS
+
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise CorruptStateError(f"{where}: {key} must be {what}, got {shown(header.get(key))}")
+
+    need(header.get("format") == FORMAT_VERSION, "format", str(FORMAT_VERSION))
+    grid = header.get("grid")
+    need(isinstance(grid, list) and 1 <= len(grid) <= MAX_LEVELS and all(_is_int(k, 1, MAX_PATHS) for k in grid)
+         and int(np.prod(grid)) <= MAX_PATHS, "grid", f"a list of module counts with at most {MAX_PATHS} paths")
+    need(_is_int(header.get("dim"), 1, 1 << 20), "dim", "a positive feature dimension")
+    need(_is_int(header.get("prefix_tokens"), 1), "prefix_tokens", "a positive token count")
+    need(isinstance(header.get("embedder"), str), "embedder", "a name")
+    need(_is_ranges(header.get("rows"), sum(grid), grid), "rows", "one [begin, end] range of grid[l] rows per level")
+    need(_is_ranges(header.get("splits"), header["dim"]) and len(header["splits"]) == len(grid), "splits",
+         "one non-empty [begin, end] column range per level")
+    n_paths = int(np.prod(grid))
+    ids = header.get("path_ids")
+    need(isinstance(ids, list) and len(ids) == n_paths and all(isinstance(i, str) for i in ids), "path_ids",
+         f"{n_paths} path ids")
+    bias = header.get("path_bias")
+    need(isinstance(bias, list) and len(bias) == n_paths
+         and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bias), "path_bias", f"{n_paths} numbers")
+    if header["embedder"] == "model":
+        need(_is_int(header.get("model_round")), "model_round", "a round number")
+        need(isinstance(header.get("model_path"), str), "model_path", "a path id")
 
 
 def _rows(grid: list[int]) -> list[list[int]]:
@@ -185,5 +227,8 @@ def load_embedder(header: dict[str, Any], root: RunRoot | None, config=None, bat
             from pipeline.config import config_from_yaml
 
             config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG), root.path(layout.RUN_CONFIG))
-        return embedders.PathModelEmbedder.from_run(root, config, header["model_round"], header["model_path"])
-    raise CorruptStateError(f"{root.path(layout.ROUTER_DIR, HEADER)}: unknown embedder {name!r}")
+        try:
+            return embedders.PathModelEmbedder.from_run(root, config, header["model_round"], header["model_path"])
+        except ValueError as exc:  # a model_path that is no path of the grid
+            raise CorruptStateError(f"{root.path(layout.ROUTER_DIR, HEADER)}: {one_line(str(exc), SHOWN_CHARS)}") from None
+    raise CorruptStateError(f"{root.path(layout.ROUTER_DIR, HEADER)}: unknown embedder {shown(name)}")

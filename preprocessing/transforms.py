@@ -75,7 +75,7 @@ class _ReadFileFn(beam.DoFn):
     def process(self, element: tuple[str, str, int | None]) -> Iterator[Any]:
         split, file, limit = element
         count = 0
-        for number, raw in c4.read_lines(file, limit):
+        for number, raw in c4.read_lines(file, limit, self.max_doc_bytes):
             count += 1
             record = c4.line_to_record(split, file, number, raw, self.max_doc_bytes)
             if isinstance(record, c4.Document):

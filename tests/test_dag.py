@@ -142,3 +142,23 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     # the next scheduled run continues from the first uncommitted round
     ref = {"config": str(DAG_CONFIG), "overrides": overrides, "project_dir": str(REPO)}
     assert dag.task_dict["plan"].python_callable(ref, 2) == {"round_0": 1, "round_1": None}
+
+
+@pytest.mark.parametrize("params, expected", [
+    ({"overrides": ["beam.options=[lol]"] * 300}, "is too long"),
+    ({"overrides": ["no key before the equals sign"]}, "does not match"),
+    ({"overrides": ["run_root=" + "r" * 70_000]}, "is too long"),
+    ({"config": ""}, "should be non-empty"),
+])
+def test_a_trigger_whose_params_break_the_schema_is_refused(dag, params, expected):
+    """Airflow checks the params' JSON schema when a run is triggered, before any task runs;
+    configure then checks them again (pipeline.config.check_dag_params) and loads the config."""
+    import copy
+
+    from airflow.sdk.exceptions import ParamValidationError
+
+    dag.params.validate()  # the defaults pass
+    changed = copy.deepcopy(dag.params)
+    with pytest.raises(ParamValidationError, match=expected):
+        changed.update(params)  # a ParamsDict checks each value as it is set, as a trigger does
+        changed.validate()

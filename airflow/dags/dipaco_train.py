@@ -57,9 +57,10 @@ def _this_round(round_index: int | None) -> int:
 def configure(params: dict | None = None) -> dict:
     """Validate the config, write run.yaml and round 0 (stages.init_run), log it to MLflow."""
     from pipeline import stages
+    from pipeline.config import check_dag_params
     from pipeline.tracking import get_tracker
 
-    ref = {"config": params["config"], "overrides": list(params["overrides"]), "project_dir": params["project_dir"]}
+    ref = check_dag_params({k: params[k] for k in ("config", "overrides", "project_dir")})
     config = _config(ref)
     stages.init_run(config)
     get_tracker(config).log_run_config()
@@ -169,10 +170,14 @@ def outer_round(ref, round_index):
     max_active_runs=1,
     tags=["dipaco"],
     params={
-        "config": Param(DEFAULT_CONFIG, type="string", description="the run's YAML config"),
-        "overrides": Param([], type="array", items={"type": "string"},
+        # The bounds of pipeline.config.check_dag_params, as the JSON schema Airflow checks on trigger.
+        "config": Param(DEFAULT_CONFIG, type="string", minLength=1, maxLength=4096,
+                        description="the run's YAML config"),
+        "overrides": Param([], type="array", maxItems=256,
+                           items={"type": "string", "maxLength": 65536, "pattern": r"^[A-Za-z_][\w.]*="},
                            description="key.path=value overrides, as `dipaco --set`"),
-        "project_dir": Param(str(PROJECT_DIR), type="string", description="where relative paths resolve"),
+        "project_dir": Param(str(PROJECT_DIR), type="string", minLength=1, maxLength=4096,
+                             description="where relative paths resolve"),
     },
     doc_md=__doc__,
 )
