@@ -124,8 +124,13 @@ def load_tokenizer(root: "RunRoot | None" = None, kind: str = "gpt2") -> PreTrai
         raise InputError("a trained BPE tokenizer needs the run root it was committed in")
     if not root.is_committed(layout.TOKENIZER_DIR):
         raise InputError(f"{root.path(layout.TOKENIZER_DIR)}: no committed tokenizer; run `dipaco prepare` first")
-    data = bytes(root.read_committed(layout.TOKENIZER_DIR, TOKENIZER_FILE))
-    return _bpe_from_json(data, root.path(layout.TOKENIZER_DIR, TOKENIZER_FILE))
+    from pipeline.bounds import MAX_STATE_JSON_BYTES, too_deep
+
+    where = root.path(layout.TOKENIZER_DIR, TOKENIZER_FILE)
+    data = bytes(root.read_committed(layout.TOKENIZER_DIR, TOKENIZER_FILE, max_bytes=MAX_STATE_JSON_BYTES))
+    if too_deep(data):
+        raise CorruptStateError(f"{where}: JSON nested too deep for a tokenizer file")
+    return _bpe_from_json(data, where)
 
 
 @functools.lru_cache(maxsize=4)

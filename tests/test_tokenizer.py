@@ -133,3 +133,16 @@ def test_prepare_trains_commits_and_uses_the_bpe_then_eval_reports_bits_per_byte
     before = root.read_bytes(f"{layout.TOKENIZER_DIR}/tokenizer.json")
     stages.prepare(config)
     assert root.read_bytes(f"{layout.TOKENIZER_DIR}/tokenizer.json") == before
+
+
+@pytest.mark.parametrize("content", [b"{}", b'{"model": {"type": "BPE", "vocab": 3}}', b"[" * 100_000, b"\xff\xfe not json"])
+def test_a_corrupt_tokenizer_file_is_one_line_naming_it(tmp_path, content):
+    from pipeline.errors import CorruptStateError
+
+    root = RunRoot(str(tmp_path / "run"))
+    root.write_bytes(f"{layout.TOKENIZER_DIR}/tokenizer.json", content)
+    root.commit(layout.TOKENIZER_DIR)  # checksums match: the content itself is hostile
+    with pytest.raises(CorruptStateError) as info:
+        load_tokenizer(root, "bpe")
+    message = str(info.value)
+    assert "tokenizer/tokenizer.json" in message and "\n" not in message and len(message) < 500
