@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 BUNDLE_INFO = "bundle.json"
 BUNDLE_DS_CONFIG = "ds_config.json"
 DEFAULT_NEW_TOKENS = 32
+INPUT_EXAMPLE = (["The French Revolution was"], {"max_new_tokens": 8})  # (model input, params)
 _REPO = Path(__file__).resolve().parent.parent
 _CODE = ("pipeline", "models", "preprocessing")  # the code a loaded model needs, shipped with it
 _REQUIREMENTS = (
@@ -131,6 +132,9 @@ def log_pyfunc(root: RunRoot, config, round_index: int, tmp: Path, run_yaml: str
         artifacts={"run_root": str(bundle)},
         code_paths=[str(_REPO / pkg) for pkg in _CODE if (_REPO / pkg).is_dir()],
         signature=_signature(),
+        # MLflow saves the example beside the model and, before registering it, loads the logged
+        # model and predicts it: a version that cannot serve is never registered.
+        input_example=INPUT_EXAMPLE,
         pip_requirements=_requirements(),  # explicit: inference would load the model in a subprocess
         registered_model_name=name,
         metadata={"dipaco_round": round_index, "grid": list(config.model.grid)},
