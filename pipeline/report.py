@@ -2,7 +2,7 @@
 path, the registered model version and how to open the MLflow UI on the result.
 
 Paths are shown relative to the current directory when they lie under it, and the MLflow command
-is the one installed beside this Python, so every line can be copied and run as printed.
+is the one installed beside `dipaco`, so every line can be copied and run as printed.
 """
 
 from __future__ import annotations
@@ -33,11 +33,21 @@ def format_summary(summary: dict) -> str:
         lines.append(f"registered model: models:/{summary['registered_model']}/{summary['model_version']} "
                      f"(alias champion: models:/{summary['registered_model']}@champion)")
     if summary.get("tracking_uri"):
-        lines.append(f"MLflow UI: {display_path(str(Path(sys.executable).with_name('mlflow')))} ui "
+        lines.append(f"MLflow UI: {mlflow_command()} ui "
                      f"--backend-store-uri {display_uri(summary['tracking_uri'])} --port 5000")
     if planned is not None and committed == planned:
         lines.append(f"every round of train.rounds={planned} is committed: raise train.rounds to train further")
     return "\n".join(lines)
+
+
+def mlflow_command() -> str:
+    """The `mlflow` installed beside the running command (`.venv/bin/dipaco` -> `.venv/bin/mlflow`),
+    else beside this Python: a command that works without an activated venv."""
+    for beside in (Path(sys.argv[0]), Path(sys.executable)):
+        candidate = beside.with_name("mlflow")
+        if candidate.is_file():
+            return display_path(str(candidate))
+    return "mlflow"
 
 
 def display_path(path: str) -> str:
