@@ -127,8 +127,10 @@ def paths(ref: dict, window: dict | None, round_index: int) -> list[str]:
     if round_index < window["first"]:
         raise AirflowSkipException(f"round {round_index} is committed already")
     if round_index >= window["stop"]:
-        raise AirflowSkipException(f"round {round_index} is left to a later DAG run: this one trains rounds "
-                                   f"{window['first']} to {window['stop'] - 1} (airflow.rounds_per_run)")
+        first, last = window["first"], window["stop"] - 1
+        these = f"round {first}" if first == last else f"rounds {first} to {last}"
+        raise AirflowSkipException(f"round {round_index} is left to a later DAG run: this one trains {these} "
+                                   f"(airflow.rounds_per_run)")
     return stages.begin_round(_config(ref), round_index)
 
 
