@@ -1,21 +1,88 @@
-"""`dipaco <command> --config FILE [--set key.path=value ...]`: parse, build, run, close.
+"""`dipaco <command> --config FILE [--set key.path=value ...]`: parse, check, build, run, close.
 
 Exit status 0 on success, 2 on a config or input error (one line on stderr, no traceback), 1 on
 any other failure. Every command is a thin call into pipeline.stages, which the DAG calls too.
+The config and the command's arguments are checked (pipeline.preflight) before torch is imported
+and before anything is written, so a mistake costs a fraction of a second and changes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import sys
+import textwrap
 
-from models.grid import parse_job_id
+from pipeline import layout, preflight
 from pipeline.bounds import one_line
 from pipeline.config import load_config
-from pipeline.errors import ConfigError, DipacoError, StorageError
+from pipeline.errors import DipacoError, StorageError
 from pipeline.report import format_summary
+from pipeline.storage import RunRoot
+
+ROUNDS = """\
+rounds: round R trains every path from the modules of round R, and `merge --round R` turns the
+trained paths into the modules of round R+1 (round 0's modules are the initial ones). Evaluation,
+the summary table and the registered model versions are numbered by the modules they use:
+`eval --round R` scores the modules round R starts from."""
+
+EXIT_STATUS = "exit status: 0 success, 2 config or input error (one line on stderr), 1 any other failure."
+
+# name: (one-line help, description, examples run from the repository root)
+COMMANDS = {
+    "prepare": (
+        "route and tokenize the documents into one shard per path (Beam)",
+        "Fit the router on data.train, route every document of data.train and data.eval to its path and "
+        "write one shard per path (router/, shards/). Skipped when shards/ is committed.",
+        ["dipaco prepare --config configs/demo.yaml"],
+    ),
+    "train-path": (
+        "train one path for one round (one DeepSpeed launch, retried)",
+        "Run train.inner_steps steps of one path on its shard, starting from the modules of round R, and "
+        "commit it under rounds/round=R/paths/path=ID. A launch that crashes is retried up to "
+        "train.max_attempts times; a config or input error is reported at once and not retried.",
+        ["dipaco train-path --config configs/demo.yaml --round 0 --path p0-1"],
+    ),
+    "merge": (
+        "outer merge of one round: writes the next round's modules",
+        "Average the trained paths of round R per module and take the outer Nesterov step: writes the "
+        "modules round R+1 starts from. Paths that did not train are left out and named.",
+        ["dipaco merge --config configs/demo.yaml --round 0     # writes round 1's modules"],
+    ),
+    "eval": (
+        "routed perplexity of one round's modules on the held-out documents",
+        "Score every held-out document with the path its prefix routes to, using the modules round R "
+        "starts from; writes eval/round=R.json.",
+        ["dipaco eval --config configs/demo.yaml --round 1      # after `merge --round 0`",
+         "dipaco eval --config configs/demo.yaml                # the newest committed modules"],
+    ),
+    "run": (
+        "every stage not yet committed, all rounds, evaluation and registration",
+        "Prepare, evaluate round 0, then for each round up to train.rounds: train every path, merge, "
+        "evaluate and register the new modules; ends with a summary table. Resumes where a previous run "
+        "stopped; once every round is committed it trains nothing (raise train.rounds to continue).",
+        ["dipaco run --config configs/demo.yaml                 # make demo",
+         "dipaco run --config configs/tiny.yaml --set train.rounds=3 --set 'model.grid=[2, 1]'"],
+    ),
+}
+
+
+def _epilog(examples: list[str], rounds: bool) -> str:
+    lines = ["examples (from the repository root):", *("  " + e for e in examples), ""]
+    return "\n".join(lines + ([ROUNDS, ""] if rounds else []) + [EXIT_STATUS])
+
+
+def round_number(text: str) -> int:
+    """argparse type for --round: a round is a non-negative integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a round number (0, 1, ...), got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"rounds are numbered from 0, got {value}")
+    return value
 
 
 # A backstop: our own messages are bounded where they are made; one from a library need not be.
@@ -23,29 +90,67 @@ CLI_MESSAGE_CHARS = 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dipaco", description="DiPaCo training pipeline")
-    commands = parser.add_subparsers(dest="command", required=True)
+    every_example = [e for name in ("run", "prepare", "train-path", "merge", "eval") for e in COMMANDS[name][2]]
+    parser = argparse.ArgumentParser(
+        prog="dipaco", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="DiPaCo training pipeline: Beam routing, DeepSpeed ZeRO path trainers, DiLoCo outer merges,\n"
+                    "MLflow tracking and registry. `dipaco COMMAND --help` describes each command.",
+        epilog=_epilog(every_example, rounds=True),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text)
-        sub.add_argument("--config", required=True, help="YAML run config")
+    def command(name: str, rounds: bool = False) -> argparse.ArgumentParser:
+        help_text, description, examples = COMMANDS[name]
+        sub = commands.add_parser(name, help=help_text, description=textwrap.fill(description, 100),
+                                  epilog=_epilog(examples, rounds), formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub.add_argument("--config", required=True, metavar="FILE", help="YAML run config, e.g. configs/demo.yaml")
         sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a config key, value parsed as YAML (repeatable)")
+                         help="override a config key, value parsed as YAML (repeatable): --set 'model.grid=[2, 2]'")
         return sub
 
-    command("prepare", "Beam job: fit the router, route and tokenize documents into shards")
-    sub = command("train-path", "train one path for one round (a DeepSpeed launch, with retries)")
-    sub.add_argument("--round", type=int, required=True)
-    sub.add_argument("--path", required=True, help="path id, e.g. p3-1")
-    command("merge", "outer merge of one round").add_argument("--round", type=int, required=True)
-    command("eval", "routed perplexity of a round's modules").add_argument("--round", type=int, default=None)
-    command("run", "every stage that has not committed yet, all rounds")
+    command("prepare")
+    sub = command("train-path", rounds=True)
+    sub.add_argument("--round", type=round_number, required=True, metavar="R",
+                     help="the round to train: its paths start from round R's modules")
+    sub.add_argument("--path", required=True, metavar="ID",
+                     help="path id, one module index per level: p0-1 on the demo's 2x2 grid (p<k0>-<k1>-...; "
+                          "p0-1.w1 for DiLoCo worker 1 when train.workers_per_path > 1)")
+    command("merge", rounds=True).add_argument(
+        "--round", type=round_number, required=True, metavar="R",
+        help="the round whose trained paths are merged into the modules of round R+1")
+    command("eval", rounds=True).add_argument(
+        "--round", type=round_number, default=None, metavar="R",
+        help="score the modules round R starts from (0: the initial ones; default: the newest committed)")
+    command("run")
     return parser
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dipaco")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def check(args: argparse.Namespace, config) -> None:
+    """Every refusal this command can know of before it writes (pipeline.preflight)."""
+    if args.command in ("prepare", "run"):
+        preflight.check_data(config)
+    if args.command == "train-path":
+        preflight.check_job_id(config, args.path)
+    if args.command in ("train-path", "merge", "eval"):
+        preflight.require_prepared(config)
+    if args.command in ("train-path", "merge") or (args.command == "eval" and args.round is not None):
+        preflight.require_modules(config, args.round)
+    if args.command == "merge":
+        preflight.require_trained_path(config, args.round)
+
+
 def dispatch(args: argparse.Namespace) -> dict | None:
-    config = load_config(args.config, args.overrides)  # before the heavy imports: a bad config fails fast
-    from pipeline import stages
+    config = load_config(args.config, args.overrides)
+    check(args, config)
+    from pipeline import stages  # torch and DeepSpeed load here, once the arguments are known good
 
     if args.command == "run":
         return stages.run(config)
@@ -53,13 +158,10 @@ def dispatch(args: argparse.Namespace) -> dict | None:
     if args.command == "prepare":
         return stages.prepare(config)
     if args.command == "train-path":
-        try:
-            parse_job_id(args.path, config.model.grid, config.train.workers_per_path)
-        except ValueError as exc:
-            raise ConfigError(f"--path: {exc}") from None
         metrics = stages.train_path(config, args.round, args.path)
         if metrics is None:
-            raise RuntimeError(f"path {args.path} round {args.round}: every attempt failed")
+            attempts = RunRoot(config.run_root).path(layout.attempts_dir(args.round, args.path))
+            raise RuntimeError(f"path {args.path} round {args.round}: every attempt failed (records in {attempts})")
         return {k: metrics[k] for k in ("round", "path", "tokens", "tokens_per_s", "seconds")} | {"final_loss": metrics["loss"][-1]}
     if args.command == "merge":
         return stages.merge(config, args.round)

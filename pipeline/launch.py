@@ -4,6 +4,8 @@ Each path is its own DeepSpeed job (its island), run as a subprocess so torch.di
 starts inside the orchestrator (the CLI or an Airflow worker). A launch that fails or dies is
 retried up to `train.max_attempts`; after that the round commits without the path and the merge
 names it. Leftovers of a failed attempt are removed before the next, so no partial file is read.
+A launch that exits with status 2 hit a config or input error (pipeline.train_path.main): another
+attempt would fail the same way, so it is not retried and its own message is raised to the caller.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from pathlib import Path
 from pipeline import layout
 from pipeline.bounds import shown
 from pipeline.distributed import child_env, free_port, set_runtime_env
-from pipeline.errors import CorruptStateError
+from pipeline.errors import CorruptStateError, DipacoError, InputError
 from pipeline.storage import RunRoot
 
 log = logging.getLogger("dipaco.launch")
 _FORWARD = ("dipaco.", "Error", "error", "Traceback", "Killed")
+INPUT_ERROR_EXIT = 2  # a trainer's exit status for a config or input error: retrying cannot help
+_TRAINER_PREFIX = "dipaco train-path: "  # how a trainer rank reports such an error on stderr
 
 
 def launcher_command(run_root: str, round_index: int, path_id: str, train, port: int) -> list[str]:
@@ -48,7 +52,9 @@ def rank_threads(train) -> int:
 
 
 def train_path_job(config, round_index: int, path_id: str) -> dict | None:
-    """Train one path with retries; its metrics once committed, None if every attempt failed."""
+    """Train one path with retries; its metrics once committed, None if every attempt failed.
+
+    Raises InputError, after one attempt, when the trainer refused its config or input."""
     root = RunRoot(config.run_root)
     rel = layout.path_dir(round_index, path_id)
     for attempt in range(1, config.train.max_attempts + 1):
@@ -62,6 +68,8 @@ def train_path_job(config, round_index: int, path_id: str) -> dict | None:
         root.write_json(f"{layout.attempts_dir(round_index, path_id)}/attempt-{attempt}.json", {
             "returncode": returncode, "seconds": time.perf_counter() - started, "output_tail": tail,
         })
+        if returncode == INPUT_ERROR_EXIT:
+            raise InputError(f"path {path_id} round {round_index}: {trainer_message(tail)}")
         log.warning("path %s round %d attempt %d/%d failed (exit %s)%s", path_id, round_index, attempt,
                     config.train.max_attempts, returncode, (": " + tail[-1]) if tail else "")
     return read_metrics(root, rel) if root.is_committed(rel) else None
@@ -93,6 +101,8 @@ def _run_attempt(config, round_index: int, path_id: str) -> tuple[int, list[str]
         try:
             train_path(config, round_index, path_id)
             return 0, []
+        except DipacoError as exc:  # what main() turns into exit status 2 in a launched rank
+            return INPUT_ERROR_EXIT, [f"{_TRAINER_PREFIX}{exc}"]
         except Exception as exc:  # an in-process attempt fails like a launch would: recorded, retried
             log.exception("path %s failed in process", path_id)
             return 1, [f"{type(exc).__name__}: {exc}"]
@@ -110,6 +120,14 @@ def _run_attempt(config, round_index: int, path_id: str) -> tuple[int, list[str]
     returncode = process.wait()
     reader.join()
     return returncode, tail[-20:]
+
+
+def trainer_message(tail: list[str]) -> str:
+    """The trainer's own one-line error from a launch's output (the last line if it wrote none)."""
+    for line in reversed(tail):
+        if _TRAINER_PREFIX in line:
+            return line.split(_TRAINER_PREFIX, 1)[1].strip()
+    return tail[-1] if tail else "the trainer exited with a config or input error"
 
 
 def _forward_output(process: subprocess.Popen, path_id: str, tail: list[str]) -> None:

@@ -36,6 +36,7 @@ DEFAULT_NEW_TOKENS = 32
 # Generation defaults: sampled but reproducible (the same seed gives the same text); temperature 0
 # is greedy decoding, which a small model tends to spend on repeating itself.
 GENERATION_DEFAULTS = {"max_new_tokens": DEFAULT_NEW_TOKENS, "temperature": 0.8, "top_k": 40, "seed": 0}
+INPUT_EXAMPLE = (["The French Revolution was"], {"max_new_tokens": 8})  # (model input, params)
 _REPO = Path(__file__).resolve().parent.parent
 _CODE = ("pipeline", "models", "preprocessing")  # the code a loaded model needs, shipped with it
 _REQUIREMENTS = (
@@ -172,6 +173,9 @@ def log_pyfunc(root: RunRoot, config, round_index: int, tmp: Path, run_yaml: str
         artifacts={"run_root": str(bundle)},
         code_paths=[str(_REPO / pkg) for pkg in _CODE if (_REPO / pkg).is_dir()],
         signature=_signature(),
+        # MLflow saves the example beside the model and, before registering it, loads the logged
+        # model and predicts it: a version that cannot serve is never registered.
+        input_example=INPUT_EXAMPLE,
         pip_requirements=_requirements(),  # explicit: inference would load the model in a subprocess
         registered_model_name=name,
         metadata={"dipaco_round": round_index, "grid": list(config.model.grid)},

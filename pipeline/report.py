@@ -1,8 +1,16 @@
-"""The one-screen summary every `dipaco run` ends with: perplexity and bits per byte by round and
-path, the registered model version, one continuation written by the champion, and how to open
-the MLflow UI on the result."""
+"""The one-screen summary every `dipaco run` (and every DAG run) ends with: perplexity and bits per
+byte by round and path, the registered model version, one continuation written by the champion,
+and how to open the MLflow UI on the result.
+
+Paths are shown relative to the current directory when they lie under it, and the MLflow command
+is the one installed beside `dipaco`, so every line can be copied and run as printed.
+"""
 
 from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
 
 
 def format_summary(summary: dict) -> str:
@@ -16,9 +24,12 @@ def format_summary(summary: dict) -> str:
         cells += [_num(result.get("paths", {}).get(p, {}).get("bits_per_byte"), 3) for p in paths]
         rows.append(cells)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [f"dipaco run: {summary.get('run_root')}: {summary.get('rounds_committed')} round(s) committed",
-             "held-out documents, tokens after the routing prefix, by modules at round start "
-             "(overall perplexity and bits per byte; per path: bits per byte):"]
+    committed, planned = summary.get("rounds_committed"), summary.get("train_rounds")
+    of = f" of train.rounds={planned}" if planned is not None else ""
+    lines = [f"dipaco run: {display_path(str(summary.get('run_root')))}: {committed} round(s){of} committed",
+             "held-out documents (tokens after the routing prefix), by the modules each round starts from "
+             "(round 0: initial; round R+1: after round R's merge); overall perplexity and bits per byte, "
+             "then bits per byte per path:"]
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     if summary.get("model_version"):
         lines.append(f"registered model: models:/{summary['registered_model']}/{summary['model_version']} "
@@ -27,8 +38,39 @@ def format_summary(summary: dict) -> str:
     if sample:
         lines.append(f"champion continues {sample['prompt']!r}: {sample['continuation']!r}")
     if summary.get("tracking_uri"):
-        lines.append(f"MLflow UI: mlflow ui --backend-store-uri {summary['tracking_uri']} --port 5000")
+        lines.append(f"MLflow UI: {mlflow_command()} ui "
+                     f"--backend-store-uri {display_uri(summary['tracking_uri'])} --port 5000")
+    if planned is not None and committed == planned:
+        lines.append(f"every round of train.rounds={planned} is committed: raise train.rounds to train further")
     return "\n".join(lines)
+
+
+def mlflow_command() -> str:
+    """The `mlflow` installed beside the running command (`.venv/bin/dipaco` -> `.venv/bin/mlflow`),
+    else beside this Python: a command that works without an activated venv."""
+    for beside in (Path(sys.argv[0]), Path(sys.executable)):
+        candidate = beside.with_name("mlflow")
+        if candidate.is_file():
+            return display_path(str(candidate))
+    return "mlflow"
+
+
+def display_path(path: str) -> str:
+    """A local path relative to the current directory when it lies under it, else unchanged."""
+    if "://" in path or not os.path.isabs(path):
+        return path
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path
+
+
+def display_uri(uri: str) -> str:
+    """sqlite:////abs/cwd/runs/demo/mlflow.db -> sqlite:///runs/demo/mlflow.db (relative to here)."""
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and os.path.isabs(uri[len(prefix):]):
+        return prefix + display_path(uri[len(prefix):])
+    return uri
 
 
 def _num(value, digits: int) -> str:

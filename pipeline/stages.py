@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 from models.grid import all_job_ids
-from pipeline import layout
+from pipeline import layout, preflight
 from pipeline.config import Config, config_from_yaml, dump_yaml
 from pipeline.errors import ConfigError, CorruptStateError
 from pipeline.evaluate import evaluate_round
@@ -89,9 +90,41 @@ def evaluate(config: Config, round_index: int) -> dict:
     """Routed perplexity of the modules at the start of a round (round r+1 after merge r)."""
     from pipeline.tracking import get_tracker
 
+    started = time.time()
     result = evaluate_round(config, round_index)
-    get_tracker(config).log_eval(round_index, result)
+    get_tracker(config).log_eval(round_index, result, started_at=started)
     return result
+
+
+def evaluate_initial(config: Config) -> dict | None:
+    """Round 0's modules, before any training: the first row of the summary, evaluated once
+    (None when training has begun, or round 0 is evaluated already)."""
+    root = RunRoot(config.run_root)
+    if next_round(config) > 0 or root.exists(layout.eval_file(0)):
+        return None
+    return evaluate(config, 0)
+
+
+def begin_round(config: Config, round_index: int) -> list[str]:
+    """The round's path jobs, once the tracker shows the round as running."""
+    from pipeline.tracking import get_tracker
+
+    get_tracker(config).begin_round(round_index)
+    return list_paths(config)
+
+
+def rounds_to_train(config: Config, rounds: int | None = None) -> range:
+    """The rounds a run trains: from the first uncommitted one up to `train.rounds`, at most `rounds`
+    of them (a scheduled DAG run's `airflow.rounds_per_run`); empty once every round is committed."""
+    first = next_round(config)
+    last = config.train.rounds if rounds is None else min(config.train.rounds, first + rounds)
+    return range(first, max(first, last))
+
+
+def nothing_to_train(config: Config) -> str:
+    """Why a run trained nothing: the message a DAG run and `dipaco run` give."""
+    return (f"nothing to train: all train.rounds={config.train.rounds} rounds are committed in "
+            f"{RunRoot(config.run_root).path()}; raise train.rounds to continue")
 
 
 def register(config: Config, round_index: int, result: dict) -> str | None:
@@ -104,7 +137,7 @@ def train_round(config: Config, round_index: int) -> dict:
     """Train every path (parallel launches), merge, evaluate, register: one outer round."""
     from pipeline.tracking import get_tracker
 
-    jobs, root = list_paths(config), RunRoot(config.run_root)
+    jobs, root = begin_round(config, round_index), RunRoot(config.run_root)
     pending = [job for job in jobs if not root.is_committed(layout.path_dir(round_index, job))]
     log.info("round %d: training %d of %d path jobs", round_index, len(pending), len(jobs))
     for path_id, metrics in train_paths(config, round_index, jobs).items():
@@ -122,47 +155,53 @@ def run(config: Config, rounds: int | None = None) -> dict:
     from pipeline.tracking import get_tracker
 
     root = RunRoot(config.run_root)
+    preflight.check_data(config)  # before the lock and init_run write anything
     with run_lock(root):
         init_run(config)
         tracker = get_tracker(config)
         tracker.log_run_config()
         prepare(config)
-        first = next_round(config)
-        last = config.train.rounds if rounds is None else first + rounds
-        if first == 0 and not root.exists(layout.eval_file(0)):
-            evaluate(config, 0)
-        versions = [train_round(config, r)["model_version"] for r in range(first, last)]
+        evaluate_initial(config)
+        todo = rounds_to_train(config, rounds)
+        if not todo:
+            log.info("%s", nothing_to_train(config))
+        for r in todo:
+            train_round(config, r)
         summary = summarize(config)
-        if config.mlflow.enabled:
-            from pipeline.tracking import redact, tracking_uri
+        if config.eval.sample_prompt and summary.get("model_version"):
+            from pipeline.registry import champion_continuation
 
-            summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
-                           model_version=next((v for v in reversed(versions) if v), None))
-            if config.eval.sample_prompt:
-                from pipeline.registry import champion_continuation
-
-                prompt = config.eval.sample_prompt
-                summary["sample"] = {"prompt": prompt, "continuation": champion_continuation(config, prompt)}
+            prompt = config.eval.sample_prompt
+            summary["sample"] = {"prompt": prompt, "continuation": champion_continuation(config, prompt)}
         tracker.finish(summary)
         return summary
 
 
 def summarize(config: Config) -> dict:
-    """Perplexity per path and overall by round, from the committed eval files."""
+    """Perplexity per path and overall by round, from the committed eval files, and where the
+    registered model and the tracking store are."""
+    from pipeline.tracking import get_tracker, redact, tracking_uri
+
     root = RunRoot(config.run_root)
     rounds = sorted(int(m.group(1)) for n in root.listdir(layout.EVAL_DIR) if (m := _EVAL_FILE.fullmatch(n)))
-    return {"run_root": root.path() if root.is_local else root.url,
-            "rounds_committed": next_round(config),
-            "eval": {r: read_eval(root, r) for r in rounds}}
+    summary = {"run_root": root.path() if root.is_local else root.url,
+               "rounds_committed": next_round(config), "train_rounds": config.train.rounds,
+               "eval": {r: read_eval(root, r) for r in rounds}}
+    if config.mlflow.enabled:
+        summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
+                       model_version=get_tracker(config).newest_version())
+    return summary
 
 
 def read_eval(root: RunRoot, round_index: int) -> dict:
-    """eval/round=<r>.json with the numbers the run summary prints (perplexity overall and per path)."""
+    """eval/round=<r>.json with the numbers the run summary prints (perplexity and bits per byte,
+    overall and per path)."""
     result = root.read_json(layout.eval_file(round_index))
     paths = result.get("paths", {})
-    numbers = [result.get("perplexity")] + [p.get("perplexity") if isinstance(p, dict) else "?" for p in
-                                            (paths.values() if isinstance(paths, dict) else ["?"])]
+    entries = [result] + [p if isinstance(p, dict) else {"perplexity": "?"} for p in
+                          (paths.values() if isinstance(paths, dict) else ["?"])]
+    numbers = [entry.get(key) for entry in entries for key in ("perplexity", "bits_per_byte")]
     if not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
-        raise CorruptStateError(f"{root.path(layout.eval_file(round_index))}: perplexity (overall and per path "
-                                f"under \"paths\") must be numbers")
+        raise CorruptStateError(f"{root.path(layout.eval_file(round_index))}: perplexity and bits_per_byte (overall "
+                                f"and per path under \"paths\") must be numbers")
     return result

@@ -5,16 +5,25 @@
 process only (never by DeepSpeed ranks), after a stage has committed, from its committed JSON.
 
 Every call may come from a different process (each Airflow task is one), so the tracker keeps no
-state in memory: the runs it logs into are found again through MLflow tags. Each run carries
-`dipaco.run_key` (a hash of the run root) and `dipaco.key` (its place in the run: `prepare`,
-`round=0`, `round=0/path=p0-1`, `round=0/merge`, ...). Finding or creating a run is idempotent:
-a finished leaf run means "already logged" (a rerun logs nothing twice), and two processes that
-create the same container run at once both keep the oldest and the loser deletes its own.
-`tracking.json` in the run root records the experiment and parent run for people and tools.
+state in memory: the runs it logs into are found again through MLflow tags. Each run carries two
+bookkeeping tags under `mlflow.` (which the MLflow UI does not list): `mlflow.dipaco.run_key` (a
+hash of the run root) and `mlflow.dipaco.key` (its place in the run: `prepare`, `round=0`,
+`round=0/path=p0-1`, `round=0/merge`, ...). The tags a user filters on stay visible: `dipaco.kind`,
+`dipaco.round`, `dipaco.path`. Finding or creating a run is idempotent: a finished leaf run means
+"already logged" (a rerun logs nothing twice), and two processes that create the same container
+run at once both keep the oldest and the loser deletes its own. `tracking.json` in the run root
+records the experiment and parent run for people and tools.
 
-Layout in MLflow: one parent run per run root; nested runs for prepare, each round (with a nested
-run per path and one for the merge) and each registration. Credentials in a tracking URI
-(user:password@) are redacted from everything written: logs, params, artifacts.
+Layout in MLflow, with one numbering (that of the run root, the CLI summary and the registry):
+one parent run per run root, named after it, with a nested `prepare` run and one container run
+per round, `round R`. `round R` holds the perplexity of the modules round R starts from (the
+summary table's row R), the paths trained from them (`round R · path p0-1`), their merge into
+round R+1's modules (`round R · merge`) and the registration of round R's modules
+(`round R · register`). Runs carry their real start and end times, taken from the committed
+records of the work (a path's inner loop, the merge, the Beam job), not from when they were logged.
+Losses are logged at the global inner step, so one path's curve continues across rounds. The
+parent holds what spans rounds: perplexity by round, and totals over every merge. Credentials in
+a tracking URI (user:password@) are redacted from everything written: logs, params, artifacts.
 """
 
 from __future__ import annotations
@@ -40,10 +49,12 @@ from pipeline.storage import RunRoot
 log = logging.getLogger(__name__)
 
 STATE_FILE = "tracking.json"  # under the run root: where this run's MLflow records live
-KIND, KEY, RUN_KEY = "dipaco.kind", "dipaco.key", "dipaco.run_key"
+KIND = "dipaco.kind"  # pipeline | prepare | round | path | merge | register: what a run holds
+KEY, RUN_KEY = "mlflow.dipaco.key", "mlflow.dipaco.run_key"  # bookkeeping, hidden by the MLflow UI
 PARENT_TAG = "mlflow.parentRunId"
+DESCRIPTION_TAG = "mlflow.note.content"  # the run page's description
 NEWEST, CHAMPION = "newest", "champion"  # registry aliases (MLflow reserves "latest")
-EVAL_SERIES = {"tokens": "eval_tokens", "bytes": "eval_bytes"}  # eval result key -> parent-run metric
+EVAL_SERIES = {"bytes": "eval_bytes"}  # eval result key -> metric name on the parent and round runs
 _CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][\w+.-]*://)[^/@\s]+@")
 _BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
 
@@ -96,6 +107,20 @@ def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _ms(seconds: float | None) -> int | None:
+    """Epoch seconds -> MLflow's epoch milliseconds."""
+    return None if seconds is None else int(seconds * 1000)
+
+
+def round_description(round_index: int) -> str:
+    """What a round's container run holds, in the numbering the whole project uses."""
+    start = "the initial modules" if round_index == 0 else f"the modules written by round {round_index - 1}'s merge"
+    return (f"Round {round_index}. Its perplexity is that of the modules round {round_index} starts from "
+            f"({start}), row {round_index} of the `dipaco run` summary and registered versions tagged "
+            f"dipaco.round={round_index}. Its paths train from these modules; its merge writes round "
+            f"{round_index + 1}'s.")
+
+
 # -- the interface --------------------------------------------------------------------------------
 class Tracker:
     """What the engine may tell the tracker. The base class is the null tracker: every method a
@@ -107,14 +132,21 @@ class Tracker:
     def log_prepare(self, manifest: dict) -> None:
         """The shard manifest, the router and shard sizes, after prepare committed."""
 
+    def begin_round(self, round_index: int) -> None:
+        """The round's paths are about to train (its run is shown running until its merge)."""
+
     def log_path(self, round_index: int, path_id: str, metrics: dict) -> None:
         """One path's training in a round, from its committed metrics.json."""
 
     def log_merge(self, round_index: int, report: dict) -> None:
         """One outer step: grad norms per module, paths left out, bytes communicated."""
 
-    def log_eval(self, round_index: int, result: dict) -> None:
-        """Routed perplexity of the modules at the start of round_index."""
+    def log_eval(self, round_index: int, result: dict, started_at: float | None = None) -> None:
+        """Routed perplexity of the modules at the start of round_index (evaluated from started_at)."""
+
+    def newest_version(self) -> str | None:
+        """The newest model version this run root registered, or None."""
+        return None
 
     def register(self, round_index: int, result: dict) -> str | None:
         """Register round_index's modules as a model version; returns the version or None."""
@@ -167,7 +199,9 @@ class MlflowTracker(Tracker):
 
     def log_prepare(self, manifest: dict) -> None:
         parent = self._parent()
-        run = self._leaf("prepare", "prepare", "prepare", parent, {})
+        finished = self._committed_at(layout.SHARDS_DIR)
+        started = finished - manifest["seconds"] if _numeric(manifest.get("seconds")) else finished
+        run = self._leaf("prepare", "prepare", "prepare", parent, {}, started)
         if run is None:
             return
         metrics = {metric_name(k): float(v) for k, v in flatten(manifest).items() if _numeric(v)}
@@ -179,13 +213,18 @@ class MlflowTracker(Tracker):
             with tempfile.TemporaryDirectory() as tmp:
                 self.root.get_dir(layout.ROUTER_DIR, tmp)
                 self.client.log_artifacts(parent, tmp, "router")
-        self.client.set_terminated(run, "FINISHED")
+        self._end(run, finished)
+
+    def begin_round(self, round_index: int) -> None:
+        self.client.update_run(self._round(round_index), status="RUNNING")
 
     def log_path(self, round_index: int, path_id: str, metrics: dict) -> None:
-        round_run = self._round(round_index)
+        finished = metrics.get("finished_at") if _numeric(metrics.get("finished_at")) else time.time()
+        started = metrics.get("started_at") if _numeric(metrics.get("started_at")) else finished - float(metrics.get("seconds") or 0)
+        round_run = self._round(round_index, started)  # created here: the round began with this path
         run = self._leaf(
-            "path", f"round={round_index}/path={path_id}", f"path {path_id}", round_run,
-            {"dipaco.round": str(round_index), "dipaco.path": path_id},
+            "path", f"round={round_index}/path={path_id}", f"round {round_index} · path {path_id}", round_run,
+            {"dipaco.round": str(round_index), "dipaco.path": path_id}, started,
         )
         if run is None:
             return
@@ -198,20 +237,28 @@ class MlflowTracker(Tracker):
             **{f"ds.{k}": _param(v) for k, v in flatten(ds_config).items()},
         })
         self._log_params(run, params)
-        series = {name: list(enumerate(metrics.get(name) or [])) for name in ("loss", "lr")}
+        # Global inner steps (round * inner_steps + step), as the trainer's lr schedule counts them:
+        # the loss of one path continues across its rounds' runs instead of restarting at 0.
+        first = int(metrics.get("first_step", round_index * len(metrics.get("loss") or [])))
+        series = {name: [(first + i, v) for i, v in enumerate(metrics.get(name) or [])] for name in ("loss", "lr")}
         for name in ("tokens", "tokens_per_s", "seconds", "shard_docs", "shard_tokens"):
             if _numeric(metrics.get(name)):
-                series[name] = [(0, float(metrics[name]))]
+                series[name] = [(round_index, float(metrics[name]))]
         if metrics.get("loss"):
-            series["final_loss"] = [(0, float(metrics["loss"][-1]))]
-        self._log_metrics(run, series)
+            series["final_loss"] = [(round_index, float(metrics["loss"][-1]))]
+        self._log_metrics(run, series, finished)
         self.client.log_dict(run, redact_data(ds_config), "ds_config.json")
         self.client.log_dict(run, redact_data(metrics), "metrics.json")
-        self.client.set_terminated(run, "FINISHED")
+        self._end(run, finished)
 
     def log_merge(self, round_index: int, report: dict) -> None:
-        parent, round_run = self._parent(), self._round(round_index)
-        run = self._leaf("merge", f"round={round_index}/merge", "merge", round_run, {"dipaco.round": str(round_index)})
+        finished = self._committed_at(layout.round_dir(round_index))
+        started = finished - report["seconds"] if _numeric(report.get("seconds")) else finished
+        parent, round_run = self._parent(), self._round(round_index, started)
+        run = self._leaf("merge", f"round={round_index}/merge", f"round {round_index} · merge", round_run,
+                         {"dipaco.round": str(round_index)}, started,
+                         f"Outer step of round {round_index}: its trained paths merged into the modules round "
+                         f"{round_index + 1} starts from.")
         if run is None:
             return
         norms = {f"outer_grad_norm/{metric_name(m)}": float(v)
@@ -222,36 +269,55 @@ class MlflowTracker(Tracker):
         if report.get("bytes_outer") and _numeric(report.get("bytes_data_parallel")):
             # how many times less than data-parallel training would have sent
             scalars["communication_saving"] = report["bytes_data_parallel"] / report["bytes_outer"]
-        self._log_metrics(run, {k: [(0, v)] for k, v in {**norms, **scalars}.items()})
+        self._log_metrics(run, {k: [(round_index, v)] for k, v in {**norms, **scalars}.items()}, finished)
         self._log_params(run, {
             "paths_merged": ",".join(merged) or "none", "paths_left_out": ",".join(left_out) or "none",
         })
         self.client.log_dict(run, redact_data(report), "merge_report.json")
-        self.client.set_terminated(run, "FINISHED")
-        # Round-indexed copies on the parent: charts over rounds and the grad-norm heatmap.
-        self._log_metrics(parent, {k: [(round_index, v)] for k, v in {**norms, **scalars}.items()})
-        self.client.set_terminated(round_run, "FINISHED")
+        self._end(run, finished)
+        self._log_merge_totals(parent)
+        self._end(round_run, finished)
 
-    def log_eval(self, round_index: int, result: dict) -> None:
-        parent = self._parent()
-        done_tag = f"dipaco.eval_logged.round_{round_index}"
-        if done_tag in self.client.get_run(parent).data.tags:
+    def _log_merge_totals(self, parent: str) -> None:
+        """The parent's merge figures are totals over every committed merge, never the last one's."""
+        reports, r = [], 0
+        while self.root.is_committed(layout.round_dir(r)):
+            reports.append(self.root.read_json(f"{layout.round_dir(r)}/merge.json"))
+            r += 1
+
+        def total(key, of=lambda v: v):
+            return float(sum(of(rep.get(key)) for rep in reports if rep.get(key) is not None))
+
+        totals = {
+            "rounds_merged": float(len(reports)),
+            "merge_seconds_total": total("seconds"),
+            "paths_left_out_total": total("paths_left_out", len),
+            "bytes_outer_total": total("bytes_outer"),
+            "bytes_data_parallel_total": total("bytes_data_parallel"),
+        }
+        if totals["bytes_outer_total"]:
+            totals["communication_saving"] = totals["bytes_data_parallel_total"] / totals["bytes_outer_total"]
+        self._log_metrics(parent, {k: [(len(reports), v)] for k, v in totals.items()})
+
+    def log_eval(self, round_index: int, result: dict, started_at: float | None = None) -> None:
+        """On `round R` (the modules it starts from) and, by round, on the parent. `eval_tokens` on
+        the round's run, logged last, is the mark that a rerun has nothing to add."""
+        parent, round_run = self._parent(), self._round(round_index, started_at)
+        if "eval_tokens" in self.client.get_run(round_run).data.metrics:
             return
-        series = {"perplexity": [(round_index, float(result["perplexity"]))]}
-        for key in ("bits_per_byte", "tokens", "bytes"):
+        series = {}
+        for key in ("perplexity", "bits_per_byte", "bytes"):
             if _numeric(result.get(key)):
                 series[EVAL_SERIES.get(key, key)] = [(round_index, float(result[key]))]
         for pid, scores in (result.get("paths") or {}).items():
             for key in ("perplexity", "bits_per_byte"):
                 if _numeric(scores.get(key)):
                     series[f"{key}/{metric_name(pid)}"] = [(round_index, float(scores[key]))]
+        series["eval_tokens"] = [(round_index, float(result.get("tokens") or 0))]  # last: the done-mark
         self._log_metrics(parent, series)
-        if round_index >= 1:  # round r's modules are what the merge of round r-1 produced
-            merge = self._find(f"round={round_index - 1}/merge", self._round(round_index - 1))
-            if merge is not None:
-                self._log_metrics(merge.info.run_id, {k: [(0, v[0][1])] for k, v in series.items()})
         self.client.log_dict(parent, redact_data(result), f"eval/round={round_index}.json")
-        self.client.set_tag(parent, done_tag, "1")
+        self._log_metrics(round_run, series)
+        self._end(round_run)
 
     def register(self, round_index: int, result: dict) -> str | None:
         from pipeline import registry
@@ -266,8 +332,13 @@ class MlflowTracker(Tracker):
             # version; "newest" names the same version for alias-only (`@`) consumers.
             self.client.set_registered_model_alias(name, NEWEST, version)
         self._set_champion(name)
+        self._end(self._round(round_index))
         log.info("MLflow: %s version %s holds round %d", name, version, round_index)
         return str(version)
+
+    def newest_version(self) -> str | None:
+        versions = self._versions(self.config.mlflow.registered_model, {RUN_KEY: self.key})
+        return str(versions[-1].version) if versions else None
 
     def finish(self, summary: dict) -> None:
         from pipeline import plots
@@ -279,7 +350,7 @@ class MlflowTracker(Tracker):
             "perplexity_by_round.png": lambda: plots.perplexity_by_round(*self._perplexities(parent)),
             "bits_per_byte_by_round.png": lambda: plots.perplexity_by_round(
                 *self._perplexities(parent, "bits_per_byte"), metric="bits_per_byte"),
-            "outer_grad_norm_heatmap.png": lambda: plots.grad_norm_heatmap(self._grad_norms(parent)),
+            "outer_grad_norm_heatmap.png": lambda: plots.grad_norm_heatmap(self._grad_norms()),
         }
         for file_name, build in figures.items():
             fig = build()
@@ -328,9 +399,22 @@ class MlflowTracker(Tracker):
                 self.root.write_json(STATE_FILE, state)
         return self._parent_id
 
-    def _round(self, round_index: int) -> str:
-        tags = {KIND: "round", "dipaco.round": str(round_index)}
-        return self._find_or_create(f"round={round_index}", self._parent(), f"round {round_index}", tags).info.run_id
+    def _round(self, round_index: int, start: float | None = None) -> str:
+        tags = {KIND: "round", "dipaco.round": str(round_index), DESCRIPTION_TAG: round_description(round_index)}
+        run = self._find_or_create(f"round={round_index}", self._parent(), f"round {round_index}", tags, start)
+        return run.info.run_id
+
+    def _committed_at(self, rel: str) -> float:
+        """When a directory's _SUCCESS was written: the end of the work that produced it."""
+        if self.root.is_committed(rel):
+            value = self.root.marker(rel).get("committed_at")
+            if _numeric(value):
+                return float(value)
+        return time.time()
+
+    def _end(self, run_id: str, at: float | None = None) -> None:
+        """FINISHED at `at` (the work's end), now by default."""
+        self.client.set_terminated(run_id, "FINISHED", end_time=_ms(at or time.time()))
 
     def _search(self, key: str, parent: str | None) -> list:
         query = f"tags.`{RUN_KEY}` = '{self.key}' and tags.`{KEY}` = '{key}'"
@@ -343,30 +427,34 @@ class MlflowTracker(Tracker):
         runs = self._search(key, parent)
         return runs[0] if runs else None
 
-    def _create(self, key: str, parent: str | None, name: str, tags: dict[str, str]):
+    def _create(self, key: str, parent: str | None, name: str, tags: dict[str, str], start: float | None = None):
         tags = {RUN_KEY: self.key, KEY: key, **tags, **({PARENT_TAG: parent} if parent else {})}
-        return self.client.create_run(self._experiment(), run_name=name, tags=tags)
+        return self.client.create_run(self._experiment(), start_time=_ms(start), run_name=name, tags=tags)
 
-    def _find_or_create(self, key: str, parent: str | None, name: str, tags: dict[str, str]):
+    def _find_or_create(self, key: str, parent: str | None, name: str, tags: dict[str, str], start: float | None = None):
         """A container run, created once even when processes race: the oldest one wins."""
         found = self._find(key, parent)
         if found is not None:
             return found
-        mine = self._create(key, parent, name, tags)
+        mine = self._create(key, parent, name, tags, start)
         winner = self._find(key, parent)
         if winner.info.run_id != mine.info.run_id:
             self.client.delete_run(mine.info.run_id)
         return winner
 
-    def _leaf(self, kind: str, key: str, name: str, parent: str, tags: dict[str, str]) -> str | None:
-        """A fresh run to log into, or None when a finished one exists (already logged)."""
+    def _leaf(self, kind: str, key: str, name: str, parent: str, tags: dict[str, str], start: float | None = None,
+              description: str | None = None) -> str | None:
+        """A fresh run to log into (started at `start`, the work's start), or None when a finished
+        one exists (already logged)."""
         runs = self._search(key, parent)
         if any(r.info.status == "FINISHED" for r in runs):
             log.info("MLflow: %s already logged, skipping", key)
             return None
         for stale in runs:  # a logger that died half-way: start over rather than log twice
             self.client.delete_run(stale.info.run_id)
-        return self._create(key, parent, name, {KIND: kind, **tags}).info.run_id
+        if description:
+            tags = {**tags, DESCRIPTION_TAG: description}
+        return self._create(key, parent, name, {KIND: kind, **tags}, start).info.run_id
 
     # ---- logging in batches ----------------------------------------------------------------
     def _log_params(self, run_id: str, params: dict[str, str]) -> None:
@@ -381,10 +469,10 @@ class MlflowTracker(Tracker):
         for start in range(0, len(new), 100):
             self.client.log_batch(run_id, params=new[start:start + 100])
 
-    def _log_metrics(self, run_id: str, series: dict[str, list[tuple[int, float]]]) -> None:
+    def _log_metrics(self, run_id: str, series: dict[str, list[tuple[int, float]]], at: float | None = None) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = _ms(at or time.time())
         metrics = [Metric(name, float(value), now, step) for name, points in series.items()
                    for step, value in points if _numeric(value)]
         for start in range(0, len(metrics), 1000):
@@ -405,11 +493,12 @@ class MlflowTracker(Tracker):
         return sorted(self.client.search_model_versions(query), key=lambda v: int(v.version))
 
     def _register_new(self, name: str, round_index: int, result: dict, registry) -> str:
-        parent = self._parent()
-        run = self._leaf("register", f"register/round={round_index}", f"register round {round_index}", parent,
-                         {"dipaco.round": str(round_index)})
+        parent, round_run = self._parent(), self._round(round_index)
+        key = f"round={round_index}/register"
+        run = self._leaf("register", key, f"round {round_index} · register", round_run, {"dipaco.round": str(round_index)},
+                         description=f"The modules round {round_index} starts from, registered as a version of {name}.")
         if run is None:  # logged once, registration lost: find the run again
-            run = self._find(f"register/round={round_index}", parent).info.run_id
+            run = self._find(key, round_run).info.run_id
         mlflow = self._mlflow
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_registry_uri(self.uri)
@@ -423,7 +512,32 @@ class MlflowTracker(Tracker):
         }
         for key, value in tags.items():
             self.client.set_model_version_tag(name, version, key, value)
+        self.client.update_model_version(name, version, description=self._version_description(round_index, result))
+        self.client.update_registered_model(name, description=self._model_description())
+        self._end(run)
         return version
+
+    def _model_description(self) -> str:
+        """What every version of the registered model is: grid, tokenizer, routing, how to call it."""
+        m, r, t = self.config.model, self.config.router, self.config.train
+        return (f"DiPaCo: a {m.grid} grid of modules ({self.config.n_paths} paths of {sum(m.blocks_per_level)} "
+                f"Llama blocks, hidden size {m.hidden_size}, seq_len {m.seq_len}), tokenizer {m.tokenizer} "
+                f"(vocabulary {m.vocab_size}). Each input text is routed by its first {r.prefix_tokens} tokens "
+                f"({r.embedder} router) to one path, whose model generates the continuation. Trained for "
+                f"train.rounds={t.rounds} outer rounds of {t.inner_steps} inner steps in "
+                f"{redact(self.config.run_root)}; each version holds the modules of one round. Aliases: "
+                f"{CHAMPION} (lowest routed perplexity), {NEWEST}. predict([text, ...], "
+                f"params={{'max_new_tokens': 32}}) -> [continuation, ...].")
+
+    def _version_description(self, round_index: int, result: dict) -> str:
+        """One version: which round's modules, after how much training, and how good."""
+        m, t = self.config.model, self.config.train
+        perplexity = result.get("perplexity")
+        score = (f"routed perplexity {perplexity:.2f} on {int(result.get('tokens') or 0):,} held-out tokens"
+                 if _numeric(perplexity) else "not evaluated")
+        return (f"The modules round {round_index} starts from: after {round_index} of train.rounds={t.rounds} "
+                f"outer rounds ({round_index * t.inner_steps} inner steps per path); {score}. Grid {m.grid}, "
+                f"tokenizer {m.tokenizer}, run root {redact(self.config.run_root)}.")
 
     def _set_champion(self, name: str) -> None:
         """champion: the version with the lowest routed perplexity among all evaluated ones."""
@@ -466,9 +580,15 @@ class MlflowTracker(Tracker):
         per_path = {k.split("/", 1)[1]: self._history(parent, k) for k in names if k.startswith(f"{metric}/")}
         return self._history(parent, metric), per_path
 
-    def _grad_norms(self, parent: str) -> dict[str, dict[int, float]]:
-        names = self.client.get_run(parent).data.metrics
-        return {k.split("/", 1)[1]: self._history(parent, k) for k in names if k.startswith("outer_grad_norm/")}
+    def _grad_norms(self) -> dict[str, dict[int, float]]:
+        """{module: {round: outer-gradient norm}}, from the merge runs."""
+        norms: dict[str, dict[int, float]] = {}
+        for run in self._runs_of_kind("merge"):
+            rnd = int(run.data.tags["dipaco.round"])
+            for name, value in run.data.metrics.items():
+                if name.startswith("outer_grad_norm/"):
+                    norms.setdefault(name.split("/", 1)[1], {})[rnd] = value
+        return norms
 
 
 def _param(value: Any) -> str:

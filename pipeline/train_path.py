@@ -66,11 +66,12 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
         shard_path, modules, worker = parse_job_id(path_id, config.model.grid, workers)
     except ValueError as exc:
         raise ConfigError(f"--path: {exc}") from None
+    # Input first, the process group after: a missing or unreadable shard fails the job in seconds.
+    docs = read_path_documents(root, shard_path)[worker::workers]  # worker k: its iid part
     rank, world = init_distributed()
     train, shape = config.train, ModelShape.from_config(config.model)
     torch.manual_seed(train.seed + round_index)
 
-    docs = read_path_documents(root, shard_path)[worker::workers]  # worker k: its iid part
     rows = pack_documents(docs, config.model.seq_len, seed=train.seed + worker, eos=shape.eos_id)
     if len(rows) == 0:
         raise InputError(f"{root.path(layout.shard_dir(shard_path))}: too few tokens for one row of {config.model.seq_len + 1}")
@@ -104,7 +105,7 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
     log_every = max(1, train.inner_steps // 5)
     losses = torch.zeros(train.inner_steps)  # this rank's loss per step; reduced once at the end
     lrs = []
-    start = time.perf_counter()
+    started_at, start = time.time(), time.perf_counter()  # wall clock for trackers, monotonic for rates
     for step in range(train.inner_steps):
         global_step = round_index * train.inner_steps + step
         lr = lr_at(global_step, total_steps, train)
@@ -124,7 +125,9 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
     seconds = time.perf_counter() - start
     dist.all_reduce(losses)  # the one sync point of the loop: the island's mean loss per step
     tokens = train.inner_steps * train.micro_batch_size * train.gradient_accumulation_steps * world * config.model.seq_len
-    return {"loss": (losses / world).tolist(), "lr": lrs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    return {"loss": (losses / world).tolist(), "lr": lrs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "first_step": round_index * train.inner_steps,  # global step of loss[0]: curves join across rounds
+            "started_at": started_at, "finished_at": started_at + seconds}
 
 
 def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str, merged: dict[str, torch.Tensor]) -> int | None:

@@ -1,5 +1,6 @@
 """Config validation and the CLI contract: exit 2 with one line naming the key, nothing written."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -7,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, tiny_config
+from conftest import REPO, tiny_config, write_synthetic_shards
 from pipeline import layout, stages
 from pipeline.cli import main
-from pipeline.config import config_from_dict
+from pipeline.config import config_from_dict, load_config
 from pipeline.errors import ConfigError
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -96,3 +97,118 @@ def test_multi_node_islands_launch_through_a_hostfile(tmp_path, run_root):
     assert Path(command[0]).name == "deepspeed"
     assert command[1:9] == ["--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "8", "--master_port", "29500"]
     assert command[-6:] == ["--run-root", "s3://bucket/run", "--round", "3", "--path", "p1-0"]
+
+
+def dipaco(args: list[str], cwd=REPO, **kwargs) -> subprocess.CompletedProcess:
+    """The installed console script, as a user runs it."""
+    return subprocess.run([str(Path(sys.executable).with_name("dipaco")), *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300, **kwargs)
+
+
+def files_under(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} if path.exists() else {}
+
+
+REFUSED = {
+    "path outside the grid": (["train-path", "--round", "0", "--path", "p9-9"], "--path"),
+    "train-path unprepared": (["train-path", "--round", "0", "--path", "p0-1"], "prepare` first"),
+    "prepare bad glob": (["prepare", "--set", "data.train=nowhere/*.json"],
+                         "nowhere/*.json: no input files match (data.train); relative globs resolve against"),
+    "run bad glob": (["run", "--set", "data.eval=nowhere/*.json"], "nowhere/*.json: no input files match (data.eval)"),
+    "eval unprepared": (["eval", "--round", "3"], "prepare` first"),
+    "merge unprepared": (["merge", "--round", "0"], "prepare` first"),
+}
+
+
+@pytest.mark.parametrize("args,why", REFUSED.values(), ids=REFUSED.keys())
+def test_a_refused_command_writes_nothing(args, why, tmp_path, capsys):
+    """Checked before run.yaml, round 0, a lock or a launch: nothing on disk changes."""
+    run_root = tmp_path / "run"
+    assert main([*args, "--config", TINY, "--set", f"run_root={run_root}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert why in err and len(err.splitlines()) == 1
+    assert not run_root.exists()
+
+
+def test_a_refused_argument_leaves_an_existing_run_root_unchanged(run_root, capsys):
+    config = tiny_config(run_root)
+    write_synthetic_shards(stages.init_run(config), config.model.grid)
+    before = files_under(run_root)
+    base = ["--config", TINY, "--set", f"run_root={run_root}", "--set", "model.vocab_size=256",
+            "--set", "train.launcher=inprocess", "--set", "train.inner_steps=9"]  # would rewrite run.yaml
+    assert main(["train-path", "--round", "0", "--path", "p9-9", *base]) == 2
+    assert main(["merge", "--round", "0", *base]) == 2  # no path of round 0 trained yet
+    assert "dipaco train-path --round 0" in capsys.readouterr().err
+    assert main(["eval", "--round", "2", *base]) == 2
+    assert "round 2's modules are not committed (the latest are round 0's)" in capsys.readouterr().err
+    assert files_under(run_root) == before
+
+
+def test_round_numbers_are_checked_by_the_parser(capsys):
+    for bad in ("-1", "one"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["eval", "--config", TINY, "--round", bad])
+        assert exit_info.value.code == 2 and "--round" in capsys.readouterr().err
+
+
+def test_train_path_on_an_unprepared_root_exits_2_saying_prepare_and_launches_nothing(tmp_path):
+    run_root = tmp_path / "run"
+    result = dipaco(["train-path", "--config", TINY, "--set", f"run_root={run_root}", "--round", "0", "--path", "p0-1"])
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith("shards are not committed; run `dipaco prepare` first")
+    assert "Traceback" not in result.stderr and "attempt" not in result.stderr + result.stdout
+    assert not run_root.exists()  # no run.yaml, no round 0: nothing a launched trainer could have read
+
+
+@pytest.mark.parametrize("launcher", ["inprocess", pytest.param("deepspeed", marks=pytest.mark.slow)])
+def test_a_path_jobs_input_error_is_not_retried_and_reaches_the_caller(launcher, run_root):
+    """An input error inside the trainer (here: a shard too small for one row) fails the first
+    attempt with the trainer's own message (exit status 2 from a launched rank); another attempt
+    could only fail the same way."""
+    from pipeline.errors import InputError
+    from pipeline.launch import train_path_job
+
+    config = tiny_config(run_root, "train.max_attempts=3", f"train.launcher={launcher}")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid, docs_per_path={"p0-0": 0, "p0-1": 8, "p1-0": 8, "p1-1": 8})
+    with pytest.raises(InputError, match=r"path p0-0 round 0: .*path=p0-0: too few tokens for one row"):
+        train_path_job(config, 0, "p0-0")
+    assert root.listdir(layout.attempts_dir(0, "p0-0")) == ["attempt-1.json"]
+    assert root.read_json(f"{layout.attempts_dir(0, 'p0-0')}/attempt-1.json")["returncode"] == 2
+
+
+def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
+    """A wrong key costs a fraction of a second: the config is checked before torch loads."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline.cli", "train-path", "--config", TINY,
+                             "--set", "train.inner_stepz=3", "--round", "0", "--path", "p0-1"],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 2 and "train.inner_stepz" in result.stderr
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "pipeline.config" in imported
+    assert not {"torch", "deepspeed", "mlflow", "apache_beam"} & imported
+
+
+def test_help_describes_each_command_with_examples_and_a_version():
+    top = dipaco(["--help"])
+    assert top.returncode == 0
+    for text in ("examples", "dipaco run --config configs/demo.yaml", "rounds: round R trains", "exit status"):
+        assert text in top.stdout
+    version = dipaco(["--version"])
+    assert version.returncode == 0 and version.stdout.startswith("dipaco ")
+    for command in ("prepare", "train-path", "merge", "eval", "run"):
+        page = dipaco([command, "--help"]).stdout
+        assert f"dipaco {command} --config" in page and "examples" in page, command
+    train = dipaco(["train-path", "--help"]).stdout
+    assert "--path p0-1" in train and "round R's modules" in train
+    assert "modules round R starts from" in dipaco(["eval", "--help"]).stdout
+
+
+def test_every_path_example_in_the_help_is_a_path_of_the_demo_grid():
+    from pipeline.preflight import check_job_id
+
+    demo = load_config(REPO / "configs" / "demo.yaml")
+    text = dipaco(["--help"]).stdout + dipaco(["train-path", "--help"]).stdout
+    examples = set(re.findall(r"--path (p[\w.-]+)", text)) | set(re.findall(r"\b(p\d+-\d+)\b", text))
+    assert examples
+    for path_id in examples:
+        check_job_id(demo, path_id)

@@ -185,8 +185,10 @@ def test_a_corrupted_module_file_is_refused_by_name_never_loaded(how, run_root):
     with pytest.raises(CorruptStateError, match="level=0/module=0.safetensors"):
         load_modules(root, 0, [ModuleKey(0, 0)])
     write_synthetic_shards(root, config.model.grid)
-    result = cli(["train-path", "--round", "0", "--path", "p0-0"], run_root, "model.grid=[2, 1]", "train.max_attempts=1")
-    assert result.returncode == 1  # every attempt refused the file
+    result = cli(["train-path", "--round", "0", "--path", "p0-0"], run_root, "model.grid=[2, 1]", "train.max_attempts=2")
+    assert result.returncode == 2  # the trainer refused the file: an input error, not retried
+    assert "module=0.safetensors" in result.stderr and "Traceback" not in result.stderr
+    assert root.listdir(layout.attempts_dir(0, "p0-0")) == ["attempt-1.json"]
     failure = root.read_json(f"{layout.attempts_dir(0, 'p0-0')}/attempt-1.json")["output_tail"][-1]
     assert "module=0.safetensors" in failure and "checksum" in failure
     assert not root.is_committed(layout.path_dir(0, "p0-0"))

@@ -6,12 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from conftest import REPO, tiny_config
 
+from pipeline import layout
 from pipeline.errors import ConfigError
+from pipeline.storage import RunRoot
 from pipeline.tracking import MlflowTracker, NullTracker, get_tracker, metric_name, redact, tracking_uri
 
 PATHS = ["p0-0", "p0-1", "p1-0", "p1-1"]
@@ -85,13 +88,28 @@ def test_tracking_uri_precedence_and_redaction(run_root, monkeypatch):
     assert metric_name("level=0/module=1") == "level_0/module_1"
 
 
+def commit_merge(run_root: Path, report: dict) -> float:
+    """rounds/round=<r>/merge.json committed as the merge commits it; returns its commit time."""
+    root = RunRoot(str(run_root))
+    rel = layout.round_dir(report["round"])
+    root.write_json(f"{rel}/merge.json", report)
+    return root.commit(rel, info={"round": report["round"], "next_round": report["round"] + 1},
+                       files=["merge.json"])["committed_at"]
+
+
+def by_round(config, kind: str) -> dict[int, object]:
+    return {int(r.data.tags["dipaco.round"]): r for r in runs(config, f"tags.`dipaco.kind` = '{kind}'")}
+
+
 def test_a_round_logs_nested_runs_metrics_and_artifacts(config, run_root):
     tracker = get_tracker(config)
     assert isinstance(tracker, MlflowTracker)
     tracker.log_run_config()
     tracker.log_prepare({"paths": {p: {"docs": 10 + i} for i, p in enumerate(PATHS)}, "rejected": 3})
+    tracker.log_eval(0, {**EVAL, "round": 0, "perplexity": 99.0})
     for pid in PATHS:
         tracker.log_path(0, pid, path_metrics(0, pid))
+    commit_merge(run_root, MERGE)
     tracker.log_merge(0, MERGE)
     tracker.log_eval(1, EVAL)
     tracker.finish({"rounds_committed": 1})
@@ -102,8 +120,14 @@ def test_a_round_logs_nested_runs_metrics_and_artifacts(config, run_root):
     assert state["parent_run_id"] == parent.info.run_id and parent.info.status == "FINISHED"
     assert parent.data.params["train.inner_steps"] == str(STEPS)
     assert parent.data.params["model.grid"] == "[2, 2]"
-    (round_run,) = runs(config, "tags.`dipaco.kind` = 'round'")
-    assert round_run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    rounds = by_round(config, "round")
+    assert sorted(rounds) == [0, 1]  # round 1: the modules round 0's merge wrote, evaluated
+    round_run = rounds[0]
+    assert {r.data.tags["mlflow.parentRunId"] for r in rounds.values()} == {parent.info.run_id}
+    # one numbering: the perplexity on `round R` is that of the modules round R starts from
+    assert {r.info.run_name: r.data.metrics["perplexity"] for r in rounds.values()} == {"round 0": 99.0, "round 1": 42.0}
+    assert rounds[1].data.metrics["perplexity/p1-0"] == 42.0 and rounds[1].data.metrics["eval_tokens"] == 300
+    assert "modules round 1 starts from" in rounds[1].data.tags["mlflow.note.content"]
     (prepare,) = runs(config, "tags.`dipaco.kind` = 'prepare'")
     assert prepare.data.metrics["rejected"] == 3 and prepare.data.metrics["paths.p1-1.docs"] == 13
 
@@ -111,6 +135,7 @@ def test_a_round_logs_nested_runs_metrics_and_artifacts(config, run_root):
     assert sorted(path_runs) == PATHS
     p01 = path_runs["p0-1"]
     assert p01.data.tags["mlflow.parentRunId"] == round_run.info.run_id
+    assert p01.info.run_name == "round 0 · path p0-1"
     assert p01.data.params["path.modules"] == "[[0, 0], [1, 1]]"
     assert p01.data.params["ds.zero_optimization.stage"] == "2"
     assert p01.data.params["train.lr"] == str(config.train.lr)
@@ -119,14 +144,15 @@ def test_a_round_logs_nested_runs_metrics_and_artifacts(config, run_root):
     assert [(m.step, m.value) for m in loss] == [(s, 5.0 - 0.25 * s - 0.01) for s in range(STEPS)]
 
     (merge,) = runs(config, "tags.`dipaco.kind` = 'merge'")
-    assert merge.data.tags["mlflow.parentRunId"] == round_run.info.run_id
+    assert merge.data.tags["mlflow.parentRunId"] == round_run.info.run_id and merge.info.run_name == "round 0 · merge"
     assert merge.data.metrics["outer_grad_norm/level_1/module_0"] == 1.5
     assert merge.data.metrics["paths_left_out"] == 1 and merge.data.params["paths_left_out"] == "p1-1"
     assert merge.data.metrics["communication_saving"] == 8.0
-    assert merge.data.metrics["perplexity"] == 42.0 and merge.data.metrics["perplexity/p1-0"] == 42.0
-    assert [(m.step, m.value) for m in client.get_metric_history(parent.info.run_id, "perplexity")] == [(1, 42.0)]
+    assert "perplexity" not in merge.data.metrics  # that is round 1's, on `round 1`
+    history = client.get_metric_history(parent.info.run_id, "perplexity")
+    assert sorted((m.step, m.value) for m in history) == [(0, 99.0), (1, 42.0)]
     assert parent.data.metrics["bits_per_byte"] == 1.25 and parent.data.metrics["bits_per_byte/p0-1"] == 1.21
-    assert merge.data.metrics["bits_per_byte"] == 1.25 and parent.data.metrics["eval_bytes"] == 1200
+    assert parent.data.metrics["eval_bytes"] == 1200
 
     artifacts = Path(client.download_artifacts(parent.info.run_id, "", str(run_root / "dl")))
     for name in ("loss_curves", "docs_per_path", "perplexity_by_round", "bits_per_byte_by_round", "outer_grad_norm_heatmap"):
@@ -161,7 +187,7 @@ def test_reruns_and_new_processes_reuse_the_same_runs(config, run_root):
     tracker.log_path(0, "p0-0", path_metrics(0, "p0-0"))
     tracker.log_path(0, "p0-0", path_metrics(0, "p0-0"))  # a retried task logs again
     tracker.log_eval(0, {**EVAL, "round": 0})
-    tracker.log_eval(0, {**EVAL, "round": 0})
+    tracker.log_eval(0, {**EVAL, "round": 0})  # a retried task: logged once
     # another process (an Airflow task) logs the next path of the same round
     script = (
         "import sys; sys.path.insert(0, 'tests')\n"
@@ -177,6 +203,7 @@ def test_reruns_and_new_processes_reuse_the_same_runs(config, run_root):
 
     assert len(runs(config, "tags.`dipaco.kind` = 'pipeline'")) == 1
     (round_run,) = runs(config, "tags.`dipaco.kind` = 'round'")
+    assert len(client_for(config).get_metric_history(round_run.info.run_id, "perplexity")) == 1
     path_runs = runs(config, "tags.`dipaco.kind` = 'path'")
     assert sorted(r.data.tags["dipaco.path"] for r in path_runs) == ["p0-0", "p0-1"]
     assert {r.data.tags["mlflow.parentRunId"] for r in path_runs} == {round_run.info.run_id}
@@ -196,5 +223,61 @@ def test_racing_creators_converge_on_the_oldest_round_run(config):
     # a half-logged leaf (its logger died) is replaced, a finished one is kept
     stale = tracker._create("round=3/merge", first.info.run_id, "merge", {"dipaco.kind": "merge"})
     tracker.log_merge(3, {**MERGE, "round": 3})
-    (merge,) = runs(config, "tags.`dipaco.key` = 'round=3/merge'")
+    (merge,) = runs(config, "tags.`mlflow.dipaco.key` = 'round=3/merge'")
     assert merge.info.run_id != stale.info.run_id and merge.info.status == "FINISHED"
+
+
+def test_runs_carry_the_real_start_and_end_of_their_work(config, run_root):
+    """A path run spans its inner loop and a merge run its merge, not the moment they were logged."""
+    tracker = get_tracker(config)
+    now = time.time()
+    metrics = {**path_metrics(0, "p0-0"), "started_at": now - 100.0, "finished_at": now - 92.0, "seconds": 8.0}
+    tracker.log_path(0, "p0-0", metrics)
+    committed_at = commit_merge(run_root, {**MERGE, "seconds": 3.0})
+    tracker.log_merge(0, {**MERGE, "seconds": 3.0})
+
+    (path,) = runs(config, "tags.`dipaco.kind` = 'path'")
+    assert (path.info.start_time, path.info.end_time) == (int((now - 100) * 1000), int((now - 92) * 1000))
+    (merge,) = runs(config, "tags.`dipaco.kind` = 'merge'")
+    assert merge.info.end_time == int(committed_at * 1000)
+    assert merge.info.end_time - merge.info.start_time == 3000
+    (round_run,) = runs(config, "tags.`dipaco.kind` = 'round'")
+    assert round_run.info.start_time == path.info.start_time  # the round began with its first path
+    assert round_run.info.end_time == merge.info.end_time and round_run.info.status == "FINISHED"
+
+
+def test_loss_is_logged_at_global_steps_so_a_path_curve_joins_across_rounds(config):
+    tracker = get_tracker(config)
+    tracker.log_path(0, "p0-0", {**path_metrics(0, "p0-0"), "first_step": 0})
+    tracker.log_path(1, "p0-0", {**path_metrics(1, "p0-0"), "first_step": STEPS})
+    old = path_metrics(2, "p0-0")  # a metrics.json written before first_step existed
+    tracker.log_path(2, "p0-0", old)
+    client = client_for(config)
+    steps = {}
+    for run in runs(config, "tags.`dipaco.kind` = 'path'"):
+        history = client.get_metric_history(run.info.run_id, "loss")
+        steps[run.info.run_name] = sorted(m.step for m in history)
+    assert steps == {f"round {r} · path p0-0": list(range(r * STEPS, (r + 1) * STEPS)) for r in (0, 1, 2)}
+    # the run's plots still see one curve per path and round
+    assert sorted(tracker._path_series("loss")["p0-0"]) == [0, 1, 2]
+
+
+def test_the_parent_holds_totals_over_merges_and_no_bookkeeping_in_sight(config, run_root):
+    tracker = get_tracker(config)
+    tracker.log_run_config()
+    first = {**MERGE, "seconds": 2.0}
+    second = {**MERGE, "round": 1, "seconds": 3.0, "paths_left_out": [], "paths_merged": PATHS}
+    for report in (first, second):
+        commit_merge(run_root, report)
+        tracker.log_merge(report["round"], report)
+        tracker.log_eval(report["round"] + 1, {**EVAL, "round": report["round"] + 1})
+    tracker.log_eval(1, {**EVAL, "round": 1})  # logged once
+
+    (parent,) = runs(config, "tags.`dipaco.kind` = 'pipeline'")
+    metrics = parent.data.metrics
+    assert metrics["rounds_merged"] == 2 and metrics["merge_seconds_total"] == 5.0
+    assert metrics["paths_left_out_total"] == 1 and metrics["communication_saving"] == 8.0
+    assert not {"seconds", "paths_merged", "paths_left_out"} & set(metrics)  # not one merge's figures
+    # what the run page lists: tags a user filters on; the tracker's own keys stay under mlflow.
+    visible = {k for run in runs(config) for k in run.data.tags if not k.startswith("mlflow.")}
+    assert visible <= {"dipaco.kind", "dipaco.round", "dipaco.path", "dipaco.run_root"}, visible

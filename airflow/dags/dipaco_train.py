@@ -1,41 +1,57 @@
 """dipaco_train: the pipeline as an Airflow DAG. Wiring only: every task calls the function the
 `dipaco` CLI calls (pipeline.stages), so a DAG run and `dipaco run` do the same work.
 
-    configure -> prepare -> plan -> round_0 [paths -> train_path x n (mapped) -> merge -> evaluate
-    -> register] -> round_1 [...] -> ... -> report
+    configure -> prepare -> plan -> evaluate_initial -> round_0 [paths -> train_path x n (mapped)
+    -> merge -> evaluate -> register] -> round_1 [...] -> ... -> report
 
-Each scheduled run continues from the last committed round and trains `airflow.rounds_per_run`
-further rounds. The DAG's shape (schedule, pool, retries, number of round groups) is read from
-the config named by $DIPACO_CONFIG when the file is parsed; what a run trains is read at run time
-from the `config` and `overrides` params. Path trainers run the `deepspeed` launcher as a
-subprocess (inside stages.train_path), so torch.distributed never starts in an Airflow worker, and
-the pool `airflow.pool` caps how many run at once. Tasks pass a config reference, never data.
-Nothing heavy is imported here at parse time: pipeline and torch load inside the tasks.
+There is one task group per round of `train.rounds`, named after the round it trains: `round_1`
+trains round 1 from round 1's modules, merges them into round 2's, then evaluates and registers
+those. Each DAG run trains `airflow.rounds_per_run` rounds from the first uncommitted one; the
+groups of other rounds are skipped, saying why (committed already, or left to a later DAG run).
+A DAG run once every round of `train.rounds` is committed trains nothing: `plan` is skipped with
+"nothing to train ... raise train.rounds to continue". `evaluate_initial` scores round 0's modules
+once, as `dipaco run` does, and `report` ends every DAG run with the same summary table.
+
+The DAG's shape (schedule, pool, retries, one group per round) is read from the config named by
+$DIPACO_CONFIG when the file is parsed, and a config that cannot be read fails the parse with a
+one-line message; what a run trains is read at run time from the `config` and `overrides` params.
+Path trainers run the `deepspeed` launcher as a subprocess (inside stages.train_path), so
+torch.distributed never starts in an Airflow worker, and the pool `airflow.pool` caps how many run
+at once. Tasks pass a config reference, never data. Nothing heavy is imported here at parse time:
+pipeline and torch load inside the tasks.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from airflow.sdk import Param, dag, task, task_group
-from airflow.sdk.exceptions import AirflowSkipException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = os.environ.get("DIPACO_CONFIG", str(PROJECT_DIR / "configs" / "demo.yaml"))
+log = logging.getLogger("dipaco.dag")
 
 
 def _dag_settings():
-    """The `airflow` section of the default config: what must be known when the DAG is parsed."""
-    from pipeline.config import AirflowConfig, load_config
+    """The `airflow` section and `train.rounds` of $DIPACO_CONFIG: the DAG's shape, known at parse
+    time. A config that cannot be used fails the parse: the import error is its one-line message."""
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
 
-    if not Path(DEFAULT_CONFIG).is_file():
-        return AirflowConfig()
-    return load_config(DEFAULT_CONFIG).airflow
+    try:
+        config = load_config(DEFAULT_CONFIG)
+    except ConfigError as exc:
+        error = exc
+    else:
+        return config.airflow, config.train.rounds
+    raise ConfigError(f"$DIPACO_CONFIG: {error}") from None  # raised here: no frames from inside pipeline/
 
 
-SETTINGS = _dag_settings()
+SETTINGS, ROUNDS = _dag_settings()
 
 
 def _config(ref: dict):
@@ -46,22 +62,17 @@ def _config(ref: dict):
     return load_config(ref["config"], ref["overrides"])
 
 
-def _this_round(round_index: int | None) -> int:
-    """Round groups past this run's rounds_per_run are skipped, and so is all that follows them."""
-    if round_index is None:
-        raise AirflowSkipException("this DAG run trains fewer rounds")
-    return round_index
-
-
 @task
 def configure(params: dict | None = None) -> dict:
-    """Validate the config, write run.yaml and round 0 (stages.init_run), log it to MLflow."""
-    from pipeline import stages
+    """Validate the params, the config and its data, write run.yaml and round 0 (stages.init_run),
+    log it to MLflow."""
+    from pipeline import preflight, stages
     from pipeline.config import check_dag_params
     from pipeline.tracking import get_tracker
 
     ref = check_dag_params({k: params[k] for k in ("config", "overrides", "project_dir")})
     config = _config(ref)
+    preflight.check_data(config)
     stages.init_run(config)
     get_tracker(config).log_run_config()
     return ref
@@ -79,36 +90,64 @@ def prepare(ref: dict) -> None:
     stages.prepare(config)
 
 
-@task(trigger_rule="none_failed", multiple_outputs=True)
-def plan(ref: dict, slots: int) -> dict:
-    """The rounds this DAG run trains: rounds_per_run of them, from the first uncommitted one."""
+@task(trigger_rule="none_failed")
+def plan(ref: dict) -> dict:
+    """The rounds this DAG run trains: airflow.rounds_per_run of them from the first uncommitted
+    one, within train.rounds. Skipped, saying so, when every round is committed."""
     from pipeline import stages
     from pipeline.errors import ConfigError
 
     config = _config(ref)
-    wanted = config.airflow.rounds_per_run
-    if wanted > slots:
-        raise ConfigError(f"{config.source}: airflow.rounds_per_run={wanted} but this DAG was parsed with "
-                          f"{slots} round groups; set it in $DIPACO_CONFIG ({DEFAULT_CONFIG}) too")
-    first = stages.next_round(config)
-    return {f"round_{k}": first + k if k < wanted else None for k in range(slots)}
+    if config.train.rounds > ROUNDS:
+        raise ConfigError(f"{config.source}: train.rounds={config.train.rounds} but this DAG was parsed with "
+                          f"{ROUNDS} round groups; set train.rounds in $DIPACO_CONFIG ({DEFAULT_CONFIG}) too")
+    todo = stages.rounds_to_train(config, config.airflow.rounds_per_run)
+    if not todo:
+        raise AirflowSkipException(stages.nothing_to_train(config))
+    log.info("this DAG run trains round(s) %s", ", ".join(map(str, todo)))
+    return {"first": todo.start, "stop": todo.stop}
 
 
 @task
-def paths(ref: dict, round_index: int | None) -> list[str]:
+def evaluate_initial(ref: dict) -> dict:
+    """Routed perplexity of round 0's modules before any training (row 0 of the summary)."""
     from pipeline import stages
 
-    _this_round(round_index)
-    return stages.list_paths(_config(ref))
+    result = stages.evaluate_initial(_config(ref))
+    if result is None:
+        raise AirflowSkipException("round 0 is evaluated already")
+    return {"round": 0, "perplexity": result["perplexity"]}
+
+
+@task(trigger_rule="none_failed")
+def paths(ref: dict, window: dict | None, round_index: int) -> list[str]:
+    """The path jobs of this round, or a skip saying why this DAG run does not train it."""
+    from pipeline import stages
+
+    if window is None:
+        raise AirflowSkipException("nothing to train in this DAG run (see plan)")
+    if round_index < window["first"]:
+        raise AirflowSkipException(f"round {round_index} is committed already")
+    if round_index >= window["stop"]:
+        first, last = window["first"], window["stop"] - 1
+        these = f"round {first}" if first == last else f"rounds {first} to {last}"
+        raise AirflowSkipException(f"round {round_index} is left to a later DAG run: this one trains {these} "
+                                   f"(airflow.rounds_per_run)")
+    return stages.begin_round(_config(ref), round_index)
 
 
 @task(pool=SETTINGS.pool, pool_slots=SETTINGS.pool_slots, retries=SETTINGS.retries,
-      retry_delay=timedelta(seconds=SETTINGS.retry_delay_s))
+      retry_delay=timedelta(seconds=SETTINGS.retry_delay_s), map_index_template="{{ task.op_kwargs['path_id'] }}")
 def train_path(ref: dict, round_index: int, path_id: str) -> dict:
-    """One path's DeepSpeed job (a subprocess); a path that failed every attempt is left out."""
+    """One path's DeepSpeed job (a subprocess); a path that failed every attempt is left out. A config
+    or input error fails the task without Airflow retries: another try would fail the same way."""
     from pipeline import stages
+    from pipeline.errors import DipacoError
 
-    metrics = stages.train_path(_config(ref), round_index, path_id)
+    try:
+        metrics = stages.train_path(_config(ref), round_index, path_id)
+    except DipacoError as exc:
+        raise AirflowFailException(str(exc)) from None
     if metrics is None:
         return {"path": path_id, "trained": False}
     return {"path": path_id, "trained": True, "tokens": metrics.get("tokens"),
@@ -119,6 +158,7 @@ def train_path(ref: dict, round_index: int, path_id: str) -> dict:
 # the round skipped, there is nothing to merge.
 @task(trigger_rule="all_done_min_one_success")
 def merge(ref: dict, round_index: int) -> dict:
+    """The outer step of this round: writes the modules of the next round."""
     from pipeline import stages
 
     return stages.merge(_config(ref), round_index)
@@ -126,7 +166,7 @@ def merge(ref: dict, round_index: int) -> dict:
 
 @task
 def evaluate(ref: dict, round_index: int) -> dict:
-    """Routed perplexity of what the merge produced: the modules at the start of the next round."""
+    """Routed perplexity of what this round's merge wrote: the modules round R+1 starts from."""
     from pipeline import stages
 
     return stages.evaluate(_config(ref), round_index + 1)
@@ -134,27 +174,31 @@ def evaluate(ref: dict, round_index: int) -> dict:
 
 @task
 def register(ref: dict, round_index: int, result: dict) -> str | None:
+    """Registers the modules round R+1 starts from as a model version (tagged dipaco.round=R+1)."""
     from pipeline import stages
 
     return stages.register(_config(ref), round_index + 1, result)
 
 
 @task(trigger_rule="none_failed")
-def report(ref: dict) -> dict:
-    """Plots and the run summary in MLflow (what `dipaco run` ends with)."""
+def report(ref: dict) -> str:
+    """Plots in MLflow and the summary table that `dipaco run` ends with (in the log and the XCom)."""
     from pipeline import stages
+    from pipeline.report import format_summary
     from pipeline.tracking import get_tracker
 
     config = _config(ref)
     summary = stages.summarize(config)
     get_tracker(config).finish(summary)
-    return {"rounds_committed": summary["rounds_committed"]}
+    table = format_summary(summary)
+    print(table, flush=True)
+    return table
 
 
 @task_group
-def outer_round(ref, round_index):
-    """Train every path of the grid (mapped), merge, evaluate, register."""
-    trained = train_path.partial(ref=ref, round_index=round_index).expand(path_id=paths(ref, round_index))
+def outer_round(ref, window, round_index: int):
+    """Train every path of the grid (mapped), merge into the next round's modules, evaluate, register."""
+    trained = train_path.partial(ref=ref, round_index=round_index).expand(path_id=paths(ref, window, round_index))
     merged = merge(ref, round_index)
     trained >> merged
     result = evaluate(ref, round_index)
@@ -184,11 +228,12 @@ def outer_round(ref, round_index):
 def dipaco_train():
     ref = configure()
     prepared = prepare(ref)
-    rounds = plan(ref, SETTINGS.rounds_per_run)
-    prepared >> rounds
-    previous = rounds
-    for k in range(SETTINGS.rounds_per_run):
-        done = outer_round.override(group_id=f"round_{k}")(ref, rounds[f"round_{k}"])
+    window = plan(ref)
+    prepared >> window
+    previous = evaluate_initial(ref)
+    window >> previous
+    for k in range(ROUNDS):
+        done = outer_round.override(group_id=f"round_{k}")(ref, window, k)
         previous >> done
         previous = done
     previous >> report(ref)

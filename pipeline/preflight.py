@@ -1,0 +1,94 @@
+"""What a command needs before it writes anything: its arguments fit the config, its input files
+exist, and the run root holds the stages it reads.
+
+Every check here is a refusal (ConfigError or InputError, exit status 2) that names what is wrong
+and what to run instead. They read only the config and committed markers, and import neither
+torch nor DeepSpeed, so a mistake is reported in well under a second and leaves the run root as it
+was: the CLI (and `stages.run`, and the DAG's configure task) call them before `init_run` writes
+run.yaml and round 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from models.grid import parse_job_id
+from pipeline import layout
+from pipeline.config import Config
+from pipeline.errors import ConfigError, InputError
+from pipeline.storage import RunRoot
+
+PREPARE_FIRST = "shards are not committed; run `dipaco prepare` first"
+
+
+def check_job_id(config: Config, path_id: str) -> None:
+    """`--path` names a path of the grid (or a DiLoCo worker of one: `p0-1.w1`)."""
+    try:
+        parse_job_id(path_id, config.model.grid, config.train.workers_per_path)
+    except ValueError as exc:
+        raise ConfigError(f"--path: {exc}") from None
+
+
+def check_data(config: Config) -> None:
+    """Every data glob matches a file, unless the shards are committed (then none is read again).
+
+    Relative globs resolve against the current directory, as relative paths do everywhere in a
+    config; the error says which directory that was."""
+    if RunRoot(config.run_root).is_committed(layout.SHARDS_DIR):
+        return
+    for key in ("train", "eval"):
+        globs = getattr(config.data, key)
+        for pattern in [] if globs is None else [globs] if isinstance(globs, str) else globs:
+            if _matches_a_file(pattern, f"data.{key}"):
+                continue
+            where = "" if "://" in pattern or Path(pattern).is_absolute() else \
+                f"; relative globs resolve against the current directory {Path.cwd()}"
+            raise InputError(f"{config.source}: {pattern}: no input files match (data.{key}){where}")
+
+
+def _matches_a_file(pattern: str, key: str) -> bool:
+    """Local globs through the filesystem (no Beam import: instant and quiet); remote ones the way
+    the Beam job will list them."""
+    if "://" in pattern and not pattern.startswith("file://"):
+        from preprocessing.c4 import list_input_files
+
+        try:
+            return bool(list_input_files(pattern, key))
+        except InputError:
+            return False
+    import glob
+
+    local = pattern.removeprefix("file://")
+    return any(Path(p).is_file() for p in glob.iglob(local, recursive=True))
+
+
+def require_prepared(config: Config) -> None:
+    """The shards exist: training, merging and evaluation read them."""
+    root = RunRoot(config.run_root)
+    if not root.is_committed(layout.SHARDS_DIR):
+        raise InputError(f"{root.path(layout.SHARDS_DIR)}: {PREPARE_FIRST}")
+
+
+def require_modules(config: Config, round_index: int) -> None:
+    """Round r's modules exist (round 0's are written by init_run; round r+1's by `merge --round r`)."""
+    root = RunRoot(config.run_root)
+    if round_index == 0 or root.is_committed(layout.modules_dir(round_index)):
+        return
+    latest = 0
+    while root.is_committed(layout.modules_dir(latest + 1)):
+        latest += 1
+    raise InputError(f"{root.path(layout.modules_dir(round_index))}: round {round_index}'s modules are not committed "
+                     f"(the latest are round {latest}'s); `dipaco merge --round {round_index - 1}` writes them")
+
+
+def require_trained_path(config: Config, round_index: int) -> None:
+    """A merge that has not committed needs at least one path of its round trained."""
+    from models.grid import all_job_ids
+
+    root = RunRoot(config.run_root)
+    if root.is_committed(layout.round_dir(round_index)):
+        return
+    jobs = all_job_ids(config.model.grid, config.train.workers_per_path)
+    if not any(root.is_committed(layout.path_dir(round_index, job)) for job in jobs):
+        raise InputError(f"{root.path(layout.round_dir(round_index))}: no path of round {round_index} has been trained; "
+                         f"run `dipaco train-path --round {round_index} --path {jobs[0]}` (each path) first")

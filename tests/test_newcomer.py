@@ -1,0 +1,106 @@
+"""A newcomer's first hour: what the README shows runs as written, in a fresh process, on a fresh
+clone (no file outside the repository, no path of the machine the README was written on)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from pipeline.report import format_summary
+
+README = (REPO / "README.md").read_text()
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def test_the_readme_links_only_to_files_in_the_repository():
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
+    local = [link for link in links if "://" not in link]
+    assert "docs/design.md" in local
+    for link in local:
+        target = (REPO / link).resolve()
+        assert target.is_relative_to(REPO) and target.exists(), link
+    assert "../shared" not in README
+
+
+def test_the_readme_shows_no_machine_path_and_commands_that_need_no_activated_venv():
+    assert not re.search(r"/(work|home|Users|tmp)/\w", README), "an absolute path of some machine"
+    for line in README.splitlines():
+        if re.search(r"\bmlflow ui\b", line):
+            assert ".venv/bin/mlflow ui" in line, line
+    assert "sqlite:///runs/demo/mlflow.db" in README
+
+
+def test_the_summary_prints_commands_that_run_from_where_it_was_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    summary = {"run_root": str(tmp_path / "runs" / "demo"), "rounds_committed": 2, "train_rounds": 2,
+               "eval": {0: {"perplexity": 9.0, "paths": {}}}, "registered_model": "dipaco-demo", "model_version": "2",
+               "tracking_uri": f"sqlite:///{tmp_path}/runs/demo/mlflow.db"}
+    text = format_summary(summary)
+    assert text.splitlines()[0] == "dipaco run: runs/demo: 2 round(s) of train.rounds=2 committed"
+    assert "--backend-store-uri sqlite:///runs/demo/mlflow.db --port 5000" in text
+    command = text.split("MLflow UI: ", 1)[1].split()[0]  # the mlflow beside this Python, as found from here
+    assert Path(command).name == "mlflow" and (tmp_path / command).is_file()
+    assert "raise train.rounds" in text.splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def demo_clone(tmp_path_factory):
+    """A directory laid out like a clone after `make demo`: runs/demo with a registered
+    `dipaco-demo` (tiny model, real Beam prepare on a little text)."""
+    from test_registry import real_text_config, write_c4
+
+    from pipeline import stages
+    from pipeline.tracking import get_tracker
+
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    clone = tmp_path_factory.mktemp("clone")
+    data = write_c4(tmp_path_factory.mktemp("c4"))
+    config = real_text_config(clone / "runs" / "demo", data, "mlflow.experiment=dipaco-demo",
+                              "mlflow.registered_model=dipaco-demo")
+    stages.init_run(config)
+    stages.prepare(config)
+    get_tracker(config).register(0, {"round": 0, "perplexity": 100.0, "tokens": 10})
+    return clone
+
+
+@pytest.mark.slow  # ~30 s: a Beam prepare, a registration and a fresh process loading the model
+def test_the_readme_pyfunc_snippet_runs_as_written_in_a_fresh_process(demo_clone):
+    (snippet,) = [block for block in code_blocks("python") if "pyfunc.load_model" in block]
+    before = sorted(p.name for p in demo_clone.iterdir())
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=demo_clone, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (continuation,) = ast.literal_eval(done.stdout.strip().splitlines()[-1])  # print() of a list of str
+    assert isinstance(continuation, str)
+    assert sorted(p.name for p in demo_clone.iterdir()) == before  # no stray ./mlflow.db or ./mlruns
+
+
+def test_the_registered_model_describes_itself(demo_clone):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{demo_clone / 'runs' / 'demo' / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    model = client.get_registered_model("dipaco-demo")
+    assert "[2, 2] grid" in model.description and "tokenizer gpt2" in model.description
+    assert "train.rounds=2" in model.description
+    version = client.get_model_version("dipaco-demo", "1")
+    assert "round 0" in version.description and "routed perplexity 100.00" in version.description
+    import mlflow
+
+    mlflow.set_registry_uri(uri)
+    source = mlflow.artifacts.download_artifacts("models:/dipaco-demo/1", dst_path=str(demo_clone.parent / "dl"),
+                                                 tracking_uri=uri)
+    example = json.loads((Path(source) / "serving_input_example.json").read_text())
+    assert example["params"] == {"max_new_tokens": 8}  # MLflow predicted this before registering
