@@ -527,7 +527,8 @@ class MlflowTracker(Tracker):
                 f"train.rounds={t.rounds} outer rounds of {t.inner_steps} inner steps in "
                 f"{redact(self.config.run_root)}; each version holds the modules of one round. Aliases: "
                 f"{CHAMPION} (lowest routed perplexity), {NEWEST}. predict([text, ...], "
-                f"params={{'max_new_tokens': 32}}) -> [continuation, ...].")
+                f"params={{'max_new_tokens': 32, 'temperature': 0.8, 'top_k': 40, 'seed': 0}}) -> [continuation, ...] "
+                f"(temperature 0: greedy).")
 
     def _version_description(self, round_index: int, result: dict) -> str:
         """One version: which round's modules, after how much training, and how good."""

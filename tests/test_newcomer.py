@@ -93,7 +93,7 @@ def test_the_registered_model_describes_itself(demo_clone):
     uri = f"sqlite:///{demo_clone / 'runs' / 'demo' / 'mlflow.db'}"
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     model = client.get_registered_model("dipaco-demo")
-    assert "[2, 2] grid" in model.description and "tokenizer gpt2" in model.description
+    assert "[2, 2] grid" in model.description and "tokenizer bpe (vocabulary 512)" in model.description
     assert "train.rounds=2" in model.description
     version = client.get_model_version("dipaco-demo", "1")
     assert "round 0" in version.description and "routed perplexity 100.00" in version.description
