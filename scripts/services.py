@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -363,12 +364,20 @@ def start_all(settings: Settings) -> Deployment:
                           settings.celery_queue, settings.airflow_port, settings.dipaco_config,
                           settings.celery_concurrency, secret_file.read_text().strip())
         start_airflow(deployment, env, "dipaco_paths", settings.pool_slots, settings.celery_queue, logs)
+        write_env_file(home / "airflow.env", env)
     except BaseException:
         stop(deployment.pids)
         raise
     finally:
         (home / STATE_FILE).write_text(json.dumps([asdict(s) for s in deployment.services], indent=2))
     return deployment
+
+
+def write_env_file(path: Path, env: dict[str, str]) -> None:
+    """The deployment's settings as `export` lines, so `airflow ...` in a shell talks to it too."""
+    keys = sorted(k for k in env if k.startswith("AIRFLOW") or k in ("DIPACO_CONFIG", "PYTHONPATH"))
+    path.write_text("".join(f"export {k}={shlex.quote(env[k])}\n" for k in keys))
+    path.chmod(0o600)  # it holds the api-server's JWT secret
 
 
 def load_state(home: Path) -> list[Service]:
@@ -395,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  Airflow         http://{HOST}:{settings.airflow_port}  (PostgreSQL database "
               f"{settings.airflow_db}, CeleryExecutor on {settings.redis_url}, queue {settings.celery_queue})")
         print(f"run on them:      dipaco run --config {settings.dipaco_config.relative_to(REPO)}")
-        print(f"                  AIRFLOW_HOME={settings.home / 'airflow'} airflow dags trigger dipaco_train "
-              "(or the UI)")
+        print(f"                  . {settings.home / 'airflow.env'} && airflow dags trigger dipaco_train  "
+              f"(or the UI, http://{HOST}:{settings.airflow_port})")
         return 0
     if args.action == "status":
         for service in load_state(settings.home):

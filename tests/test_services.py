@@ -159,7 +159,8 @@ def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_
     data = write_c4(tmp_path / "c4")
     name = "dipaco-services"
     overrides = [f"run_root={tmp_path / 'run'}", f"data.train={data['train']}", f"data.eval={data['eval']}",
-                 "train.launcher=inprocess", "train.rounds=1", "eval.max_docs=4", "mlflow.enabled=true",
+                 "train.launcher=inprocess", "train.rounds=1", "train.inner_steps=2", "eval.max_docs=4",
+                 "mlflow.enabled=true",
                  f"mlflow.tracking_uri={uri}", "mlflow.experiment=services", f"mlflow.registered_model={name}"]
     env = {**svc.base_env(), "OMP_NUM_THREADS": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)
