@@ -309,6 +309,8 @@ def airflow_env(home: Path, pg_url: str, database: str, redis_url: str, queue: s
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",  # new DAG files within seconds
         "DIPACO_CONFIG": str(dipaco_config),
     })
+    # airflow/config/airflow_local_settings.py: the Celery worker preloads the pipeline
+    env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], str(REPO / "airflow" / "config")))
     return env
 
 
