@@ -274,7 +274,10 @@ def start_mlflow(deployment: Deployment, pg_url: str, database: str, artifacts: 
     argv = [str(BIN / "mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1",
             "--backend-store-uri", database_url(pg_url, database, "psycopg2"), "--serve-artifacts",
             "--artifacts-destination", str(artifacts)]
-    server = spawn(deployment, "mlflow", argv, base_env(), logs, address)
+    # MLflow 3.17 starts a job runner with 7 huey consumer processes beside a database-backed server
+    # (for GenAI jobs); the pipeline runs none, and on 2 cores they slowed every request
+    env = {**base_env(), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server = spawn(deployment, "mlflow", argv, env, logs, address)
     wait_until(lambda: http_ok(f"{address}/health"), server, timeout_s, "answer on /health")
     return address
 
