@@ -218,7 +218,7 @@ def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pi
     read = pipeline | "ReadC4" >> ReadC4(plan, config.data.max_doc_bytes, config.router.batch_size)
     shard_stats = (
         read.batches
-        | "SpreadDocs" >> beam.Reshuffle()  # one file would otherwise pin all embedding to one worker
+        | "SpreadDocs" >> beam.Reshuffle()  # batches of one file would otherwise all embed on one worker
         | "TokenizeDocs" >> TokenizeDocs(config.router.prefix_tokens)
         | "EmbedPrefix" >> EmbedPrefix(handler)
         | "AssignPath" >> AssignPath(root.url, config.data.parts_per_path)

@@ -77,7 +77,7 @@ def dask_cluster():
         stop_pids(pids)
 
 
-@pytest.mark.slow  # ~15 s: two prepare jobs of tiny.yaml and a 2-worker cluster
+@pytest.mark.slow  # ~25 s (80 s on a machine loaded 4x): two prepare jobs of tiny.yaml, a 2-worker cluster
 @pytest.mark.timeout(180)
 def test_prepare_on_a_dask_cluster_writes_what_the_direct_runner_writes(dask_cluster, tmp_path):
     data = tmp_path / "c4"
@@ -148,7 +148,7 @@ def query(database: str, sql: str, *args) -> list[tuple]:
 
 
 # -- MLflow server -------------------------------------------------------------------------------
-@pytest.mark.slow  # ~90 s: server start-up with its migrations on PostgreSQL (~40 s), a one-round run
+@pytest.mark.slow  # ~65 s (210 s loaded 4x): the server and its PostgreSQL migrations, a one-round run
 @pytest.mark.timeout(400)
 def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_loads_over_http(
         pg_database, deployment, tmp_path):
@@ -245,7 +245,7 @@ def kill_first_running_trainer(database: str, run_id: str, timeout_s: float) -> 
     return wait_for("running path trainer to kill", running_trainer, timeout_s, every_s=0.2)[0]
 
 
-@pytest.mark.slow  # ~3 min: migrations and 5 Airflow components (~50 s), a DAG run of tiny.yaml on Celery
+@pytest.mark.slow  # ~2 min (3 min loaded 4x): migrations, 5 Airflow components, a DAG run on Celery
 @pytest.mark.timeout(600)
 def test_airflow_on_postgresql_with_celery_runs_a_triggered_dag_run_and_retries_a_killed_task(
         pg_database, deployment, tmp_path):
