@@ -27,6 +27,9 @@ from pipeline import layout
 from pipeline.errors import ConfigError
 from preprocessing.prepare import DASK_RUNNER, make_runner, pipeline_options, run_prepare
 
+sys.path.insert(0, str(REPO / "scripts"))
+import services as svc  # noqa: E402  (scripts/services.py: what `make services` runs)
+
 BAD_LINES = b'{not json\n{"url": "https://example.com/no-text"}\n[1, 2, 3]\n'
 
 
@@ -103,9 +106,6 @@ def test_prepare_on_a_dask_cluster_writes_what_the_direct_runner_writes(dask_clu
 
 
 # -- shared by the PostgreSQL-backed services ----------------------------------------------------
-sys.path.insert(0, str(REPO / "scripts"))
-import services as svc  # noqa: E402  (scripts/services.py: what `make services` runs)
-
 PG_URL = os.environ.get("DIPACO_PG_URL", "postgresql://postgres@127.0.0.1:5432")
 REDIS_URL = os.environ.get("DIPACO_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
@@ -129,7 +129,7 @@ def pg_database():
 
 
 @pytest.fixture
-def deployment(tmp_path):
+def deployment():
     """The processes a test starts; every process group stopped by its pid at the end."""
     started = svc.Deployment()
     try:
