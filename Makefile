@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench sample clean
+.PHONY: install demo test bench sample clean services services-stop
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,14 @@ test: install
 
 bench: sample
 	$(BIN)/python -m benchmarks.run
+
+# Dask, an MLflow server and an Airflow deployment (CeleryExecutor) on loopback, on the local
+# PostgreSQL and Redis (or DIPACO_PG_URL, DIPACO_REDIS_URL); configs/services.yaml points at them.
+services: install
+	$(BIN)/python scripts/services.py start
+
+services-stop:
+	$(BIN)/python scripts/services.py stop
 
 clean:
 	rm -rf runs .pytest_cache

@@ -63,11 +63,16 @@ def pipeline_options(config: Config):
         raise ConfigError(f"{config.source}: beam.options {config.beam.options} are not valid Beam options ({exc})") from None
 
 
-def make_runner(name: str, options):
-    """The runner object for `beam.runner`. 'DirectRunner' means the FnApiRunner directly: Beam
-    2.77's DirectRunner tries Prism first, which downloads a binary and fails offline. The options
-    go in the provision info as DirectRunner does, so SDK workers see them (log levels)."""
-    if name in ("DirectRunner", "direct", "FnApiRunner"):
+DIRECT_NAMES = ("DirectRunner", "direct", "FnApiRunner")
+DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"  # not in Beam's list of runner names
+
+
+def make_runner(name: str, options, source: str = "<config>"):
+    """The runner object for `beam.runner`: a name Beam knows, 'DaskRunner', or a fully qualified
+    runner class. 'DirectRunner' means the FnApiRunner directly: Beam 2.77's DirectRunner tries
+    Prism first, which downloads a binary and fails offline. The options go in the provision info
+    as DirectRunner does, so SDK workers see them (log levels)."""
+    if name in DIRECT_NAMES:
         from apache_beam.portability.api import beam_provision_api_pb2
         from apache_beam.runners.portability.fn_api_runner import fn_runner
         from apache_beam.runners.portability.portable_runner import JobServiceHandle
@@ -75,21 +80,42 @@ def make_runner(name: str, options):
         encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
         provision = fn_runner.ExtendedProvisionInfo(beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded))
         return fn_runner.FnApiRunner(provision_info=provision)
-    return name  # Dataflow, Flink, Spark, Prism...: Beam resolves the name itself
+    from apache_beam.runners.runner import create_runner
+
+    if name.lower() in ("dask", "daskrunner"):
+        name = DASK_RUNNER
+    try:
+        return create_runner(name)  # Dataflow, Flink, Spark, Prism, a class path...
+    except (ImportError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{source}: beam.runner {name!r} cannot be created ({exc})") from None
 
 
 def make_pipeline(config: Config):
     import apache_beam as beam
 
     options = pipeline_options(config)
-    return beam.Pipeline(runner=make_runner(config.beam.runner, options), options=options)
+    return beam.Pipeline(runner=make_runner(config.beam.runner, options, config.source), options=options)
+
+
+def run_to_completion(pipeline):
+    """Run, wait, and let go of what the runner holds: the DaskRunner opens a client to the
+    cluster for every pipeline and never closes it (it kept reconnecting to a stopped cluster)."""
+    result = pipeline.run()
+    try:
+        result.wait_until_finish()
+    finally:
+        client = getattr(result, "client", None)
+        if client is not None:
+            client.close()
+    return result
 
 
 def worker_threads(config: Config) -> int | None:
-    """Torch threads per embedder: the cores shared among the direct runner's workers."""
+    """Torch threads per embedder: the cores shared among the direct runner's workers. Other
+    runners size their own workers (a Dask nanny starts each worker with OMP_NUM_THREADS=1)."""
     from apache_beam.options.pipeline_options import DirectOptions
 
-    if config.beam.runner not in ("DirectRunner", "direct", "FnApiRunner"):
+    if config.beam.runner not in DIRECT_NAMES:
         return None
     direct = pipeline_options(config).view_as(DirectOptions)
     workers = direct.direct_num_workers or 1
@@ -149,14 +175,16 @@ def sample_training_texts(config: Config, root: RunRoot, plan) -> list[str]:
     if config.model.tokenizer == "bpe":
         n = max(n, config.model.tokenizer_sample_docs)
     pipeline = make_pipeline(config)
-    documents = pipeline | "ReadC4" >> ReadC4([p for p in plan if p[0] == "train"], config.data.max_doc_bytes)
+    train_plan = [p for p in plan if p[0] == "train"]
+    read = pipeline | "ReadC4" >> ReadC4(train_plan, config.data.max_doc_bytes, config.router.batch_size)
     (
-        documents.documents
+        read.batches
         | "SampleDocs" >> SampleDocs(n, config.router.seed)
         | "SaveSample" >> _save_json(root.url, f"{ROUTER_WORK}/sample.json")
     )
-    pipeline.run().wait_until_finish()
-    sample = json.loads(root.read_bytes(f"{ROUTER_WORK}/sample.json"))  # [[key, doc_id, text]] by key
+    run_to_completion(pipeline)
+    sample_file = f"{ROUTER_WORK}/sample.json"  # [[key, doc_id, text]] by key; absent: no documents
+    sample = json.loads(root.read_bytes(sample_file)) if root.exists(sample_file) else []
     return [text for _, _, text in sample]
 
 
@@ -218,25 +246,23 @@ def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pi
 
     pipeline = test_pipeline or make_pipeline(config)
     handler = RouterEmbedderHandler(root.url, config.to_dict() if config.router.embedder == "model" else None,
-                                    config.router.batch_size, worker_threads(config))
-    read = pipeline | "ReadC4" >> ReadC4(plan, config.data.max_doc_bytes)
+                                    worker_threads(config))
+    read = pipeline | "ReadC4" >> ReadC4(plan, config.data.max_doc_bytes, config.router.batch_size)
     shard_stats = (
-        read.documents
-        | "SpreadDocs" >> beam.Reshuffle()  # one file would otherwise pin all embedding to one worker
+        read.batches
+        | "SpreadDocs" >> beam.Reshuffle()  # batches of one file would otherwise all embed on one worker
         | "TokenizeDocs" >> TokenizeDocs(config.router.prefix_tokens, root.url, config.model.tokenizer)
         | "EmbedPrefix" >> EmbedPrefix(handler)
         | "AssignPath" >> AssignPath(root.url, config.data.parts_per_path)
         | "WriteShards" >> WriteShards(root.url)
     )
     rejected_stats = read.rejected | "WriteRejected" >> WriteRejected(root.url, config.data.parts_per_path)
-    (
+    (   # the one sink every branch ends in (the DaskRunner computes only the last transform's graph)
         (shard_stats, rejected_stats, read.lines)
         | "MergeStats" >> beam.Flatten()
         | "Summarize" >> Summarize(root.url)
     )
-    result = pipeline.run()
-    result.wait_until_finish()
-    return result
+    return run_to_completion(pipeline)
 
 
 def build_manifest(summary: dict, config: Config, router: Router, plan, root: RunRoot) -> dict[str, Any]:

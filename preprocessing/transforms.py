@@ -9,6 +9,15 @@ Writers name their parts after a deterministic key (split, path, bucket) and sor
 retried bundle rewrites the same file with the same bytes and the shards do not depend on how
 Beam split the work. Counts come back as data (the Summarize combine), not as Metrics, because
 only committed bundle outputs are exact on every runner; Metrics drive progress logs.
+
+Every step also runs on Beam's DaskRunner (a Dask cluster), which executes only plain ParDos,
+GroupByKey and Flatten and, measured on 2.77, silently loses what a DoFn emits in finish_bundle
+(BatchElements' last batch, Top's per-bundle heaps) and sends every tagged output of a
+multi-output ParDo to all its consumers. Hence, for both runners alike: documents are batched
+where a file is read (no BatchElements; RunInference gets the batches as they are), the reader's
+three outputs are one stream of (kind, value) pairs split by kind, and both global combines are
+CombineGlobally(...).without_defaults() (no side input, no finish_bundle output). That runner also
+computes only the last transform's graph, so every branch of a pipeline ends in its one sink.
 """
 
 from __future__ import annotations
@@ -19,12 +28,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import apache_beam as beam
 import numpy as np
 from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult, RunInference
 from apache_beam.metrics import Metrics
+from apache_beam.transforms.combiners import TopCombineFn
 
 from pipeline import layout
 from pipeline.shards import shard_table, write_shard_file
@@ -60,11 +70,14 @@ class _Progress:
 
 
 # -- ReadC4 --------------------------------------------------------------------------------------
-class _ReadFileFn(beam.DoFn):
-    """(split, file, line limit) -> Documents; Rejections and the file's line count tagged aside."""
+DOCUMENTS, REJECTED, LINES = "documents", "rejected", "lines"  # the kinds ReadC4's reader emits
 
-    def __init__(self, max_doc_bytes: int):
-        self.max_doc_bytes = max_doc_bytes
+
+class _ReadFileFn(beam.DoFn):
+    """(split, file, line limit) -> (kind, value): batches of Documents, Rejections, line counts."""
+
+    def __init__(self, max_doc_bytes: int, batch_size: int):
+        self.max_doc_bytes, self.batch_size = max_doc_bytes, batch_size
         self.lines = Metrics.counter(NAMESPACE, "lines_read")
         self.documents = Metrics.counter(NAMESPACE, "documents_read")
         self.rejected = Metrics.counter(NAMESPACE, "rejected")
@@ -72,42 +85,60 @@ class _ReadFileFn(beam.DoFn):
     def setup(self) -> None:
         self.progress = _Progress("lines read")
 
-    def process(self, element: tuple[str, str, int | None]) -> Iterator[Any]:
+    def process(self, element: tuple[str, str, int | None]) -> Iterator[tuple[str, Any]]:
         split, file, limit = element
-        count = 0
+        count, batch = 0, []
         for number, raw in c4.read_lines(file, limit, self.max_doc_bytes):
             count += 1
             record = c4.line_to_record(split, file, number, raw, self.max_doc_bytes)
             if isinstance(record, c4.Document):
                 self.documents.inc()
-                yield record
+                batch.append(record)
+                if len(batch) == self.batch_size:
+                    yield DOCUMENTS, batch
+                    batch = []
             else:
                 self.rejected.inc()
-                yield beam.pvalue.TaggedOutput("rejected", record)
+                yield REJECTED, record
             self.progress.add()
+        if batch:
+            yield DOCUMENTS, batch
         self.lines.inc(count)
-        yield beam.pvalue.TaggedOutput("lines", ("lines", split, count))
+        yield LINES, ("lines", split, count)
+
+
+def _of_kind(record: tuple[str, Any], kind: str) -> Iterator[Any]:
+    if record[0] == kind:
+        yield record[1]
+
+
+class ReadC4Outputs(NamedTuple):
+    batches: beam.PCollection  # lists of up to batch_size Documents, in file order
+    rejected: beam.PCollection  # Rejections
+    lines: beam.PCollection  # ("lines", split, count) per file
 
 
 class ReadC4(beam.PTransform):
-    """The read plan [(split, file, limit)] -> outputs documents, rejected, lines."""
+    """The read plan [(split, file, limit)] -> ReadC4Outputs (batches, rejected, lines)."""
 
-    def __init__(self, plan: list[tuple[str, str, int | None]], max_doc_bytes: int):
+    def __init__(self, plan: list[tuple[str, str, int | None]], max_doc_bytes: int, batch_size: int = 64):
         super().__init__()
-        self.plan, self.max_doc_bytes = plan, max_doc_bytes
+        self.plan, self.max_doc_bytes, self.batch_size = plan, max_doc_bytes, batch_size
 
-    def expand(self, pbegin):
-        return (
+    def expand(self, pbegin) -> ReadC4Outputs:
+        records = (
             pbegin
             | "ListFiles" >> beam.Create(self.plan)
             | "SpreadFiles" >> beam.Reshuffle()  # one file per element: files read in parallel
-            | "ParseLines" >> beam.ParDo(_ReadFileFn(self.max_doc_bytes)).with_outputs("rejected", "lines", main="documents")
+            | "ParseLines" >> beam.ParDo(_ReadFileFn(self.max_doc_bytes, self.batch_size))
         )
+        return ReadC4Outputs(*(records | f"Select{kind.title()}" >> beam.FlatMap(_of_kind, kind)
+                               for kind in (DOCUMENTS, REJECTED, LINES)))
 
 
 # -- TokenizeDocs --------------------------------------------------------------------------------
 class _TokenizeFn(beam.DoFn):
-    """A batch of Documents -> ((split, doc_id, input_ids), prefix text) per document."""
+    """A batch of Documents -> one batch of ((split, doc_id, input_ids), prefix text)."""
 
     def __init__(self, prefix_tokens: int, root_url: str, kind: str):
         self.prefix_tokens, self.root_url, self.kind = prefix_tokens, root_url, kind
@@ -118,38 +149,34 @@ class _TokenizeFn(beam.DoFn):
 
         self.tokenizer = load_tokenizer(RunRoot(self.root_url), self.kind)  # the committed one, on every worker
 
-    def process(self, batch: list[c4.Document]) -> Iterator[tuple[tuple[str, str, list[int]], str]]:
+    def process(self, batch: list[c4.Document]) -> Iterator[list[tuple[tuple[str, str, list[int]], str]]]:
         from preprocessing.tokenizer import encode, prefix_texts
 
         ids = encode([d.text for d in batch], self.tokenizer)
         self.tokens.inc(sum(len(i) for i in ids))
-        for doc, doc_ids, prefix in zip(batch, ids, prefix_texts(ids, self.prefix_tokens, self.tokenizer)):
-            yield (doc.split, doc.doc_id, doc_ids), prefix
+        yield [((doc.split, doc.doc_id, doc_ids), prefix)
+               for doc, doc_ids, prefix in zip(batch, ids, prefix_texts(ids, self.prefix_tokens, self.tokenizer))]
 
 
 class TokenizeDocs(beam.PTransform):
-    """Documents -> their token ids (the run's tokenizer) and the text of their routing prefix."""
+    """Batches of Documents -> batches of (key, prefix text) cut by the run's tokenizer, the batches
+    RunInference embeds."""
 
     def __init__(self, prefix_tokens: int, root_url: str, kind: str = "gpt2"):
         super().__init__()
         self.prefix_tokens, self.root_url, self.kind = prefix_tokens, root_url, kind
 
-    def expand(self, documents):
-        return (
-            documents
-            | "BatchDocs" >> beam.BatchElements(min_batch_size=8, max_batch_size=256)
-            | "Tokenize" >> beam.ParDo(_TokenizeFn(self.prefix_tokens, self.root_url, self.kind))
-        )
+    def expand(self, batches):
+        return batches | "Tokenize" >> beam.ParDo(_TokenizeFn(self.prefix_tokens, self.root_url, self.kind))
 
 
 # -- EmbedPrefix ---------------------------------------------------------------------------------
 class RouterEmbedderHandler(ModelHandler[str, PredictionResult, Any]):
     """Beam ML's view of the router's embedder: loaded once per worker, fed batches of prefixes."""
 
-    def __init__(self, root_url: str, config_dict: dict | None, batch_size: int, threads: int | None):
+    def __init__(self, root_url: str, config_dict: dict | None, threads: int | None):
         super().__init__()
-        self.root_url, self.config_dict = root_url, config_dict
-        self.batch_size, self.threads = batch_size, threads
+        self.root_url, self.config_dict, self.threads = root_url, config_dict, threads
 
     def load_model(self):
         from preprocessing.router import Router
@@ -171,22 +198,20 @@ class RouterEmbedderHandler(ModelHandler[str, PredictionResult, Any]):
         vectors = model.embed(list(batch))
         return [PredictionResult(text, vector) for text, vector in zip(batch, vectors)]
 
-    def batch_elements_kwargs(self) -> dict[str, int]:
-        return {"min_batch_size": 1, "max_batch_size": self.batch_size}
-
     def get_metrics_namespace(self) -> str:
         return NAMESPACE + ".embed"
 
 
 class EmbedPrefix(beam.PTransform):
-    """(key, prefix text) -> (key, PredictionResult(prefix, feature)) through RunInference."""
+    """Batches of (key, prefix text) -> (key, PredictionResult(prefix, feature)) through
+    RunInference, which takes the reader's batches as they are (`with_no_batching`)."""
 
     def __init__(self, handler: RouterEmbedderHandler):
         super().__init__()
         self.handler = handler
 
-    def expand(self, keyed_prefixes):
-        return keyed_prefixes | "RunEmbedder" >> RunInference(KeyedModelHandler(self.handler))
+    def expand(self, keyed_batches):
+        return keyed_batches | "RunEmbedder" >> RunInference(KeyedModelHandler(self.handler).with_no_batching())
 
 
 # -- AssignPath ----------------------------------------------------------------------------------
@@ -321,7 +346,7 @@ class Summarize(beam.PTransform):
     def expand(self, stats):
         return (
             stats
-            | "CombineStats" >> beam.CombineGlobally(SummaryFn())
+            | "CombineStats" >> beam.CombineGlobally(SummaryFn()).without_defaults()  # never empty: lines
             | "WriteSummary" >> beam.Map(lambda s, url: RunRoot(url).write_json(SUMMARY, s), self.root_url)
         )
 
@@ -333,15 +358,16 @@ def sample_key(seed: int, doc: c4.Document) -> str:
 
 
 class SampleDocs(beam.PTransform):
-    """Documents -> one list of the `n` with the smallest sample keys (a seeded uniform sample)."""
+    """Batches of Documents -> one list of the `n` with the smallest sample keys (a seeded uniform
+    sample); nothing at all when there are no documents."""
 
     def __init__(self, n: int, seed: int):
         super().__init__()
         self.n, self.seed = n, seed
 
-    def expand(self, documents):
+    def expand(self, batches):
         return (
-            documents
-            | "KeyBySample" >> beam.Map(lambda d, seed: (sample_key(seed, d), d.doc_id, d.text), self.seed)
-            | "SmallestKeys" >> beam.combiners.Top.Smallest(self.n)
+            batches
+            | "KeyBySample" >> beam.FlatMap(lambda b, seed: [(sample_key(seed, d), d.doc_id, d.text) for d in b], self.seed)
+            | "SmallestKeys" >> beam.CombineGlobally(TopCombineFn(self.n, reverse=True)).without_defaults()
         )

@@ -1,0 +1,426 @@
+"""`make services`: the pipeline's real services on loopback, for a run that looks like production.
+
+    python scripts/services.py start    # Dask, MLflow, Airflow; prints their addresses
+    python scripts/services.py status
+    python scripts/services.py stop     # every process it started, by pid
+
+- a Dask scheduler and 2 worker processes (Beam's DaskRunner: `beam.runner: DaskRunner`);
+- an MLflow tracking server: backend store in PostgreSQL database `dipaco_mlflow`, artifacts
+  served by the server (`--serve-artifacts`) from `.services/mlflow-artifacts`;
+- an Airflow deployment: metadata DB in PostgreSQL database `dipaco_airflow`, the CeleryExecutor
+  with Redis as broker (its own Redis DB number and queue), one Celery worker, the scheduler, the
+  dag processor, the triggerer and the api-server Airflow 3 tasks report to.
+
+Each service keeps to its own database, Redis DB number and queue, so neither collides with the
+other nor with a team's own databases on the same server. PostgreSQL and Redis themselves are not
+started here: point $DIPACO_PG_URL (default postgresql://postgres@127.0.0.1:5432) and
+$DIPACO_REDIS_URL (default redis://127.0.0.1:6379/1) at yours. Every process is started in its own
+session, its pid recorded in .services/services.json; `stop` ends each process group (SIGTERM,
+then SIGKILL after a grace period). tests/test_services.py starts the same services through these
+functions, on free ports and throw-away databases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import closing
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent  # the venv's dask, mlflow and airflow commands
+HOST = "127.0.0.1"
+STATE_FILE = "services.json"
+
+
+@dataclass
+class Settings:
+    """Where the services run and what they sit on; defaults are this machine's loopback."""
+
+    home: Path = REPO / ".services"
+    pg_url: str = os.environ.get("DIPACO_PG_URL", "postgresql://postgres@127.0.0.1:5432")
+    redis_url: str = os.environ.get("DIPACO_REDIS_URL", "redis://127.0.0.1:6379/1")
+    dask_port: int = 8786
+    mlflow_port: int = 5000
+    airflow_port: int = 8080
+    mlflow_db: str = "dipaco_mlflow"
+    airflow_db: str = "dipaco_airflow"
+    celery_queue: str = "dipaco"
+    dask_workers: int = 2
+    celery_concurrency: int = 2
+    pool_slots: int = 2  # the dipaco_paths pool: path trainers at once
+    dipaco_config: Path = REPO / "configs" / "services.yaml"
+
+
+@dataclass
+class Service:
+    """One started process (the leader of its own process group)."""
+
+    name: str
+    pid: int
+    address: str
+    log: str
+
+
+@dataclass
+class Deployment:
+    services: list[Service] = field(default_factory=list)
+
+    def add(self, service: Service) -> Service:
+        self.services.append(service)
+        return service
+
+    @property
+    def pids(self) -> list[int]:
+        return [s.pid for s in self.services]
+
+
+# -- PostgreSQL and Redis ------------------------------------------------------------------------
+def database_url(pg_url: str, database: str, driver: str = "") -> str:
+    """postgresql://u@h:p + 'db' -> postgresql[+driver]://u@h:p/db."""
+    parts = urlsplit(pg_url)
+    scheme = f"postgresql+{driver}" if driver else "postgresql"
+    return urlunsplit((scheme, parts.netloc, f"/{database}", parts.query, ""))
+
+
+def _admin(pg_url: str):
+    import psycopg2
+
+    conn = psycopg2.connect(database_url(pg_url, "postgres"), connect_timeout=3)
+    conn.autocommit = True  # CREATE/DROP DATABASE cannot run in a transaction (nor in `with conn`)
+    return conn
+
+
+def create_database(pg_url: str, name: str) -> bool:
+    """Create database `name` unless it exists; True if it was created."""
+    with closing(_admin(pg_url)) as conn, conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
+        if cur.fetchone():
+            return False
+        cur.execute(f'CREATE DATABASE "{name}"')
+        return True
+
+
+def drop_database(pg_url: str, name: str) -> None:
+    """Drop database `name`, disconnecting whoever is still connected (PostgreSQL >= 13)."""
+    with closing(_admin(pg_url)) as conn, conn.cursor() as cur:
+        cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def missing_backends(pg_url: str, redis_url: str | None = None) -> str | None:
+    """None when PostgreSQL (and Redis, if given) answer; else one line naming what is missing."""
+    missing = []
+    try:
+        import psycopg2  # noqa: F401
+    except ImportError:
+        missing.append("psycopg2 (pip install -e '.[services]')")
+    else:
+        try:
+            _admin(pg_url).close()
+        except Exception as exc:  # psycopg2.OperationalError: refused, unknown host, auth
+            missing.append(f"PostgreSQL at {pg_url} ({str(exc).strip().splitlines()[0]})")
+    if redis_url is not None:
+        try:
+            import redis
+        except ImportError:
+            missing.append("the redis client (pip install -e '.[services]')")
+        else:
+            try:
+                redis.Redis.from_url(redis_url, socket_connect_timeout=3).ping()
+            except Exception as exc:  # redis.ConnectionError
+                missing.append(f"Redis at {redis_url} ({exc})")
+    return "; ".join(missing) or None
+
+
+def clear_celery_queue(redis_url: str, queue: str) -> None:
+    """Remove what kombu left in Redis for this queue (the queue list and its bindings)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(f"*{queue}*"):
+        client.delete(key)
+
+
+# -- processes -----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def spawn(deployment: Deployment, name: str, argv: list[str], env: dict[str, str], logs: Path,
+          address: str = "") -> Service:
+    """Start argv in its own session (so stop() can end its whole tree), output to logs/NAME.log."""
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=REPO, start_new_session=True)
+    return deployment.add(Service(name, proc.pid, address, str(log)))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of ours counts as gone
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def stop(pids: list[int], grace_s: float = 10.0) -> None:
+    """SIGTERM each process group, wait up to grace_s, then SIGKILL what is left."""
+    for pid in pids:
+        _signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in pids:
+        _signal_group(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0  # SIGKILL is not instant on a loaded machine either
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the leader's pid is its group id (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _log_tail(service: Service, lines: int = 30) -> str:
+    try:
+        return "\n".join(Path(service.log).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_until(ready, service: Service, timeout_s: float, what: str) -> None:
+    """Poll ready() until true; fail early, with the log's tail, if the process died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        if not alive(service.pid):
+            raise RuntimeError(f"{service.name} exited before {what}; {service.log}:\n{_log_tail(service)}")
+        time.sleep(0.5)
+    raise TimeoutError(f"{service.name}: no {what} after {timeout_s:.0f}s; {service.log}:\n{_log_tail(service)}")
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((HOST, port)) == 0
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def base_env() -> dict[str, str]:
+    """The caller's environment with this checkout first on the path (also in every child)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+# -- Dask ----------------------------------------------------------------------------------------
+def start_dask(deployment: Deployment, port: int, workers: int, logs: Path, timeout_s: float = 60) -> str:
+    """A scheduler and `workers` single-threaded worker processes; returns tcp://HOST:port."""
+    address = f"tcp://{HOST}:{port}"
+    env = base_env()
+    scheduler = spawn(deployment, "dask-scheduler", [str(BIN / "dask"), "scheduler", "--host", HOST, "--port",
+                                                      str(port), "--no-dashboard"], env, logs, address)
+    wait_until(lambda: port_open(port), scheduler, timeout_s, "open port")
+    spawn(deployment, "dask-workers", [str(BIN / "dask"), "worker", address, "--nworkers", str(workers),
+                                       "--nthreads", "1", "--host", HOST, "--no-dashboard"], env, logs)
+    from distributed import Client
+
+    with Client(address, timeout=timeout_s) as client:
+        client.wait_for_workers(workers, timeout=timeout_s)
+    return address
+
+
+# -- MLflow --------------------------------------------------------------------------------------
+def start_mlflow(deployment: Deployment, pg_url: str, database: str, artifacts: Path, port: int, logs: Path,
+                 timeout_s: float = 180) -> str:
+    """`mlflow server` on PostgreSQL with proxied artifacts; returns its http:// address."""
+    address = f"http://{HOST}:{port}"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    argv = [str(BIN / "mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1",
+            "--backend-store-uri", database_url(pg_url, database, "psycopg2"), "--serve-artifacts",
+            "--artifacts-destination", str(artifacts)]
+    # MLflow 3.17 starts a job runner with 7 huey consumer processes beside a database-backed server
+    # (for GenAI jobs); the pipeline runs none, and on 2 cores they slowed every request
+    env = {**base_env(), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    server = spawn(deployment, "mlflow", argv, env, logs, address)
+    wait_until(lambda: http_ok(f"{address}/health"), server, timeout_s, "answer on /health")
+    return address
+
+
+# -- Airflow -------------------------------------------------------------------------------------
+def airflow_env(home: Path, pg_url: str, database: str, redis_url: str, queue: str, port: int,
+                dipaco_config: Path, concurrency: int, secret: str) -> dict[str, str]:
+    """One environment for every Airflow process: PostgreSQL, CeleryExecutor on Redis, the
+    api-server the task runners report to (Airflow 3's execution API), shared JWT secret."""
+    db = database_url(pg_url, database, "psycopg2")
+    env = base_env()
+    env.update({
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "airflow" / "dags"),
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://{HOST}:{port}/execution/",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+        "AIRFLOW__CORE__FERNET_KEY": "",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db,
+        "AIRFLOW__CELERY__BROKER_URL": redis_url,
+        "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{db}",
+        "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(concurrency),
+        "AIRFLOW__OPERATORS__DEFAULT_QUEUE": queue,
+        "AIRFLOW__API__HOST": HOST,
+        "AIRFLOW__API__PORT": str(port),
+        "AIRFLOW__API__BASE_URL": f"http://{HOST}:{port}",
+        "AIRFLOW__API__WORKERS": "1",
+        "AIRFLOW__API__SECRET_KEY": secret,
+        "AIRFLOW__API_AUTH__JWT_SECRET": secret,
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",  # new DAG files within seconds
+        "DIPACO_CONFIG": str(dipaco_config),
+    })
+    # airflow/config/airflow_local_settings.py: the Celery worker preloads the pipeline
+    env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], str(REPO / "airflow" / "config")))
+    return env
+
+
+def airflow(env: dict[str, str], *args: str, timeout_s: float = 300) -> str:
+    """Run one `airflow` CLI command to completion; its output, or RuntimeError with it."""
+    done = subprocess.run([str(BIN / "airflow"), *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"airflow {' '.join(args)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return done.stdout
+
+
+def start_airflow(deployment: Deployment, env: dict[str, str], pool: str, pool_slots: int, queue: str,
+                  logs: Path, timeout_s: float = 180) -> str:
+    """Migrate the metadata DB, create the path trainers' pool, start the five components."""
+    airflow(env, "db", "migrate")
+    airflow(env, "pools", "set", pool, str(pool_slots), "dipaco path trainers")
+    port = int(env["AIRFLOW__API__PORT"])
+    address = f"http://{HOST}:{port}"
+    command = str(BIN / "airflow")
+    api = spawn(deployment, "airflow-api-server", [command, "api-server"], env, logs, address)
+    for component in ("scheduler", "dag-processor"):
+        spawn(deployment, f"airflow-{component}", [command, component], env, logs)
+    # one machine, one AIRFLOW_HOME: the api-server reads task logs from disk, so neither the worker
+    # nor the triggerer serves its own (they would listen on every interface)
+    spawn(deployment, "airflow-triggerer", [command, "triggerer", "--skip-serve-logs"], env, logs)
+    spawn(deployment, "airflow-celery-worker", [command, "celery", "worker", "--queues", queue, "--skip-serve-logs",
+                                                "--concurrency", env["AIRFLOW__CELERY__WORKER_CONCURRENCY"]],
+          env, logs)
+    wait_until(lambda: http_ok(f"{address}/api/v2/monitor/health"), api, timeout_s, "answer on /api/v2/monitor/health")
+    return address
+
+
+# -- the CLI -------------------------------------------------------------------------------------
+def start_all(settings: Settings) -> Deployment:
+    """Start everything (stopping what started if any part fails) and record it in STATE_FILE."""
+    home, logs = settings.home, settings.home / "logs"
+    home.mkdir(parents=True, exist_ok=True)
+    reason = missing_backends(settings.pg_url, settings.redis_url)
+    if reason:
+        raise SystemExit(f"services: cannot start: missing {reason}")
+    deployment = Deployment()
+    try:
+        start_dask(deployment, settings.dask_port, settings.dask_workers, logs)
+        create_database(settings.pg_url, settings.mlflow_db)
+        start_mlflow(deployment, settings.pg_url, settings.mlflow_db, home / "mlflow-artifacts",
+                     settings.mlflow_port, logs)
+        create_database(settings.pg_url, settings.airflow_db)
+        secret_file = home / "airflow-secret"
+        if not secret_file.exists():
+            secret_file.write_text(secrets.token_urlsafe(32))
+        env = airflow_env(home / "airflow", settings.pg_url, settings.airflow_db, settings.redis_url,
+                          settings.celery_queue, settings.airflow_port, settings.dipaco_config,
+                          settings.celery_concurrency, secret_file.read_text().strip())
+        start_airflow(deployment, env, "dipaco_paths", settings.pool_slots, settings.celery_queue, logs)
+        write_env_file(home / "airflow.env", env)
+    except BaseException:
+        stop(deployment.pids)
+        raise
+    finally:
+        (home / STATE_FILE).write_text(json.dumps([asdict(s) for s in deployment.services], indent=2))
+    return deployment
+
+
+def write_env_file(path: Path, env: dict[str, str]) -> None:
+    """The deployment's settings as `export` lines, so `airflow ...` in a shell talks to it too."""
+    keys = sorted(k for k in env if k.startswith("AIRFLOW") or k in ("DIPACO_CONFIG", "PYTHONPATH"))
+    path.write_text("".join(f"export {k}={shlex.quote(env[k])}\n" for k in keys))
+    path.chmod(0o600)  # it holds the api-server's JWT secret
+
+
+def load_state(home: Path) -> list[Service]:
+    path = home / STATE_FILE
+    return [Service(**s) for s in json.loads(path.read_text())] if path.exists() else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("action", choices=["start", "stop", "status"])
+    args = parser.parse_args(argv)
+    settings = Settings()
+    running = [s for s in load_state(settings.home) if alive(s.pid)]
+    if args.action == "start":
+        if running:
+            print(f"services: already running ({', '.join(s.name for s in running)}); `make services-stop` first")
+            return 1
+        started = time.monotonic()
+        start_all(settings)
+        print(f"services started in {time.monotonic() - started:.0f}s (logs in {settings.home / 'logs'}):")
+        print(f"  Dask scheduler  tcp://{HOST}:{settings.dask_port}  ({settings.dask_workers} workers)")
+        print(f"  MLflow          http://{HOST}:{settings.mlflow_port}  "
+              f"(PostgreSQL database {settings.mlflow_db}, artifacts {settings.home / 'mlflow-artifacts'})")
+        print(f"  Airflow         http://{HOST}:{settings.airflow_port}  (PostgreSQL database "
+              f"{settings.airflow_db}, CeleryExecutor on {settings.redis_url}, queue {settings.celery_queue})")
+        print(f"run on them:      dipaco run --config {settings.dipaco_config.relative_to(REPO)}")
+        print(f"                  . {settings.home / 'airflow.env'} && airflow dags trigger dipaco_train  "
+              f"(or the UI, http://{HOST}:{settings.airflow_port})")
+        return 0
+    if args.action == "status":
+        for service in load_state(settings.home):
+            state = "running" if alive(service.pid) else "stopped"
+            print(f"  {service.name:<22} pid {service.pid:<8} {state:<8} {service.address}")
+        return 0
+    stop([s.pid for s in running])
+    print(f"services: stopped {len(running)} process group(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

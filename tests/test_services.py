@@ -1,0 +1,310 @@
+"""The pipeline on real services, on loopback: the Beam job on a Dask cluster, a tiny run tracked by
+an `mlflow server` on PostgreSQL, and a DAG run on an Airflow deployment (PostgreSQL, the
+CeleryExecutor with Redis). Every process a test starts is stopped by its pid in a finally, and
+every test that needs a database creates and drops its own. Where PostgreSQL or Redis cannot be
+reached, those tests skip with a line naming what is missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, tiny_config
+
+from pipeline import layout
+from pipeline.errors import ConfigError
+from preprocessing.prepare import DASK_RUNNER, make_runner, pipeline_options, run_prepare
+
+sys.path.insert(0, str(REPO / "scripts"))
+import services as svc  # noqa: E402  (scripts/services.py: what `make services` runs)
+
+BAD_LINES = b'{not json\n{"url": "https://example.com/no-text"}\n[1, 2, 3]\n'
+
+
+def tree_digest(root: Path, rel: str) -> dict[str, str]:
+    """sha256 of every file under root/rel but the _SUCCESS markers (commit times) and the
+    manifest (its "seconds"; compared as data)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((root / rel).rglob("*")) if p.is_file() and p.name not in ("_SUCCESS", "manifest.json")}
+
+
+def stop_pids(pids: list[int]) -> None:
+    """SIGKILL whatever of these processes is still alive (after a clean stop, nothing is)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# -- Beam on Dask --------------------------------------------------------------------------------
+def test_dask_runner_is_accepted_by_name_and_by_class_and_a_bad_runner_is_one_line():
+    from apache_beam.runners.dask.dask_runner import DaskRunner
+
+    config = tiny_config(Path("/tmp/unused"), "beam.runner=DaskRunner", "beam.options=[]")
+    options = pipeline_options(config)
+    assert isinstance(make_runner("DaskRunner", options), DaskRunner)
+    assert isinstance(make_runner(DASK_RUNNER, options), DaskRunner)
+    with pytest.raises(ConfigError, match=r"tiny.yaml: beam.runner 'NoSuchRunner' cannot be created") as err:
+        make_runner("NoSuchRunner", options, config.source)
+    assert "\n" not in str(err.value)
+
+
+@pytest.fixture
+def dask_cluster():
+    """A distributed.LocalCluster of 2 worker processes (1 thread each) on 127.0.0.1."""
+    from distributed import Client, LocalCluster
+
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                           dashboard_address=None)
+    pids = []
+    try:
+        with Client(cluster) as client:
+            pids = list(client.run(os.getpid).values())
+        assert len(pids) == 2
+        yield cluster.scheduler_address
+    finally:
+        cluster.close()
+        stop_pids(pids)
+
+
+@pytest.mark.slow  # ~25 s (80 s on a machine loaded 4x): two prepare jobs of tiny.yaml, a 2-worker cluster
+@pytest.mark.timeout(180)
+def test_prepare_on_a_dask_cluster_writes_what_the_direct_runner_writes(dask_cluster, tmp_path):
+    data = tmp_path / "c4"
+    shutil.copytree(REPO / "tests" / "data" / "c4" / "train", data)
+    (data / "c4-train.bad.json").write_bytes(BAD_LINES)  # the rejected branch runs on the cluster too
+    train = f"data.train={data}/*.json*"
+    direct = run_prepare(tiny_config(tmp_path / "direct", train))
+    start = time.time()
+    dask = run_prepare(tiny_config(
+        tmp_path / "dask", train, "beam.runner=DaskRunner",
+        f"beam.options=['--dask_client_address={dask_cluster}', '--dask_npartitions=2']"))
+
+    print(f"prepare on Dask: {time.time() - start:.1f}s")
+    assert direct.pop("seconds") > 0 and dask.pop("seconds") > 0
+    assert dask == direct
+    assert dask["rejected"] == 3 and dask["routed"] > 100
+    for rel in (layout.ROUTER_DIR, layout.SHARDS_DIR):
+        assert (tmp_path / "dask" / rel / "_SUCCESS").is_file()
+        direct_files = tree_digest(tmp_path / "direct", rel)
+        assert tree_digest(tmp_path / "dask", rel) == direct_files
+    assert sum(1 for name in direct_files if name.endswith(".parquet")) == 8  # 4 paths x 2 splits
+    assert any("rejected" in name for name in direct_files)
+
+
+# -- shared by the PostgreSQL-backed services ----------------------------------------------------
+PG_URL = os.environ.get("DIPACO_PG_URL", "postgresql://postgres@127.0.0.1:5432")
+REDIS_URL = os.environ.get("DIPACO_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def require(redis: bool = False) -> None:
+    reason = svc.missing_backends(PG_URL, REDIS_URL if redis else None)
+    if reason:
+        pytest.skip(f"needs {reason}")
+
+
+@pytest.fixture
+def pg_database():
+    """A PostgreSQL database of this test's own, dropped afterwards."""
+    require()
+    name = f"dipaco_test_{uuid.uuid4().hex[:12]}"
+    svc.create_database(PG_URL, name)
+    try:
+        yield name
+    finally:
+        svc.drop_database(PG_URL, name)
+
+
+@pytest.fixture
+def deployment():
+    """The processes a test starts; every process group stopped by its pid at the end."""
+    started = svc.Deployment()
+    try:
+        yield started
+    finally:
+        svc.stop(started.pids)
+        assert not [s.name for s in started.services if svc.alive(s.pid)]
+
+
+def query(database: str, sql: str, *args) -> list[tuple]:
+    import psycopg2
+
+    with closing(psycopg2.connect(svc.database_url(PG_URL, database))) as conn, conn.cursor() as cur:
+        cur.execute(sql, args)
+        return cur.fetchall()
+
+
+# -- MLflow server -------------------------------------------------------------------------------
+@pytest.mark.slow  # ~65 s (210 s loaded 4x): the server and its PostgreSQL migrations, a one-round run
+@pytest.mark.timeout(400)
+def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_loads_over_http(
+        pg_database, deployment, tmp_path):
+    from test_registry import PROMPTS, write_c4
+
+    artifacts = tmp_path / "server-artifacts"
+    uri = svc.start_mlflow(deployment, PG_URL, pg_database, artifacts, svc.free_port(), tmp_path / "logs")
+    data = write_c4(tmp_path / "c4")
+    name = "dipaco-services"
+    overrides = [f"run_root={tmp_path / 'run'}", f"data.train={data['train']}", f"data.eval={data['eval']}",
+                 "train.launcher=inprocess", "train.rounds=1", "train.inner_steps=2", "eval.max_docs=4",
+                 "mlflow.enabled=true",
+                 f"mlflow.tracking_uri={uri}", "mlflow.experiment=services", f"mlflow.registered_model={name}"]
+    env = {**svc.base_env(), "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--config", "configs/tiny.yaml",
+                           *(a for o in overrides for a in ("--set", o))],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # the server's PostgreSQL store holds the runs and the registry; its artifact store the files
+    assert not (tmp_path / "run" / "mlflow.db").exists()
+    assert query(pg_database, "SELECT count(*) FROM runs")[0][0] >= 4  # parent, prepare, round, paths...
+    assert query(pg_database, "SELECT version FROM model_versions WHERE name = %s", name) == [(1,)]
+    assert query(pg_database, "SELECT version FROM registered_model_aliases WHERE name = %s AND alias = 'champion'",
+                 name) == [(1,)]
+    assert list(artifacts.rglob("MLmodel")) and list(artifacts.rglob("router.json"))
+
+    # a fresh process that knows only the server's address loads the champion and generates
+    script = ("import json, sys, mlflow\n"
+              f"model = mlflow.pyfunc.load_model('models:/{name}@champion')\n"
+              "print(json.dumps(model.predict(json.loads(sys.argv[1]), params={'max_new_tokens': 4})))\n")
+    fresh = {**env, "MLFLOW_TRACKING_URI": uri}
+    loaded = subprocess.run([sys.executable, "-c", script, json.dumps(PROMPTS)], cwd=tmp_path, env=fresh,
+                            capture_output=True, text=True, timeout=180)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    texts = json.loads(loaded.stdout.strip().splitlines()[-1])
+    assert len(texts) == len(PROMPTS) and all(isinstance(t, str) and t for t in texts)
+
+
+# -- Airflow: PostgreSQL, CeleryExecutor on Redis ------------------------------------------------
+DAG_ID = "dipaco_train"
+POOL, POOL_SLOTS, CONCURRENCY = "dipaco_services_paths", 2, 3  # the pool, not the worker, must cap trainers
+
+
+class AirflowApi:
+    """The public REST API of the deployment's api-server (simple auth manager, all admins)."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.token = self.call("GET", "/auth/token", api=False)["access_token"]
+
+    def call(self, method: str, path: str, body: dict | None = None, api: bool = True):
+        import urllib.request
+
+        request = urllib.request.Request(
+            f"{self.address}{'/api/v2' if api else ''}{path}", method=method,
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json",
+                     **({"Authorization": f"Bearer {self.token}"} if api else {})})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"null")
+
+
+def wait_for(what: str, check, timeout_s: float, every_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(every_s)
+    raise TimeoutError(f"no {what} after {timeout_s:.0f}s")
+
+
+def kill_first_running_trainer(database: str, run_id: str, timeout_s: float) -> int:
+    """SIGKILL the task process (`airflow worker -- <ti id>`) of the first path trainer seen
+    running; returns its map index."""
+    import psycopg2
+    import psutil
+
+    def running_trainer():
+        try:
+            rows = query(database, "SELECT id, map_index FROM task_instance WHERE run_id = %s AND "
+                         "task_id = 'round_0.train_path' AND state = 'running' ORDER BY map_index", run_id)
+        except psycopg2.Error:
+            return None
+        for ti_id, map_index in rows:
+            for proc in psutil.process_iter(["cmdline"]):
+                if f"airflow worker -- {ti_id}" in " ".join(proc.info["cmdline"] or []):
+                    proc.kill()
+                    return (map_index,)
+        return None
+
+    return wait_for("running path trainer to kill", running_trainer, timeout_s, every_s=0.2)[0]
+
+
+@pytest.mark.slow  # ~2 min (3 min loaded 4x): migrations, 5 Airflow components, a DAG run on Celery
+@pytest.mark.timeout(600)
+def test_airflow_on_postgresql_with_celery_runs_a_triggered_dag_run_and_retries_a_killed_task(
+        pg_database, deployment, tmp_path):
+    require(redis=True)
+    dag_config = tmp_path / "dipaco.yaml"
+    raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    raw["airflow"] = {"rounds_per_run": 1, "pool": POOL, "retries": 1, "retry_delay_s": 1}
+    dag_config.write_text(yaml.safe_dump(raw))
+    queue = f"dipaco-test-{uuid.uuid4().hex[:8]}"
+    env = svc.airflow_env(tmp_path / "airflow", PG_URL, pg_database, REDIS_URL, queue, svc.free_port(),
+                          dag_config, CONCURRENCY, uuid.uuid4().hex)
+    env["OMP_NUM_THREADS"] = "1"
+    try:
+        address = svc.start_airflow(deployment, env, POOL, POOL_SLOTS, queue, tmp_path / "logs")
+        api = AirflowApi(address)
+
+        def dag_parsed():
+            try:
+                return api.call("GET", f"/dags/{DAG_ID}")
+            except OSError:  # 404 until the dag processor has serialized it
+                return None
+
+        assert wait_for("parsed DAG", dag_parsed, 120)["is_paused"] is False
+        overrides = [f"run_root={tmp_path / 'run'}", "train.launcher=inprocess", "train.inner_steps=2",
+                     "eval.max_docs=4", "mlflow.enabled=false"]
+        run = api.call("POST", f"/dags/{DAG_ID}/dagRuns", {
+            "logical_date": None,
+            "conf": {"config": str(dag_config), "overrides": overrides, "project_dir": str(REPO)}})
+        run_id = run["dag_run_id"]
+        killed = kill_first_running_trainer(pg_database, run_id, 240)
+
+        def finished():
+            state = api.call("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"]
+            return state if state in ("success", "failed") else None
+
+        assert wait_for("finished DAG run", finished, 360, every_s=2) == "success"
+    finally:
+        svc.clear_celery_queue(REDIS_URL, queue)
+
+    tis = {(t, m): (state, tries, pool, start, end) for t, m, state, tries, pool, start, end in query(
+        pg_database, "SELECT task_id, map_index, state, try_number, pool, start_date, end_date "
+        "FROM task_instance WHERE run_id = %s", run_id)}
+    for name in ("configure", "prepare", "plan", "round_0.paths", "round_0.merge", "round_0.evaluate",
+                 "round_0.register", "report"):
+        assert tis[(name, -1)][0] == "success", name
+    trainers = {m: v for (t, m), v in tis.items() if t == "round_0.train_path"}
+    assert sorted(trainers) == [0, 1, 2, 3]
+    assert {v[0] for v in trainers.values()} == {"success"} and {v[2] for v in trainers.values()} == {POOL}
+    # the killed try failed, and the scheduler ran a second one, which succeeded
+    assert trainers[killed][1] == 2 and all(v[1] == 1 for m, v in trainers.items() if m != killed)
+    history = query(pg_database, "SELECT try_number, state FROM task_instance_history WHERE run_id = %s AND "
+                    "task_id = 'round_0.train_path' AND map_index = %s", run_id, killed)
+    assert history == [(1, "failed")]
+    # the pool, not the worker's concurrency, capped the path trainers running at once
+    spans = [(v[3], v[4]) for v in trainers.values()] + query(
+        pg_database, "SELECT start_date, end_date FROM task_instance_history WHERE run_id = %s AND "
+        "task_id = 'round_0.train_path'", run_id)
+    assert max(sum(1 for s, e in spans if s <= start < e) for start, _ in spans) <= POOL_SLOTS
+    from pipeline.storage import RunRoot
+
+    root = RunRoot(tmp_path / "run")
+    assert root.is_committed(layout.round_dir(0)) and root.exists(layout.eval_file(1))
