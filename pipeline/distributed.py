@@ -56,7 +56,8 @@ def init_distributed() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # not launched: become a one-rank job
+        one_rank = "RANK" not in os.environ
+        if one_rank:  # not launched: become a one-rank job
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
         # DeepSpeed's CPU accelerator answers device_count() from LOCAL_SIZE, which its launcher
@@ -66,7 +67,17 @@ def init_distributed() -> tuple[int, int]:
         if "LOCAL_WORLD_SIZE" in os.environ:
             os.environ.setdefault("LOCAL_SIZE", os.environ["LOCAL_WORLD_SIZE"])
         backend = "nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo"
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        for attempt in range(5):
+            try:
+                deepspeed.init_distributed(dist_backend=backend, verbose=False)
+                break
+            except dist.DistNetworkError:
+                # A one-rank job's port is only probed free: between the probe and the store's bind
+                # another socket can take it (seen: an HTTP keep-alive connection to an MLflow
+                # server, whose ephemeral local port was the probed one). Any free port will do.
+                if not one_rank or attempt == 4:
+                    raise
+                os.environ["MASTER_PORT"] = str(free_port())
         unlink_shm_workspace(dist.get_rank(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size()
 

@@ -76,6 +76,11 @@ def grad_norm_heatmap(norms: dict[str, dict[int, float]]) -> Figure:
     """Rows: modules, columns: rounds, colour: outer-gradient norm (blank: no path finished it)."""
     modules = sorted(norms)
     rounds = sorted({r for by_round in norms.values() for r in by_round})
+    if not rounds:  # no path finished any round: nothing was merged, so say so instead of failing
+        fig, ax = plt.subplots(figsize=(4.0, 3.0))
+        ax.text(0.5, 0.5, "no module merged yet", ha="center", va="center")
+        ax.set(title="Outer-gradient norm per module", xticks=[], yticks=[])
+        return fig
     grid = [[norms[m].get(r, math.nan) for r in rounds] for m in modules]
     fig, ax = plt.subplots(figsize=(max(4.0, 0.6 * len(rounds) + 3), max(3.0, 0.35 * len(modules) + 1.5)))
     image = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")

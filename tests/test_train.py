@@ -1,6 +1,7 @@
 """The path trainer on a real DeepSpeed engine: agreement with plain PyTorch, ZeRO stages, launch,
 inner-state resume where the merged modules must win over the checkpoint's weights."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_config, write_synthetic_shards
+from conftest import REPO, tiny_config, write_synthetic_shards
 from models.grid import ModuleKey
 from models.modular import ModelShape, build_path_model, eos_token_id
 from pipeline import layout, stages
@@ -302,3 +303,41 @@ def test_a_process_that_trains_path_after_path_keeps_no_engine(ds_config, run_ro
     for path_id in ("p0", "p1"):
         assert train_path(config, 0, path_id)["tokens"] > 0
     assert live_engines() == before
+
+
+def test_a_one_rank_job_whose_probed_port_was_taken_picks_another(tmp_path):
+    """A one-rank job only probes its MASTER_PORT free; when another socket holds it by the time
+    the store binds (an MLflow keep-alive connection did, in a run tracked over HTTP), the job takes
+    a fresh port instead of failing every attempt."""
+    import socket
+    import subprocess
+    import sys
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    script = ("import os\nfrom pipeline.distributed import close_distributed, init_distributed\n"
+              "print(init_distributed(), os.environ['MASTER_PORT'])\nclose_distributed()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    try:
+        done = subprocess.run([sys.executable, "-c", script], env={**env, "MASTER_PORT": str(taken)},
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+    finally:
+        holder.close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks, port = done.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    assert ranks == "(0, 1)" and int(port) != taken
+
+
+def test_plots_of_a_run_where_no_module_was_merged_still_render(tmp_path):
+    """Every path of a round can fail (the merge then keeps every module): the run's plots must
+    still be drawn, not end the run with a matplotlib error."""
+    from pipeline import plots
+
+    for name, fig in {"heatmap": plots.grad_norm_heatmap({}), "loss": plots.loss_curves({}, 4),
+                      "docs": plots.docs_per_path({}), "ppl": plots.perplexity_by_round({}, {}),
+                      "bpb": plots.perplexity_by_round({}, {}, metric="bits_per_byte")}.items():
+        fig.savefig(tmp_path / f"{name}.png")
+        plots.close(fig)
+        assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
