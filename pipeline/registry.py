@@ -118,7 +118,10 @@ def champion_continuation(config, prompt: str) -> str:
     to continue `prompt` with the default generation params."""
     from pipeline.tracking import CHAMPION, tracking_uri
 
+    # Both: mlflow.set_registry_uri (the tracker's registration) also sets MLFLOW_REGISTRY_URI in
+    # this process, so a registry set for another run would otherwise win over the tracking URI.
     mlflow.set_tracking_uri(tracking_uri(config))
+    mlflow.set_registry_uri(tracking_uri(config))
     model = mlflow.pyfunc.load_model(f"models:/{config.mlflow.registered_model}@{CHAMPION}")
     return model.predict([prompt])[0]
 

@@ -67,6 +67,18 @@ def _repo_cwd(monkeypatch):
     monkeypatch.chdir(REPO)
 
 
+@pytest.fixture(autouse=True)
+def _no_inherited_mlflow_uris():
+    """mlflow.set_tracking_uri / set_registry_uri also set MLFLOW_TRACKING_URI / MLFLOW_REGISTRY_URI
+    in os.environ, and every subprocess a later test starts inherits them: a registry URI left by
+    one test's sqlite store sent another test's fresh process to the wrong registry."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        os.environ.pop(name, None)
+    yield
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        os.environ.pop(name, None)
+
+
 @pytest.fixture
 def run_root(tmp_path: Path) -> Path:
     return tmp_path / "run"
