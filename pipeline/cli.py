@@ -18,7 +18,7 @@ import textwrap
 from pipeline import layout, preflight
 from pipeline.bounds import one_line
 from pipeline.config import load_config
-from pipeline.errors import DipacoError, StorageError
+from pipeline.errors import DipacoError, IslandError, StorageError
 from pipeline.report import format_summary
 from pipeline.storage import RunRoot
 
@@ -58,6 +58,15 @@ COMMANDS = {
         ["dipaco eval --config configs/demo.yaml --round 1      # after `merge --round 0`",
          "dipaco eval --config configs/demo.yaml                # the newest committed modules"],
     ),
+    "island": (
+        "join a running run as one more island (elastic: from any shell or host)",
+        "Start one island (a long-lived `deepspeed` launch of pipeline.island) on the run root of the config: "
+        "it takes tasks of the rounds the run planned (queue/plan.json) until they are done, or until SIGTERM, "
+        "which releases its task and leaves. Its train section may differ from the run's (procs_per_path, "
+        "num_nodes, hostfile, ds_config): islands may be heterogeneous; the model is the run's.",
+        ["dipaco island --config configs/demo.yaml              # while `make demo` runs in another shell",
+         "dipaco island --config configs/demo.yaml --set train.ds_config=ds_configs/zero3.json --name big"],
+    ),
     "run": (
         "every stage not yet committed, all rounds, evaluation and registration",
         "Prepare, evaluate round 0, then for each round up to train.rounds: train every path, merge, "
@@ -90,7 +99,7 @@ CLI_MESSAGE_CHARS = 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    every_example = [e for name in ("run", "prepare", "train-path", "merge", "eval") for e in COMMANDS[name][2]]
+    every_example = [e for name in ("run", "island", "prepare", "train-path", "merge", "eval") for e in COMMANDS[name][2]]
     parser = argparse.ArgumentParser(
         prog="dipaco", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="DiPaCo training pipeline: Beam routing, DeepSpeed ZeRO path trainers, DiLoCo outer merges,\n"
@@ -122,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     command("eval", rounds=True).add_argument(
         "--round", type=round_number, default=None, metavar="R",
         help="score the modules round R starts from (0: the initial ones; default: the newest committed)")
+    command("island").add_argument("--name", default=None, metavar="NAME",
+                                   help="the island's name in the queue's records (default: host-pid)")
     command("run")
     return parser
 
@@ -139,7 +150,7 @@ def check(args: argparse.Namespace, config) -> None:
         preflight.check_data(config)
     if args.command == "train-path":
         preflight.check_job_id(config, args.path)
-    if args.command in ("train-path", "merge", "eval"):
+    if args.command in ("train-path", "merge", "eval", "island"):
         preflight.require_prepared(config)
     if args.command in ("train-path", "merge") or (args.command == "eval" and args.round is not None):
         preflight.require_modules(config, args.round)
@@ -154,6 +165,8 @@ def dispatch(args: argparse.Namespace) -> dict | None:
 
     if args.command == "run":
         return stages.run(config)
+    if args.command == "island":
+        return stages.join_run(config, args.name)
     stages.init_run(config)
     if args.command == "prepare":
         return stages.prepare(config)
@@ -177,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     except DipacoError as exc:
         print(f"dipaco {args.command}: {one_line(str(exc), CLI_MESSAGE_CHARS)}", file=sys.stderr)
         return 2
-    except StorageError as exc:
+    except (StorageError, IslandError) as exc:
         print(f"dipaco {args.command}: {one_line(str(exc), CLI_MESSAGE_CHARS)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

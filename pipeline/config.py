@@ -90,7 +90,9 @@ class TrainConfig:
     num_nodes: int = 1  # nodes per island; more than 1 needs a hostfile
     hostfile: str | None = None  # DeepSpeed hostfile ("host slots=N" lines) for multi-node islands
     workers_per_path: int = 1  # DiLoCo workers per path, each on an iid part of the shard
-    parallel_paths: int = 2  # path jobs at once on this machine
+    parallel_paths: int = 2  # path jobs at once on this machine (one-shot launches: train-path, the DAG)
+    islands: int | None = None  # long-lived island launches `dipaco run` starts (default: parallel_paths)
+    lease_seconds: float = 60.0  # an island's claim on a task expires this long after its last heartbeat
     threads_per_proc: int | None = None  # OMP threads per rank; default: cores / busy ranks
     max_attempts: int = 2  # launches per path and round before the round commits without it
     seed: int = 0
@@ -436,6 +438,8 @@ def validate(config: Config) -> None:
     need(t.hostfile is None or _is_file(t.hostfile), "train.hostfile", f"names a missing file {shown(t.hostfile)}")
     need(t.parallel_paths >= 1, "train.parallel_paths", "must be >= 1")
     need(t.max_attempts >= 1, "train.max_attempts", "must be >= 1")
+    need(t.islands is None or t.islands >= 1, "train.islands", "must be >= 1 (or null: train.parallel_paths)")
+    need(t.lease_seconds > 0, "train.lease_seconds", "must be > 0")
     need(_is_file(resolve_ds_config(t.ds_config)), "train.ds_config", f"names a missing file {shown(t.ds_config)}")
     need(o.lr > 0, "outer.lr", "must be positive")
     need(0 <= o.momentum < 1, "outer.momentum", "must be within [0, 1)")

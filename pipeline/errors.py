@@ -24,3 +24,8 @@ class RunLockedError(DipacoError):
 class StorageError(Exception):
     """The run root cannot be written (disk full, permissions); not the user's input, so the CLI
     exits 1, but with one line naming the file instead of a traceback."""
+
+
+class IslandError(Exception):
+    """An island failed for good (it crashed more than train.max_attempts times, or every island
+    left before the run finished): the CLI exits 1 with this one line."""

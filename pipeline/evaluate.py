@@ -71,31 +71,47 @@ def bits_per_byte(nll_nats: float, n_bytes: int) -> float | None:
     return nll_nats / math.log(2) / n_bytes if n_bytes else None
 
 
-def evaluate_round(config, round_index: int) -> dict:
-    """Perplexity per path and overall of the modules at the start of round r; eval/round=<r>.json."""
+def evaluate_path(config, round_index: int, path_id: str) -> dict | None:
+    """One path's held-out score with the modules at the start of round r (an island's eval task):
+    summed nats, tokens and bytes as well as the rates, so paths combine exactly; None when the
+    path has no held-out document long enough to score."""
     root = RunRoot(config.run_root)
     prefix, seq_len, m = config.router.prefix_tokens, config.model.seq_len, config.model
-    byte_lengths = token_byte_lengths(load_tokenizer(root, m.tokenizer), m.vocab_size)
+    if not shard_parts(root, path_id, split="validation"):
+        return None
+    docs = read_path_documents(root, path_id, split="validation")[: config.eval.max_docs]
+    model = load_path_model(root, config, round_index, path_id)
+    nll, tokens = score_documents(model, docs, prefix, seq_len, config.eval.batch_size,
+                                  pad_id=eos_token_id(m.vocab_size, m.tokenizer))
+    if not tokens:
+        return None
+    n_bytes = scored_bytes(docs, prefix, seq_len, _byte_lengths(root, m.tokenizer, m.vocab_size))
+    return {"perplexity": math.exp(nll / tokens), "bits_per_byte": bits_per_byte(nll, n_bytes),
+            "tokens": tokens, "bytes": n_bytes, "docs": len(docs), "nll": nll}
+
+
+def _byte_lengths(root: RunRoot, tokenizer: str, vocab_size: int) -> np.ndarray:
+    return token_byte_lengths(load_tokenizer(root, tokenizer), vocab_size)
+
+
+def combine_paths(config, round_index: int, parts: dict[str, dict | None]) -> dict:
+    """eval/round=<r>.json from the paths' own scores, summed in path order (so a round scored by
+    islands, path by path, gives the same file as one process scoring every path)."""
+    root = RunRoot(config.run_root)
     paths, total_nll, total_tokens, total_bytes = {}, 0.0, 0, 0
-    for path_id in all_path_ids(m.grid):
-        if not shard_parts(root, path_id, split="validation"):
+    for path_id in all_path_ids(config.model.grid):
+        part = parts.get(path_id)
+        if not part:
             continue
-        docs = read_path_documents(root, path_id, split="validation")[: config.eval.max_docs]
-        model = load_path_model(root, config, round_index, path_id)
-        nll, tokens = score_documents(model, docs, prefix, seq_len, config.eval.batch_size,
-                                      pad_id=eos_token_id(m.vocab_size, m.tokenizer))
-        if tokens:
-            n_bytes = scored_bytes(docs, prefix, seq_len, byte_lengths)
-            paths[path_id] = {"perplexity": math.exp(nll / tokens), "bits_per_byte": bits_per_byte(nll, n_bytes),
-                              "tokens": tokens, "bytes": n_bytes, "docs": len(docs)}
-            total_nll, total_tokens, total_bytes = total_nll + nll, total_tokens + tokens, total_bytes + n_bytes
+        paths[path_id] = {k: part[k] for k in ("perplexity", "bits_per_byte", "tokens", "bytes", "docs")}
+        total_nll, total_tokens, total_bytes = total_nll + part["nll"], total_tokens + part["tokens"], total_bytes + part["bytes"]
     result = {
         "round": round_index,
         "perplexity": math.exp(total_nll / total_tokens) if total_tokens else None,
         "bits_per_byte": bits_per_byte(total_nll, total_bytes),
         "tokens": total_tokens,
         "bytes": total_bytes,
-        "tokenizer": m.tokenizer,
+        "tokenizer": config.model.tokenizer,
         "paths": paths,
     }
     root.write_json(layout.eval_file(round_index), result)
@@ -103,3 +119,9 @@ def evaluate_round(config, round_index: int) -> dict:
         log.info("round %d: routed perplexity %.2f, %.3f bits per byte over %d tokens (%d bytes)",
                  round_index, result["perplexity"], result["bits_per_byte"] or float("nan"), total_tokens, total_bytes)
     return result
+
+
+def evaluate_round(config, round_index: int) -> dict:
+    """Perplexity per path and overall of the modules at the start of round r; eval/round=<r>.json."""
+    parts = {path_id: evaluate_path(config, round_index, path_id) for path_id in all_path_ids(config.model.grid)}
+    return combine_paths(config, round_index, parts)

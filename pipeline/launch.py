@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -43,12 +44,66 @@ def launcher_command(run_root: str, round_index: int, path_id: str, train, port:
     ]
 
 
-def rank_threads(train) -> int:
+def rank_threads(train, islands: bool = False) -> int:
     """OMP threads per rank: the machine's cores shared by every rank running at once."""
     if train.threads_per_proc:
         return train.threads_per_proc
-    busy = train.procs_per_path * train.parallel_paths
+    busy = train.procs_per_path * (island_count(train) if islands else train.parallel_paths)
     return max(1, (os.cpu_count() or 1) // busy)
+
+
+def island_count(train) -> int:
+    return train.islands or train.parallel_paths
+
+
+def island_command(run_root: str, island: str, train, port: int, ds_config: str | None = None) -> list[str]:
+    """The `deepspeed` launcher command of one island: it lives for the whole run and pulls tasks
+    (pipeline.island); the same ranks and hosts as a one-shot path launch."""
+    launcher = Path(sys.executable).with_name("deepspeed")
+    hosts = ["--hostfile", train.hostfile] if train.hostfile else []
+    return [
+        str(launcher), *hosts, "--num_nodes", str(train.num_nodes), "--num_gpus", str(train.procs_per_path),
+        "--master_port", str(port), "--no_local_rank", "--module", "pipeline.island",
+        "--run-root", run_root, "--island", island, *(["--ds-config", ds_config] if ds_config else []),
+    ]
+
+
+class IslandProcess:
+    """A running island launch, its output forwarded with its name, a tail kept for failures."""
+
+    def __init__(self, config, name: str, ds_config: str | None = None):
+        set_runtime_env()
+        env = child_env({"OMP_NUM_THREADS": str(rank_threads(config.train, islands=True)), "PYTHONUNBUFFERED": "1"})
+        root = RunRoot(config.run_root)
+        run_root = root.path() if root.is_local else root.url  # absolute: ranks may start elsewhere
+        command = island_command(run_root, name, config.train, free_port(), ds_config)
+        log.info("start %s: %s", name, " ".join(command))
+        self.name, self.tail = name, []
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)
+        self.reader = threading.Thread(target=_forward_output, args=(self.process, name, self.tail), daemon=True)
+        self.reader.start()
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        returncode = self.process.wait(timeout)
+        self.reader.join()
+        return returncode
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the island's process group (it releases its task and leaves), then SIGKILL."""
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
 
 
 def train_path_job(config, round_index: int, path_id: str) -> dict | None:

@@ -54,3 +54,20 @@ def attempts_dir(round_index: int, path_id: str) -> str:
 
 def eval_file(round_index: int) -> str:
     return f"{EVAL_DIR}/round={round_index}.json"
+
+
+def merged_module_dir(round_index: int, module: ModuleKey) -> str:
+    """One module merged from round r's paths as soon as they were in (islands): its round r+1
+    parameters and momentum, committed on its own; `finish_round` gathers them into round r+1's
+    modules/ and outer_state/ and then removes them."""
+    return f"{round_dir(round_index)}/merged/level={module.level}/module={module.index}"
+
+
+MERGED_MODULE = "module.safetensors"
+MERGED_MOMENTUM = "momentum.safetensors"
+
+
+def eval_part(round_index: int, path_id: str) -> str:
+    """One path's evaluation of round r's modules (an island's eval task); eval/round=<r>.json
+    combines them once every path is in."""
+    return f"{EVAL_DIR}/parts/round={round_index}/path={path_id}.json"

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from models.grid import all_job_ids, all_modules, parse_job_id, path_modules
+from models.grid import ModuleKey, all_job_ids, all_modules, parse_job_id, path_modules
 from models.modular import ModelShape, ModuleState, split_path_state
 from pipeline import layout
 from pipeline.bounds import SHOWN_CHARS, one_line, shown
@@ -27,12 +27,14 @@ from pipeline.module_store import (
     check_state,
     commit_states,
     decode,
+    encode,
     level_shapes,
     outer_state_keys,
+    read_module,
     read_state,
     write_state,
 )
-from pipeline.storage import IO_THREADS, SUCCESS, RunRoot
+from pipeline.storage import IO_THREADS, SUCCESS, RunRoot, map_io
 
 log = logging.getLogger("dipaco.merge")
 
@@ -115,20 +117,13 @@ def merge_round(config, round_index: int) -> dict:
     rel_modules, rel_outer = layout.modules_dir(next_round), layout.outer_state_dir(next_round)
 
     def read_path(path_id: str) -> list[ModuleState]:
-        rel = layout.path_dir(round_index, path_id)
-        where = root.path(rel, "model.safetensors")
-        state = decode(root.read_committed(rel, "model.safetensors", writable=True), where)
-        try:
-            levels = split_path_state(shape, state)
-        except KeyError as exc:  # a tensor name that belongs to no module of this grid
-            raise CorruptStateError(f"{where}: {one_line(str(exc.args[0] if exc.args else exc), SHOWN_CHARS)}") from None
-        return [check_state(level, expected, where) for level, expected in zip(levels, level_shapes(shape))]
+        return read_path_levels(root, shape, round_index, path_id)
 
     # One pool for the whole merge: every input is read and verified at once (file I/O and
     # checksums release the GIL), each module is computed as soon as its inputs are in, and its
     # files are written while the next module is computed. The math and its order of summation
     # are those of a sequential merge, so the files are bitwise the same.
-    outer = OuterOptimizer(config.outer.lr, config.outer.momentum, config.outer.nesterov, config.outer.sqrt_paths_rescale)
+    outer = outer_optimizer(config)
     grad_norms, untouched, sizes, momentum_keys = {}, [], {}, []
     merged_paths = {str(key): [pid for pid in committed if key in modules_of[pid]] for key in keys}
     with one_torch_thread(), ThreadPoolExecutor(IO_THREADS) as pool:
@@ -142,14 +137,12 @@ def merge_round(config, round_index: int) -> dict:
             momentum = momentum_f[key].result() if key in momentum_f else None
             sizes[key] = module_bytes(before)
             through = merged_paths[str(key)]
-            if not through:  # no path through this module finished: it keeps its parameters
-                new, buffers = before, momentum
+            afters = [path_f[pid].result()[key.level] for pid in through]
+            new, buffers, grad_norm = update_module(outer, config, before, momentum, afters, [committed[p] for p in through])
+            if grad_norm is None:  # no path through this module finished: it kept its parameters
                 untouched.append(str(key))
             else:
-                weights = [float(committed[pid]) if config.outer.weighting == "tokens" else 1.0 for pid in through]
-                grad = outer.outer_gradient(before, [path_f[pid].result()[key.level] for pid in through], weights)
-                new, buffers = outer.outer_step(before, grad, momentum)
-                grad_norms[str(key)] = math.hypot(*(float(torch.linalg.vector_norm(g)) for g in grad.values()))
+                grad_norms[str(key)] = grad_norm
             writes.append(pool.submit(write_state, root, rel_modules, key, new, info))
             if buffers:
                 writes.append(pool.submit(write_state, root, rel_outer, key, buffers, info))
@@ -159,6 +152,15 @@ def merge_round(config, round_index: int) -> dict:
     commit_states(root, rel_modules, keys, info)
     commit_states(root, rel_outer, momentum_keys, info)
 
+    return commit_round(root, config, round_index, committed, left_out, merged_paths, grad_norms, untouched,
+                        {k: sizes[k] for k in keys}, time.perf_counter() - start)
+
+
+def commit_round(root: RunRoot, config, round_index: int, committed: dict[str, int], left_out: list[str],
+                 merged_paths: dict[str, list[str]], grad_norms: dict[str, float], untouched: list[str],
+                 sizes: dict[ModuleKey, int], seconds: float) -> dict:
+    """merge.json and the round's `_SUCCESS`, written last: the round counts from here."""
+    modules_of = {pid: path_modules(_modules_of(pid, config)) for pid in committed}
     path_bytes = {pid: sum(sizes[k] for k in modules_of[pid]) for pid in committed}
     bytes_outer = 2 * sum(path_bytes.values())  # each island sends its outer gradient, receives its modules
     report = {
@@ -172,12 +174,125 @@ def merge_round(config, round_index: int) -> dict:
         "bytes_outer": bytes_outer,
         # Data-parallel training of the same islands all-reduces gradients every inner step.
         "bytes_data_parallel": bytes_outer * config.train.inner_steps,
-        "seconds": time.perf_counter() - start,
+        "seconds": seconds,
     }
+    rel_round = layout.round_dir(round_index)
     root.write_json(f"{rel_round}/merge.json", report)
-    root.commit(rel_round, info={"round": round_index, "next_round": next_round}, files=["merge.json"])
+    root.commit(rel_round, info={"round": round_index, "next_round": round_index + 1}, files=["merge.json"])
     log.info("merged round %d: %d paths in, %d left out %s; %.1f MB outer vs %.1f MB data-parallel",
              round_index, len(committed), len(left_out), left_out or "", bytes_outer / 1e6, report["bytes_data_parallel"] / 1e6)
+    return report
+
+
+def update_module(outer: OuterOptimizer, config, before: ModuleState, momentum: ModuleState | None,
+                  afters: list[ModuleState], tokens: list[int]) -> tuple[ModuleState, ModuleState | None, float | None]:
+    """One module's outer step: (new parameters, new momentum, outer-gradient norm); a module no
+    path finished keeps its parameters and momentum (norm None). The whole-round merge and the
+    per-module merge of islands both call this, so their files are bitwise the same."""
+    if not afters:
+        return before, momentum, None
+    weights = [float(t) if config.outer.weighting == "tokens" else 1.0 for t in tokens]
+    grad = outer.outer_gradient(before, afters, weights)
+    new, buffers = outer.outer_step(before, grad, momentum)
+    return new, buffers, math.hypot(*(float(torch.linalg.vector_norm(g)) for g in grad.values()))
+
+
+def read_path_levels(root: RunRoot, shape: ModelShape, round_index: int, path_id: str) -> list[ModuleState]:
+    """A committed path's trained weights, split into its modules (one per level), shape-checked."""
+    rel = layout.path_dir(round_index, path_id)
+    where = root.path(rel, "model.safetensors")
+    state = decode(root.read_committed(rel, "model.safetensors", writable=True), where)
+    try:
+        levels = split_path_state(shape, state)
+    except KeyError as exc:  # a tensor name that belongs to no module of this grid
+        raise CorruptStateError(f"{where}: {one_line(str(exc.args[0] if exc.args else exc), SHOWN_CHARS)}") from None
+    return [check_state(level, expected, where) for level, expected in zip(levels, level_shapes(shape))]
+
+
+def outer_optimizer(config) -> OuterOptimizer:
+    return OuterOptimizer(config.outer.lr, config.outer.momentum, config.outer.nesterov, config.outer.sqrt_paths_rescale)
+
+
+def read_momentum(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelShape) -> ModuleState | None:
+    """A module's outer momentum at the start of a round (None before its first merge), from
+    round r's outer_state/ or, before that is committed, the module's own merge of round r-1."""
+    if root.is_committed(layout.outer_state_dir(round_index)):
+        listed = root.marker(layout.outer_state_dir(round_index))["files"]
+        return read_state(root, layout.outer_state_dir(round_index), key, shape) if layout.module_file(key) in listed else None
+    staged = layout.merged_module_dir(round_index - 1, key) if round_index > 0 else None
+    if staged and root.is_committed(staged) and layout.MERGED_MOMENTUM in root.marker(staged)["files"]:
+        where = root.path(staged, layout.MERGED_MOMENTUM)
+        state = decode(root.read_committed(staged, layout.MERGED_MOMENTUM, writable=True), where)
+        return check_state(state, level_shapes(shape)[key.level], where)
+    return None
+
+
+def merge_module(config, round_index: int, key: ModuleKey) -> dict:
+    """Merge one module of round r as soon as every path through it is in (islands): the same
+    update as merge_round, committed on its own under rounds/round=<r>/merged/; its marker holds
+    what merge.json reports of it."""
+    root = RunRoot(config.run_root)
+    rel = layout.merged_module_dir(round_index, key)
+    if root.is_committed(rel):
+        return root.marker(rel)
+    start = time.perf_counter()
+    shape = ModelShape.from_config(config.model)
+    committed, _ = committed_paths(root, config, round_index)
+    through = [pid for pid in committed if key in path_modules(_modules_of(pid, config))]
+    with one_torch_thread():
+        before = read_module(root, round_index, key, shape)
+        momentum = read_momentum(root, round_index, key, shape)
+        afters = [read_path_levels(root, shape, round_index, pid)[key.level] for pid in through]
+        new, buffers, grad_norm = update_module(outer_optimizer(config), config, before, momentum, afters,
+                                                [committed[p] for p in through])
+    info = {"round": round_index + 1, "grid": list(config.model.grid), "merged_from_round": round_index}
+    meta = {"level": str(key.level), "module": str(key.index), **{k: str(v) for k, v in info.items()}}
+    root.write_bytes(f"{rel}/{layout.MERGED_MODULE}", encode(new, meta))
+    files = [layout.MERGED_MODULE]
+    if buffers:
+        root.write_bytes(f"{rel}/{layout.MERGED_MOMENTUM}", encode(buffers, meta))
+        files.append(layout.MERGED_MOMENTUM)
+    return root.commit(rel, files=files, info={
+        "round": round_index, "module": [key.level, key.index], "paths": through, "grad_norm": grad_norm,
+        "bytes": module_bytes(before), "seconds": time.perf_counter() - start})
+
+
+def finish_round(config, round_index: int) -> dict:
+    """Once every module of round r is merged on its own: gather them into round r+1's modules/
+    and outer_state/ (the files a whole-round merge writes, byte for byte), then merge.json and
+    the round's `_SUCCESS`."""
+    root = RunRoot(config.run_root)
+    rel_round = layout.round_dir(round_index)
+    if root.is_committed(rel_round):
+        return root.read_json(f"{rel_round}/merge.json")
+    keys = all_modules(config.model.grid)
+    markers = {key: root.marker(layout.merged_module_dir(round_index, key)) for key in keys}
+    info = {"round": round_index + 1, "grid": list(config.model.grid), "merged_from_round": round_index}
+    rel_modules, rel_outer = layout.modules_dir(round_index + 1), layout.outer_state_dir(round_index + 1)
+    momentum_keys = [key for key in keys if layout.MERGED_MOMENTUM in markers[key]["files"]]
+
+    def gather(key: ModuleKey) -> None:
+        staged = layout.merged_module_dir(round_index, key)
+        root.write_bytes(f"{rel_modules}/{layout.module_file(key)}", root.read_committed(staged, layout.MERGED_MODULE))
+        if key in momentum_keys:
+            root.write_bytes(f"{rel_outer}/{layout.module_file(key)}", root.read_committed(staged, layout.MERGED_MOMENTUM))
+
+    map_io(gather, keys)
+    commit_states(root, rel_modules, keys, info)
+    commit_states(root, rel_outer, momentum_keys, info)
+    committed, left_out = committed_paths(root, config, round_index)
+    report = commit_round(
+        root, config, round_index, committed, left_out,
+        merged_paths={str(k): markers[k]["paths"] for k in keys},
+        grad_norms={str(k): markers[k]["grad_norm"] for k in keys if markers[k]["grad_norm"] is not None},
+        untouched=[str(k) for k in keys if markers[k]["grad_norm"] is None],
+        sizes={k: markers[k]["bytes"] for k in keys}, seconds=sum(markers[k]["seconds"] for k in keys))
+    if round_index > 0:  # the round before's staged modules: everything reads round r's modules/ now
+        for key in keys:
+            staged = layout.merged_module_dir(round_index - 1, key)
+            if root.exists(staged):
+                root.remove(f"{staged}/{SUCCESS}")
+                root.remove(staged)
     return report
 
 

@@ -141,10 +141,32 @@ def init_modules(root: RunRoot, model_config, grid: list[int]) -> bool:
     return True
 
 
+def module_location(root: RunRoot, round_index: int, key: ModuleKey) -> tuple[str, str] | None:
+    """(committed directory, file name) of a module at the start of a round: round r's modules/
+    once the whole round is committed, or, before that, the module merged on its own as soon as
+    its paths of round r-1 were in (islands); None while neither is committed."""
+    if root.is_committed(layout.modules_dir(round_index)):
+        return layout.modules_dir(round_index), layout.module_file(key)
+    if round_index > 0 and root.is_committed(layout.merged_module_dir(round_index - 1, key)):
+        return layout.merged_module_dir(round_index - 1, key), layout.MERGED_MODULE
+    return None
+
+
+def read_module(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelShape | None = None) -> ModuleState:
+    """A module at the start of a round, wherever it is committed (module_location)."""
+    found = module_location(root, round_index, key)
+    if found is None:  # never reached through the stages, which check first; a clear error if it is
+        raise CorruptStateError(f"{root.path(layout.modules_dir(round_index))}: module {key.level}/{key.index} "
+                                f"of round {round_index} is not committed")
+    rel_dir, name = found
+    where = root.path(rel_dir, name)
+    state = decode(root.read_committed(rel_dir, name, writable=True), where)
+    return state if shape is None else check_state(state, level_shapes(shape)[key.level], where)
+
+
 def load_modules(root: RunRoot, round_index: int, keys: list[ModuleKey],
                  shape: ModelShape | None = None) -> dict[ModuleKey, ModuleState]:
-    rel = layout.modules_dir(round_index)
-    return dict(zip(keys, map_io(lambda key: read_state(root, rel, key, shape), keys)))
+    return dict(zip(keys, map_io(lambda key: read_module(root, round_index, key, shape), keys)))
 
 
 def load_path_modules(root: RunRoot, round_index: int, modules: tuple[int, ...],

@@ -14,7 +14,7 @@ import time
 from models.grid import all_job_ids
 from pipeline import layout, preflight
 from pipeline.config import Config, config_from_yaml, dump_yaml
-from pipeline.errors import ConfigError, CorruptStateError
+from pipeline.errors import ConfigError, CorruptStateError, InputError, IslandError
 from pipeline.evaluate import evaluate_round
 from pipeline.launch import train_path_job, train_paths
 from pipeline.lock import run_lock
@@ -149,6 +149,150 @@ def train_round(config: Config, round_index: int) -> dict:
     return {"merge": report, "eval": result, "model_version": version}
 
 
+def list_islands(config: Config) -> list[str]:
+    """The islands a run starts on this machine (`train.islands`); the DAG maps over this list."""
+    from pipeline.launch import island_count
+
+    return [f"island-{i}" for i in range(island_count(config.train))]
+
+
+def plan_rounds(config: Config, rounds: int | None = None) -> range:
+    """The rounds this run trains, written to queue/plan.json for every island (joiners too)."""
+    from pipeline.task_queue import write_plan
+
+    todo = rounds_to_train(config, rounds)
+    if todo:
+        write_plan(RunRoot(config.run_root), todo.stop)
+    return todo
+
+
+def run_island(config: Config, island: str, ds_config: str | None = None) -> dict:
+    """One island until the plan is done: a `deepspeed` launch of pipeline.island (with
+    `train.launcher: inprocess`, this process as a one-rank island). Raises when it failed."""
+    from pipeline.island import Island
+    from pipeline.launch import IslandProcess
+
+    if config.train.launcher == "inprocess":
+        return Island(config, island).run()
+    process = IslandProcess(config, island, ds_config)
+    try:
+        returncode = process.wait()
+    except BaseException:
+        process.stop()
+        raise
+    if returncode != 0:
+        island_failed(config, island, returncode, process.tail)
+    return {"island": island, "returncode": returncode}
+
+
+def island_failed(config: Config, island: str, returncode: int, tail: list[str]) -> None:
+    """An island exited with an error: its running attempt is failed at once (no need to wait out
+    the lease); a config or input error is raised with the trainer's own message."""
+    from pipeline.launch import INPUT_ERROR_EXIT, trainer_message
+    from pipeline.task_queue import TaskQueue
+
+    queue = TaskQueue(RunRoot(config.run_root), config)
+    queue.fail_running(island, f"island exited with status {returncode}: {tail[-1] if tail else ''}"[:2000])
+    if returncode == INPUT_ERROR_EXIT:
+        raise InputError(f"{island}: {trainer_message([line.replace('dipaco island: ', 'dipaco train-path: ') for line in tail])}")
+    raise IslandError(f"{island} exited with status {returncode}: {tail[-1] if tail else 'no output'}")
+
+
+def join_run(config: Config, name: str | None = None) -> dict:
+    """`dipaco island`: one more island on a run that `dipaco run` (or a DAG run) planned, with
+    this config's ranks and ZeRO config; it leaves when the plan is done."""
+    import os
+    import socket
+
+    from pipeline.task_queue import read_plan
+
+    root = RunRoot(config.run_root)
+    until = read_plan(root)
+    if until is None:
+        raise InputError(f"{root.path()}: no run planned here yet (no queue/plan.json); start `dipaco run` first")
+    return run_island(config, name or f"{socket.gethostname()}-{os.getpid()}", ds_config=config.train.ds_config)
+
+
+def round_finished(config: Config, round_index: int) -> bool:
+    """Round r merged and the modules it produced evaluated: ready to log and register."""
+    root = RunRoot(config.run_root)
+    return root.is_committed(layout.round_dir(round_index)) and root.exists(layout.eval_file(round_index + 1))
+
+
+def report_round(config: Config, round_index: int) -> dict:
+    """After islands finished round r: its paths, merge, evaluation and utilisation to the tracker,
+    and round r+1's modules registered. Logging twice logs nothing twice (tracking is idempotent)."""
+    from pipeline.launch import read_metrics
+    from pipeline.tracking import get_tracker
+    from pipeline.utilisation import round_utilisation
+
+    root, tracker = RunRoot(config.run_root), get_tracker(config)
+    for job in list_paths(config):
+        rel = layout.path_dir(round_index, job)
+        if root.is_committed(rel):
+            tracker.log_path(round_index, job, read_metrics(root, rel))
+    report = root.read_json(f"{layout.round_dir(round_index)}/merge.json")
+    tracker.log_merge(round_index, report)
+    result = read_eval(root, round_index + 1)
+    tracker.log_eval(round_index + 1, result)
+    figures = round_utilisation(config, round_index)
+    if figures:
+        tracker.log_utilisation(round_index, figures)
+        log.info("round %d: utilisation %.2f over %d islands (mean overhead %.1f s per task)", round_index,
+                 figures["utilisation"] or 0, figures["islands"], figures["task_overhead_seconds"] or 0)
+    version = register(config, round_index + 1, result)
+    return {"merge": report, "eval": result, "model_version": version, "utilisation": figures}
+
+
+ISLAND_POLL_S = 0.5
+
+
+def train_on_islands(config: Config, todo: range) -> None:
+    """Start `train.islands` islands, report and register each round as it finishes, and restart
+    an island that crashed (its task's lease is failed and another island may take it)."""
+    from pipeline.island import Island
+    from pipeline.launch import IslandProcess
+
+    if config.train.launcher == "inprocess":  # tests and debugging: one one-rank island, here
+        Island(config, "island-0").run()
+        for r in todo:
+            report_round(config, r)
+        return
+    islands = {name: IslandProcess(config, name) for name in list_islands(config)}
+    restarts = {name: 0 for name in islands}
+    pending = list(todo)
+    try:
+        while pending:
+            if round_finished(config, pending[0]):
+                report_round(config, pending.pop(0))
+                continue
+            for name, process in list(islands.items()):
+                returncode = process.poll()
+                if returncode is None or returncode == 0:
+                    continue
+                process.wait()
+                restarts[name] += 1
+                if returncode == 2 or restarts[name] > config.train.max_attempts:
+                    del islands[name]
+                    island_failed(config, name, returncode, process.tail)
+                log.warning("%s exited with status %s; starting it again (%d/%d)", name, returncode,
+                            restarts[name], config.train.max_attempts)
+                from pipeline.task_queue import TaskQueue
+
+                TaskQueue(RunRoot(config.run_root), config).fail_running(name, f"island exited with status {returncode}")
+                islands[name] = IslandProcess(config, name)
+            if all(p.poll() == 0 for p in islands.values()) and not round_finished(config, pending[0]):
+                raise IslandError(f"every island left before round {pending[0]} finished; start one with "
+                                  f"`dipaco island --config ...` or rerun `dipaco run` to resume")
+            time.sleep(ISLAND_POLL_S)
+    finally:
+        for process in islands.values():
+            try:
+                process.wait(timeout=60 if not pending else 0.1)
+            except Exception:
+                process.stop()
+
+
 def run(config: Config, rounds: int | None = None) -> dict:
     """Every stage that has not committed: prepare, then rounds up to `train.rounds` (or `rounds`
     more, as a scheduled DAG run does), evaluation and registration after each merge."""
@@ -162,11 +306,11 @@ def run(config: Config, rounds: int | None = None) -> dict:
         tracker.log_run_config()
         prepare(config)
         evaluate_initial(config)
-        todo = rounds_to_train(config, rounds)
+        todo = plan_rounds(config, rounds)
         if not todo:
             log.info("%s", nothing_to_train(config))
-        for r in todo:
-            train_round(config, r)
+        else:
+            train_on_islands(config, todo)
         summary = summarize(config)
         if config.eval.sample_prompt and summary.get("model_version"):
             from pipeline.registry import champion_continuation

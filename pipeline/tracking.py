@@ -144,6 +144,9 @@ class Tracker:
     def log_eval(self, round_index: int, result: dict, started_at: float | None = None) -> None:
         """Routed perplexity of the modules at the start of round_index (evaluated from started_at)."""
 
+    def log_utilisation(self, round_index: int, figures: dict) -> None:
+        """Islands' compute utilisation up to round_index, and their per-task overhead."""
+
     def newest_version(self) -> str | None:
         """The newest model version this run root registered, or None."""
         return None
@@ -277,6 +280,14 @@ class MlflowTracker(Tracker):
         self._end(run, finished)
         self._log_merge_totals(parent)
         self._end(round_run, finished)
+
+    def log_utilisation(self, round_index: int, figures: dict) -> None:
+        """Islands' utilisation up to round r (pipeline.utilisation) on the parent, by round, and
+        on the round's run."""
+        series = {f"islands_{metric_name(k)}" if k != "utilisation" else "utilisation": [(round_index, float(v))]
+                  for k, v in figures.items() if _numeric(v)}
+        self._log_metrics(self._parent(), series)
+        self._log_metrics(self._round(round_index), series)
 
     def _log_merge_totals(self, parent: str) -> None:
         """The parent's merge figures are totals over every committed merge, never the last one's."""

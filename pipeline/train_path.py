@@ -146,6 +146,16 @@ def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str, me
     except DipacoError as exc:
         log.warning("ignoring inner optimizer state: %s", exc)
         return None
+    import torch.distributed as dist
+
+    saved = root.marker(rel)
+    here = {"world_size": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage()}
+    if any(key in saved and saved[key] != value for key, value in here.items()):
+        # Islands may differ in ranks and ZeRO stage; a partitioned optimizer state only loads
+        # into the layout that saved it, so the path restarts its inner optimizer here.
+        log.warning("inner optimizer state of %s was saved by %s ranks at ZeRO-%s, this island has %s at ZeRO-%s: "
+                    "restarting it", path_id, saved.get("world_size"), saved.get("zero_stage"), here["world_size"], here["zero_stage"])
+        return None
     with tempfile.TemporaryDirectory(prefix="dipaco-ckpt-") as scratch:
         local = root.local_path(rel) if root.is_local else Path(scratch)
         if not root.is_local:
@@ -176,7 +186,8 @@ def commit_path(engine, root: RunRoot, round_index: int, path_id: str, shape: Mo
         if rank == 0:
             if not root.is_local:
                 root.put_dir(ckpt_local, f"{rel}/{CKPT}")
-            root.commit(f"{rel}/{CKPT}", info={"round": round_index, "path": path_id})
+            root.commit(f"{rel}/{CKPT}", info={"round": round_index, "path": path_id, "world_size": dist.get_world_size(),
+                                               "zero_stage": engine.zero_optimization_stage()})
             model = build_path_model(shape, None)
             model.load_state_dict(state, strict=False)
             out = Path(scratch) / "model"

@@ -1,0 +1,210 @@
+"""An island: one `deepspeed` launch that lives for the whole run and pulls tasks from the queue.
+
+    deepspeed [--hostfile H --num_nodes N] --num_gpus G --no_local_rank \
+        --module pipeline.island --run-root URL --island NAME [--ds-config FILE]
+
+Its ranks form one process group for their whole life, so the launch, the interpreter starts and
+DeepSpeed's first-start costs are paid once per run instead of once per (path, round). Rank 0
+claims a task (pipeline.task_queue) and broadcasts it; every rank runs a train task (a fresh
+ZeRO engine per task, released after it, the path's modules and inner optimizer state loaded as
+for a one-shot launch); rank 0 alone runs the small ones (a module's merge, a round's commit,
+a path's evaluation and the round's evaluation file) while the others wait for the next task.
+
+An island leaves when the plan (`queue/plan.json`) is done. SIGTERM makes it release the task it
+holds (another island takes it at once, no attempt lost) and leave. A task that raises ends the
+island with its error (the launcher then stops every rank), the attempt is marked failed, and
+whoever started the island decides whether to start it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from pipeline import layout
+from pipeline.config import Config, config_from_yaml
+from pipeline.errors import DipacoError
+from pipeline.storage import RunRoot
+from pipeline.task_queue import ISLANDS, Lease, Task, TaskQueue, read_plan
+
+log = logging.getLogger("dipaco.island")
+POLL_S = 0.5  # how often an idle island looks for ready work
+IDLE_BROADCAST_S = 5.0  # an idle rank 0 tells its peers so every few seconds (keeps collectives short)
+LEFT_EXIT = 0
+
+
+class Island:
+    """The loop every rank of an island runs; rank 0 talks to the queue."""
+
+    def __init__(self, config: Config, name: str):
+        self.config, self.name = config, name
+        self.root = RunRoot(config.run_root)
+        self.queue = TaskQueue(self.root, config)
+        self.lease: Lease | None = None
+        self.leaving = False
+        self.done: list[dict] = []
+        self.rank, self.world = 0, 1
+
+    def run(self) -> dict:
+        from pipeline.distributed import init_distributed
+
+        rank, world = init_distributed()
+        self.rank, self.world = rank, world
+        if rank == 0:
+            self._record(state="running", world_size=world, started_at=time.time())
+        while True:
+            message = broadcast_json(self._next_message() if rank == 0 else None, rank, world)
+            if "exit" in message:
+                if rank == 0:
+                    self._record(state=message["exit"], finished_at=time.time())
+                    log.info("island %s leaves: %s (%d tasks done)", self.name, message["exit"], len(self.done))
+                return {"island": self.name, "tasks": self.done, "exit": message["exit"]}
+            if "task" in message:
+                self._execute(Task.from_json(message["task"]))
+
+    def _next_message(self) -> dict:
+        """The next task for every rank, an exit, or (after IDLE_BROADCAST_S) an idle beat."""
+        waited = time.monotonic()
+        while True:
+            if self.leaving:
+                return {"exit": "left"}
+            until = read_plan(self.root)
+            if until is None or self.queue.finished(until):
+                return {"exit": "finished"}
+            self.lease = self.queue.next_claim(self.name, until)
+            if self.lease is not None:
+                return {"task": self.lease.task.to_json()}
+            if self.world > 1 and time.monotonic() - waited > IDLE_BROADCAST_S:
+                return {"idle": True}
+            time.sleep(POLL_S)
+
+    def _execute(self, task: Task) -> None:
+        claimed = time.time()
+        try:
+            outcome = run_task(self.config, task, self.rank)
+        except BaseException as exc:
+            if self.rank == 0 and self.lease is not None and not isinstance(exc, SystemExit):
+                self.lease.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000],
+                                  input_error=isinstance(exc, DipacoError))
+                self.lease = None
+            raise
+        if self.rank == 0 and self.lease is not None:
+            finished = time.time()
+            self.lease.finish("done", seconds=finished - claimed, **(outcome or {}))
+            self.lease = None
+            self.done.append({"task": task.name, "seconds": finished - claimed})
+            log.info("island %s: %s done in %.1f s", self.name, task.name, finished - claimed)
+
+    def on_sigterm(self, signum, frame) -> None:
+        """Release the task held (no attempt is lost) and leave; idle, leave at the next poll."""
+        self.leaving = True
+        if self.rank == 0 and self.lease is not None:
+            self.lease.finish("released")
+            self._record(state="left", finished_at=time.time())
+            log.info("island %s: SIGTERM, released %s and left", self.name, self.lease.task.name)
+            logging.shutdown()
+            os._exit(LEFT_EXIT)
+        if self.rank != 0:
+            os._exit(LEFT_EXIT)
+
+    def _record(self, **fields) -> None:
+        rel = f"{ISLANDS}/{self.name}.json"
+        record = self.root.read_json(rel) if self.root.exists(rel) else {}
+        record.update(island=self.name, host=socket.gethostname(), pid=os.getpid(), **fields)
+        self.root.write_json(rel, record)
+
+
+def run_task(config: Config, task: Task, rank: int) -> dict | None:
+    """Do one task on this rank; what the lease records of it (rank 0)."""
+    root = RunRoot(config.run_root)
+    if task.kind == "train":
+        from pipeline.train_path import train_path
+
+        rel = layout.path_dir(task.round, task.target)
+        if rank == 0 and not root.is_committed(rel):
+            root.remove(rel)  # an earlier attempt's partial output is never read, only replaced
+        metrics = train_path(config, task.round, task.target)
+        return {"inner_started_at": metrics["started_at"], "inner_finished_at": metrics["finished_at"], "inner_seconds": metrics["seconds"]}
+    if rank != 0:
+        return None
+    if task.kind == "merge":
+        from pipeline.merge import merge_module
+
+        merge_module(config, task.round, task.module)
+    elif task.kind == "commit":
+        from pipeline.merge import finish_round
+
+        finish_round(config, task.round)
+    elif task.kind == "eval":
+        from pipeline.evaluate import evaluate_path
+
+        root.write_json(layout.eval_part(task.round, task.target),
+                        {"path": task.target, "result": evaluate_path(config, task.round, task.target)})
+    elif task.kind == "evalsum":
+        from pipeline.evaluate import combine_paths
+
+        parts = {p: root.read_json(layout.eval_part(task.round, p)).get("result") for p in TaskQueue(root, config).eval_paths()}
+        combine_paths(config, task.round, parts)
+    return None
+
+
+def broadcast_json(message: dict | None, rank: int, world: int) -> dict:
+    """Rank 0's message to every rank of the island, as JSON bytes (no pickle crosses the wire)."""
+    if world == 1:
+        assert message is not None
+        return message
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = json.dumps(message).encode() if rank == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.long, device=device)
+    dist.broadcast(size, 0)
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if rank == 0
+              else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    dist.broadcast(buffer, 0)
+    return json.loads(buffer.cpu().numpy().tobytes())
+
+
+def island_config(run_root: str, ds_config: str | None = None) -> Config:
+    """The run's config (run.yaml), with this island's own ZeRO config when it has one: islands
+    may differ in ranks and ZeRO stage, never in the model they train."""
+    root = RunRoot(run_root)
+    config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG), root.path(layout.RUN_CONFIG))
+    if ds_config:
+        config.train.ds_config = ds_config
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of each launched rank."""
+    parser = argparse.ArgumentParser(prog="python -m pipeline.island")
+    parser.add_argument("--run-root", required=True)
+    parser.add_argument("--island", required=True)
+    parser.add_argument("--ds-config", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    from pipeline.distributed import close_distributed
+
+    island = None
+    try:
+        island = Island(island_config(args.run_root, args.ds_config), args.island)
+        signal.signal(signal.SIGTERM, island.on_sigterm)
+        island.run()
+        return 0
+    except DipacoError as exc:
+        print(f"dipaco island: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        close_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
