@@ -60,7 +60,11 @@ def merged_module_dir(round_index: int, module: ModuleKey) -> str:
     """One module merged from round r's paths as soon as they were in (islands): its round r+1
     parameters and momentum, committed on its own; `finish_round` gathers them into round r+1's
     modules/ and outer_state/ and then removes them."""
-    return f"{round_dir(round_index)}/merged/level={module.level}/module={module.index}"
+    return f"{merged_dir(round_index)}/level={module.level}/module={module.index}"
+
+
+def merged_dir(round_index: int) -> str:
+    return f"{round_dir(round_index)}/merged"
 
 
 MERGED_MODULE = "module.safetensors"

@@ -291,8 +291,8 @@ def finish_round(config, round_index: int) -> dict:
         for key in keys:
             staged = layout.merged_module_dir(round_index - 1, key)
             if root.exists(staged):
-                root.remove(f"{staged}/{SUCCESS}")
-                root.remove(staged)
+                root.remove(f"{staged}/{SUCCESS}")  # the marker first: a half-removed module never counts
+        root.remove(layout.merged_dir(round_index - 1))
     return report
 
 

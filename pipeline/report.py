@@ -31,6 +31,12 @@ def format_summary(summary: dict) -> str:
              "(round 0: initial; round R+1: after round R's merge); overall perplexity and bits per byte, "
              "then bits per byte per path:"]
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    use = summary.get("utilisation")
+    if use and use.get("utilisation") is not None:
+        overhead = use.get("task_overhead_seconds")
+        lines.append(f"islands: {use['islands']}, compute utilisation {use['utilisation']:.2f} through round {use['round']} "
+                     f"({use['inner_seconds']:.0f} s of inner loops / {use['islands']} x {use['wall_seconds']:.0f} s wall)"
+                     + (f", {overhead:.1f} s overhead per path task" if overhead is not None else ""))
     if summary.get("model_version"):
         lines.append(f"registered model: models:/{summary['registered_model']}/{summary['model_version']} "
                      f"(alias champion: models:/{summary['registered_model']}@champion)")

@@ -331,6 +331,12 @@ def summarize(config: Config) -> dict:
     summary = {"run_root": root.path() if root.is_local else root.url,
                "rounds_committed": next_round(config), "train_rounds": config.train.rounds,
                "eval": {r: read_eval(root, r) for r in rounds}}
+    from pipeline.utilisation import round_utilisation
+
+    last = next_round(config) - 1
+    figures = round_utilisation(config, last) if last >= 0 else None
+    if figures:
+        summary["utilisation"] = {"round": last, **figures}
     if config.mlflow.enabled:
         summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
                        model_version=get_tracker(config).newest_version())

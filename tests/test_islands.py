@@ -1,0 +1,199 @@
+"""Islands: long-lived trainers pulling tasks from the run root's queue, leases that expire,
+per-module merges as paths arrive (bitwise the whole-round merge), utilisation, SIGTERM."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, tiny_config, write_synthetic_shards
+from models.grid import ModuleKey, all_modules
+from pipeline import layout, stages
+from pipeline.merge import finish_round, merge_module, merge_round
+from pipeline.storage import RunRoot
+from pipeline.task_queue import Task, TaskQueue, write_plan
+from pipeline.train_path import train_path
+
+
+def _files(run, round_index: int) -> dict[str, bytes]:
+    base = run / "rounds" / f"round={round_index}"
+    return {str(p.relative_to(base)): p.read_bytes() for d in ("modules", "outer_state")
+            for p in sorted((base / d).rglob("*.safetensors"))}
+
+
+def test_a_claim_is_exclusive_and_a_dead_holders_lease_expires(run_root):
+    config = tiny_config(run_root, "train.lease_seconds=0.4")
+    root = stages.init_run(config)
+    a, b = TaskQueue(root, config), TaskQueue(root, config)
+    task = Task.of("train", 0, "p0-0")
+    held = a.claim(task, "island-a")
+    assert held is not None and held.number == 1
+    assert b.claim(task, "island-b") is None  # held and heartbeating: nobody else gets it
+    time.sleep(0.6)
+    assert b.claim(task, "island-b") is None  # still held: its heartbeat runs every lease/4
+
+    held._stop.set()  # the holder dies: no more heartbeats
+    held._thread.join()
+    time.sleep(0.6)
+    taken = b.claim(task, "island-b")
+    assert taken is not None and taken.number == 2
+    assert a.claim(task, "island-a") is None
+    held.finish("done")  # the dead holder's late word changes nothing: attempt 2 superseded it
+    records = [x.record for x in a.attempts(task)]
+    assert [r["island"] for r in records] == ["island-a", "island-b"]
+    assert records[0]["state"] == "running" and records[1]["state"] == "running"
+    taken.finish("done")
+    assert a.attempts(task)[-1].record["state"] == "done" and a.claim(task, "island-a") is None
+
+
+def test_a_lease_holder_that_was_superseded_learns_it_lost(run_root):
+    config = tiny_config(run_root, "train.lease_seconds=0.2")
+    root = stages.init_run(config)
+    queue = TaskQueue(root, config)
+    task = Task.of("train", 0, "p0-0")
+    lease = queue.claim(task, "slow")
+    record = json.loads((run_root / lease.rel).read_text())
+    (run_root / lease.rel.replace("attempt-1", "attempt-2")).write_text(json.dumps({**record, "island": "other"}))
+    assert lease.lost.wait(2.0)
+    lease.finish("done")
+    assert queue.attempts(task)[0].record["state"] == "running"  # never marked done by the loser
+
+
+def test_a_task_that_failed_max_attempts_times_is_given_up_and_the_round_merges_without_it(run_root):
+    config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=2", "train.max_attempts=2")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid)
+    queue = TaskQueue(root, config)
+    task = Task.of("train", 0, "p0-0")
+    for island in ("crashed-1", "crashed-2"):
+        queue.claim(task, island).finish("failed", error="killed")
+    assert queue.given_up(task) and queue.claim(task, "island-0") is None
+    stages.run(config)
+    report = root.read_json(f"{layout.round_dir(0)}/merge.json")
+    assert report["paths_left_out"] == ["p0-0"] and "p0-0" not in report["paths_merged"]
+    assert not root.is_committed(layout.path_dir(0, "p0-0"))
+
+
+def test_a_module_is_merged_as_soon_as_its_paths_are_in_and_round_1_starts_before_round_0_commits(run_root):
+    config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=2")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 2)
+    queue = TaskQueue(root, config)
+    for job in ("p0-0", "p0-1", "p1-0"):  # p1-1 is still training somewhere
+        train_path(config, 0, job)
+    ready = {t.name for t in queue.ready(2)}
+    assert {"merge.r0.l0m0", "merge.r0.l1m0", "train.r0.p1-1"} <= ready
+    assert not {"merge.r0.l0m1", "merge.r0.l1m1", "commit.r0"} & ready  # they wait for p1-1
+    merge_module(config, 0, ModuleKey(0, 0))
+    merge_module(config, 0, ModuleKey(1, 0))
+    ready = {t.name for t in queue.ready(2)}
+    assert "train.r1.p0-0" in ready and "eval.r1.p0-0" in ready  # both its modules of round 1 are in
+    assert "train.r1.p0-1" not in ready and not root.is_committed(layout.round_dir(0))
+    metrics = train_path(config, 1, "p0-0")  # trains from the modules merged on their own
+    assert metrics["round"] == 1
+
+
+def test_merging_module_by_module_writes_bitwise_the_whole_round_merge(tmp_path):
+    config = tiny_config(tmp_path / "whole", "train.rounds=2", "train.inner_steps=2", "train.lr=0.01")
+    write_synthetic_shards(stages.init_run(config), config.model.grid)
+    for job in stages.list_paths(config):
+        train_path(config, 0, job)
+    shutil.copytree(tmp_path / "whole", tmp_path / "modules")
+    per_module = tiny_config(tmp_path / "modules", "train.rounds=2", "train.inner_steps=2", "train.lr=0.01")
+    for r in (0, 1):  # round 1 merges with the momentum round 0 left: both code paths read it
+        merge_round(config, r)
+        for key in reversed(all_modules(config.model.grid)):  # any order of arrival
+            merge_module(per_module, r, key)
+        finish_round(per_module, r)
+        assert _files(tmp_path / "whole", r + 1) == _files(tmp_path / "modules", r + 1)
+        assert len(_files(tmp_path / "whole", r + 1)) == 2 * len(all_modules(config.model.grid))
+        if r == 0:
+            for job in stages.list_paths(config):
+                train_path(config, 1, job)
+                shutil.rmtree(tmp_path / "modules" / layout.path_dir(1, job), ignore_errors=True)
+                shutil.copytree(tmp_path / "whole" / layout.path_dir(1, job), tmp_path / "modules" / layout.path_dir(1, job))
+    whole, parts = RunRoot(config.run_root), RunRoot(per_module.run_root)
+    a, b = whole.read_json(f"{layout.round_dir(1)}/merge.json"), parts.read_json(f"{layout.round_dir(1)}/merge.json")
+    assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
+    assert not parts.exists(layout.merged_dir(0))  # gathered into round 1, then removed with round 1
+
+
+def _island(run_root, name: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "pipeline.island", "--run-root", str(run_root), "--island", name],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow  # ~40 s: three island processes
+def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root):
+    config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=400", "train.max_attempts=1")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 1)
+    queue = TaskQueue(root, config)
+    leaving = _island(run_root, "leaving")
+
+    def running_lease():
+        for job in stages.list_paths(config):
+            attempts = queue.attempts(Task.of("train", 0, job))
+            if attempts and attempts[-1].record.get("island") == "leaving":
+                return Task.of("train", 0, job)
+        return None
+
+    task = _wait_for(running_lease, 120, "the island to claim a train task")
+    time.sleep(1.0)  # inside its inner loop
+    os.killpg(leaving.pid, signal.SIGTERM)
+    output, _ = leaving.communicate(timeout=60)
+    assert leaving.returncode == 0, output[-2000:]
+    assert queue.attempts(task)[-1].record["state"] == "released"
+    assert not root.is_committed(layout.path_dir(0, task.target))
+    assert root.read_json("queue/islands/leaving.json")["state"] == "left"
+    assert not queue.given_up(task)  # a release costs no attempt, even with max_attempts=1
+
+    stayer = _island(run_root, "stayer")  # takes the released task among the rest
+    output, _ = stayer.communicate(timeout=300)
+    assert stayer.returncode == 0, output[-2000:]
+    assert root.is_committed(layout.round_dir(0)) and root.exists(layout.eval_file(1))
+    assert root.read_json(f"{layout.round_dir(0)}/merge.json")["paths_left_out"] == []
+    assert queue.attempts(task)[-1].record["island"] == "stayer"
+
+
+@pytest.mark.slow  # ~60 s: two deepspeed islands for a two-round run
+def test_two_deepspeed_islands_train_every_path_and_report_utilisation(run_root):
+    config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=30", "train.launcher=deepspeed",
+                         "train.islands=2", "train.parallel_paths=2")
+    write_synthetic_shards(stages.init_run(config), config.model.grid)
+    summary = stages.run(config)
+    root = RunRoot(config.run_root)
+    assert summary["rounds_committed"] == 2 and sorted(summary["eval"]) == [0, 1, 2]
+    by_island: dict[str, list[str]] = {}
+    for name in root.listdir("queue/leases"):
+        for attempt in root.listdir(f"queue/leases/{name}"):
+            record = root.read_json(f"queue/leases/{name}/{attempt}")
+            assert record["state"] == "done", (name, record)
+            by_island.setdefault(record["island"], []).append(name)
+    assert set(by_island) == {"island-0", "island-1"}
+    trained = sorted(n for names in by_island.values() for n in names if n.startswith("train."))
+    assert trained == sorted(f"train.r{r}.{job}" for r in (0, 1) for job in stages.list_paths(config))  # each once
+    use = summary["utilisation"]
+    assert use["islands"] == 2 and use["round"] == 1 and 0 < use["utilisation"] <= 1
+    assert use["task_overhead_seconds"] > 0
+    metrics = root.read_json(f"{layout.path_dir(1, 'p1-1')}/metrics.json")
+    assert metrics["started_at"] < metrics["finished_at"] <= root.marker(layout.round_dir(1))["committed_at"]
