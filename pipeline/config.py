@@ -129,9 +129,9 @@ class AirflowConfig:
 
     schedule: str | None = None  # cron or preset (e.g. "@daily"); null: manual triggers only
     rounds_per_run: int = 1  # further rounds each DAG run trains, from the last committed one
-    pool: str = "dipaco_paths"  # caps path trainers at once: `airflow pools set dipaco_paths 2 ...`
-    pool_slots: int = 1  # pool slots one path trainer takes
-    retries: int = 2  # Airflow retries of a path task (train.max_attempts retries inside it)
+    pool: str = "dipaco_paths"  # caps islands at once: `airflow pools set dipaco_paths 2 ...`
+    pool_slots: int = 1  # pool slots one island takes
+    retries: int = 2  # Airflow retries of an island task (a path's retries are the queue's lease attempts)
     retry_delay_s: int = 60
 
 

@@ -1,7 +1,8 @@
 """The Airflow DAG: it parses cleanly (or fails in one line naming a bad $DIPACO_CONFIG), has the
-promised shape (one task group per round, named after it), and real dag.test() runs on a tiny
-config (SQLite metadata DB) train a round, merge, evaluate and register a model version, end with
-the summary table, and train nothing once every round of train.rounds is committed."""
+promised shape (islands mapped, pooled and retried; beside them one task group per round, named
+after it, whose rescheduling sensor waits for the round before it registers), and real dag.test()
+runs on a tiny config (SQLite metadata DB) train a round on an island, register a model version,
+end with the summary table, and train nothing once every round of train.rounds is committed."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ os.environ.update({
     "DIPACO_CONFIG": str(DAG_CONFIG),
 })
 
-ROUND_TASKS = ["paths", "train_path", "merge", "evaluate", "register"]
+ROUND_TASKS = ["finished", "register"]
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +52,12 @@ def dag(dagbag):
 
 @pytest.fixture(scope="module")
 def airflow_db():
-    """`airflow db migrate` in-process (~4 s), plus the pool that caps path trainers."""
+    """`airflow db migrate` in-process (~4 s), plus the pool that caps islands."""
     from airflow.models.pool import Pool
     from airflow.utils import db
 
     db.initdb()
-    Pool.create_or_update_pool(POOL, slots=2, description="dipaco path trainers", include_deferred=False)
+    Pool.create_or_update_pool(POOL, slots=2, description="dipaco islands", include_deferred=False)
 
 
 def test_dag_folder_imports_without_errors(dagbag):
@@ -79,40 +80,55 @@ def test_a_wrong_dipaco_config_fails_the_parse_in_one_line(tmp_path, monkeypatch
         assert "pipeline/config.py" not in error  # raised by the DAG file: no frames from deep inside
 
 
-def test_task_graph_wires_prepare_rounds_and_report(dag):
+def test_task_graph_wires_islands_beside_one_group_per_round(dag):
     downstream = {t.task_id: set(t.downstream_task_ids) for t in dag.tasks}
-    expected = {"configure", "prepare", "plan", "evaluate_initial", "report"} | \
+    expected = {"configure", "prepare", "plan", "evaluate_initial", "islands", "island", "report"} | \
         {f"round_{k}.{t}" for k in (0, 1) for t in ROUND_TASKS}
-    assert set(downstream) == expected
+    assert set(downstream) == expected  # no path-level tasks any more: islands pull them from the queue
     assert "plan" in downstream["prepare"] and "prepare" in downstream["configure"]
-    assert {"evaluate_initial", "round_0.paths", "round_1.paths"} <= downstream["plan"]
-    assert downstream["evaluate_initial"] == {"round_0.paths"}  # round 0 is scored before training
+    assert {"evaluate_initial", "islands", "round_0.finished", "round_1.finished"} <= downstream["plan"]
+    # round 0 is scored before training; then the islands and the round groups run side by side
+    assert downstream["evaluate_initial"] == {"islands", "round_0.finished"}
+    assert downstream["islands"] == {"island"}
+    assert downstream["island"] == {"report"}
     for k in (0, 1):
-        group = f"round_{k}"
-        assert downstream[f"{group}.paths"] == {f"{group}.train_path"}
-        assert downstream[f"{group}.train_path"] == {f"{group}.merge"}
-        assert downstream[f"{group}.merge"] == {f"{group}.evaluate"}
-        assert downstream[f"{group}.evaluate"] == {f"{group}.register"}
-    assert downstream["round_0.register"] == {"round_1.paths"}  # rounds run one after the other
+        assert downstream[f"round_{k}.finished"] == {f"round_{k}.register"}  # register once the round is in
+    assert downstream["round_0.register"] == {"round_1.finished"}  # versions registered in round order
     assert downstream["round_1.register"] == {"report"}
+    report = dag.task_dict["report"]
+    assert {"island", "round_1.register"} <= report.upstream_task_ids and report.trigger_rule == "none_failed"
 
 
-def test_path_trainers_are_mapped_pooled_and_retried(dag):
+def test_islands_are_mapped_pooled_and_retried(dag):
     from airflow.sdk.definitions.xcom_arg import XComArg
 
-    train = dag.task_dict["round_0.train_path"]
-    assert type(train).__name__ == "DecoratedMappedOperator"
-    mapped = train.op_kwargs_expand_input.value
-    assert list(mapped) == ["path_id"] and isinstance(mapped["path_id"], XComArg)
-    assert mapped["path_id"].operator.task_id == "round_0.paths"
-    assert sorted(train.partial_kwargs["op_kwargs"]) == ["ref", "round_index"]  # constants in .partial()
-    for k in (0, 1):  # each group trains the round it is named after
-        assert dag.task_dict[f"round_{k}.train_path"].partial_kwargs["op_kwargs"]["round_index"] == k
-    assert (train.pool, train.pool_slots, train.retries, train.retry_delay.total_seconds()) == (POOL, 1, 1, 5)
-    assert dag.task_dict["round_0.merge"].trigger_rule == "all_done_min_one_success"
+    island = dag.task_dict["island"]
+    assert type(island).__name__ == "DecoratedMappedOperator"
+    mapped = island.op_kwargs_expand_input.value
+    assert list(mapped) == ["name"] and isinstance(mapped["name"], XComArg)
+    assert mapped["name"].operator.task_id == "islands"
+    assert sorted(island.partial_kwargs["op_kwargs"]) == ["ref"]  # constants in .partial()
+    assert island.partial_kwargs["map_index_template"] == "{{ task.op_kwargs['name'] }}"
+    assert (island.pool, island.pool_slots, island.retries, island.retry_delay.total_seconds()) == (POOL, 1, 1, 5)
+    assert dag.task_dict["islands"].trigger_rule == "none_failed"  # runs when round 0 was evaluated already
     assert dag.catchup is False and dag.max_active_runs == 1
     assert dag.timetable.expression == "0 0 * * *"  # @daily
     assert set(dag.params) == {"config", "overrides", "project_dir"}
+
+
+def test_each_round_group_waits_for_its_round_with_a_rescheduling_sensor(dag):
+    from airflow.sdk import BaseSensorOperator
+
+    for k in (0, 1):  # each group waits for the round it is named after
+        sensor = dag.task_dict[f"round_{k}.finished"]
+        assert isinstance(sensor, BaseSensorOperator)
+        assert sensor.mode == "reschedule"  # no worker slot held, and dag.test() runs the islands between pokes
+        assert 0 < sensor.poke_interval <= 60 and sensor.timeout >= 3600
+        assert sensor.trigger_rule == "none_failed"  # after a skipped round group, or a skipped evaluate_initial
+        assert sensor.op_kwargs["round_index"] == k
+        register = dag.task_dict[f"round_{k}.register"]
+        assert register.op_kwargs["round_index"] == k and register.upstream_task_ids == {"configure", sensor.task_id}
+        assert register.pool != POOL  # only islands take the trainers' pool
 
 
 def task_states(run) -> dict[tuple[str, int], str]:
@@ -129,13 +145,15 @@ def xcom(run, task_id: str):
     from airflow.settings import Session
 
     with Session() as session:
-        row = session.query(XComModel).filter(XComModel.run_id == run.run_id, XComModel.task_id == task_id).one()
+        row = session.query(XComModel).filter(XComModel.run_id == run.run_id, XComModel.task_id == task_id,
+                                              XComModel.key == "return_value").one()  # a dict also pushes its keys
         return XComModel.deserialize_value(row)
 
 
-@pytest.mark.slow  # ~60 s: dag.test() starts an in-process API server (~8 s), Beam, 4 path trainers
+@pytest.mark.slow  # ~60 s: dag.test() starts an in-process API server (~8 s), Beam, an in-process island
 def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_path, monkeypatch):
     from airflow.models.taskinstance import TaskInstance
+    from airflow.models.taskreschedule import TaskReschedule
     from airflow.sdk.exceptions import AirflowSkipException
     from airflow.settings import Session
     from mlflow.tracking import MlflowClient
@@ -158,15 +176,19 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     assert run.state == "success"
 
     states = task_states(run)
-    # one mapped trainer per path of the [2, 2] grid, all done, each shown by its path id
-    trainers = sorted(m for (t, m) in states if t == "round_0.train_path")
-    assert trainers == [0, 1, 2, 3]
-    assert {states[("round_0.train_path", m)] for m in trainers} == {"success"}
+    # one mapped island per train.islands (tiny: parallel_paths=2), each shown by its name; in-process
+    # the first one to run does the whole plan and the other finds nothing left, both succeed
+    assert sorted(m for (t, m) in states if t == "island") == [0, 1]
+    assert {states[("island", m)] for m in (0, 1)} == {"success"}
     with Session() as session:
         labels = [ti.rendered_map_index for ti in session.query(TaskInstance).filter(
-            TaskInstance.run_id == run.run_id, TaskInstance.task_id == "round_0.train_path")]
-    assert sorted(labels) == all_path_ids([2, 2])
-    for name in ("configure", "prepare", "plan", "evaluate_initial", "round_0.merge", "round_0.evaluate",
+            TaskInstance.run_id == run.run_id, TaskInstance.task_id == "island")]
+        # the sensor poked before the islands ran, gave its slot back, and found the round in later
+        reschedules = session.query(TaskReschedule).join(TaskInstance, TaskReschedule.ti_id == TaskInstance.id).filter(
+            TaskInstance.run_id == run.run_id, TaskInstance.task_id == "round_0.finished").count()
+    assert sorted(labels) == ["island-0", "island-1"]
+    assert reschedules >= 1
+    for name in ("configure", "prepare", "plan", "evaluate_initial", "islands", "round_0.finished",
                  "round_0.register", "report"):
         assert states[(name, -1)] == "success", name
     # rounds_per_run=1: round 1's group is left to the next DAG run, skipped, not failed
@@ -180,6 +202,9 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     client = MlflowClient(tracking_uri=tracking_uri(config), registry_uri=tracking_uri(config))
     (version,) = client.search_model_versions(f"name = '{config.mlflow.registered_model}'")
     assert version.tags["dipaco.round"] == "1"
+    registered = xcom(run, "round_0.register")  # what the group registered, from report_round
+    assert registered["round"] == 1 and registered["model_version"] == str(version.version)
+    assert registered["perplexity"] == pytest.approx(root.read_json(layout.eval_file(1))["perplexity"])
     assert str(client.get_model_version_by_alias(config.mlflow.registered_model, "champion").version) == "1"
     # the DAG run ends with the table `dipaco run` prints
     table = xcom(run, "report")
@@ -199,7 +224,7 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     assert again.state == "success"
     states = task_states(again)
     assert states[("plan", -1)] == "skipped"
-    assert {s for (t, _), s in states.items() if t.startswith("round_")} == {"skipped"}
+    assert {s for (t, _), s in states.items() if t.startswith(("round_", "island"))} == {"skipped"}
     after = sorted(p.relative_to(root.local_path()) for p in root.local_path().rglob("*") if "mlflow" not in str(p))
     assert [p for p in after if p not in before and not str(p).startswith("mlartifacts")] == []  # trained nothing
     assert len(client.search_model_versions(f"name = '{config.mlflow.registered_model}'")) == 1

@@ -191,7 +191,7 @@ def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_
 
 # -- Airflow: PostgreSQL, CeleryExecutor on Redis ------------------------------------------------
 DAG_ID = "dipaco_train"
-POOL, POOL_SLOTS, CONCURRENCY = "dipaco_services_paths", 2, 3  # the pool, not the worker, must cap trainers
+POOL, POOL_SLOTS, CONCURRENCY = "dipaco_services_paths", 2, 3  # the pool, not the worker, must cap islands
 
 
 class AirflowApi:
@@ -223,31 +223,38 @@ def wait_for(what: str, check, timeout_s: float, every_s: float = 1.0):
     raise TimeoutError(f"no {what} after {timeout_s:.0f}s")
 
 
-def kill_first_running_trainer(database: str, run_id: str, timeout_s: float) -> int:
-    """SIGKILL the task process (`airflow worker -- <ti id>`) of the first path trainer seen
-    running; returns its map index."""
+def kill_an_island_holding_a_train_lease(database: str, run_id: str, run_root: Path, timeout_s: float) -> tuple:
+    """SIGKILL the task process (`airflow worker -- <ti id>`; an in-process island runs in it) of the
+    first island task seen running while it holds a train task's lease; returns (island, lease file)."""
     import psycopg2
     import psutil
 
-    def running_trainer():
-        try:
-            rows = query(database, "SELECT id, map_index FROM task_instance WHERE run_id = %s AND "
-                         "task_id = 'round_0.train_path' AND state = 'running' ORDER BY map_index", run_id)
-        except psycopg2.Error:
-            return None
-        for ti_id, map_index in rows:
-            for proc in psutil.process_iter(["cmdline"]):
-                if f"airflow worker -- {ti_id}" in " ".join(proc.info["cmdline"] or []):
-                    proc.kill()
-                    return (map_index,)
+    def holder():
+        for attempt in sorted((run_root / "queue" / "leases").glob("train.*/attempt-*.json")):
+            try:
+                record = json.loads(attempt.read_text())
+            except (OSError, ValueError):  # being replaced, or gone
+                continue
+            if record.get("state") != "running":
+                continue
+            try:
+                rows = query(database, "SELECT id FROM task_instance WHERE run_id = %s AND task_id = 'island' "
+                             "AND rendered_map_index = %s AND state = 'running'", run_id, record["island"])
+            except psycopg2.Error:
+                return None
+            for (ti_id,) in rows:
+                for proc in psutil.process_iter(["cmdline"]):
+                    if f"airflow worker -- {ti_id}" in " ".join(proc.info["cmdline"] or []):
+                        proc.kill()
+                        return record["island"], attempt
         return None
 
-    return wait_for("running path trainer to kill", running_trainer, timeout_s, every_s=0.2)[0]
+    return wait_for("island holding a train lease to kill", holder, timeout_s, every_s=0.2)
 
 
 @pytest.mark.slow  # ~2 min (3 min loaded 4x): migrations, 5 Airflow components, a DAG run on Celery
 @pytest.mark.timeout(600)
-def test_airflow_on_postgresql_with_celery_runs_a_triggered_dag_run_and_retries_a_killed_task(
+def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is_retried_and_its_lease_retaken(
         pg_database, deployment, tmp_path):
     require(redis=True)
     dag_config = tmp_path / "dipaco.yaml"
@@ -269,13 +276,14 @@ def test_airflow_on_postgresql_with_celery_runs_a_triggered_dag_run_and_retries_
                 return None
 
         assert wait_for("parsed DAG", dag_parsed, 120)["is_paused"] is False
-        overrides = [f"run_root={tmp_path / 'run'}", "train.launcher=inprocess", "train.inner_steps=2",
-                     "eval.max_docs=4", "mlflow.enabled=false"]
+        # in-process islands (each in its task's process), trained long enough to be caught holding a lease
+        overrides = [f"run_root={tmp_path / 'run'}", "train.launcher=inprocess", "train.inner_steps=20",
+                     "train.lease_seconds=10", "eval.max_docs=4", "mlflow.enabled=false"]
         run = api.call("POST", f"/dags/{DAG_ID}/dagRuns", {
             "logical_date": None,
             "conf": {"config": str(dag_config), "overrides": overrides, "project_dir": str(REPO)}})
         run_id = run["dag_run_id"]
-        killed = kill_first_running_trainer(pg_database, run_id, 240)
+        killed, lease = kill_an_island_holding_a_train_lease(pg_database, run_id, tmp_path / "run", 240)
 
         def finished():
             state = api.call("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"]
@@ -285,24 +293,30 @@ def test_airflow_on_postgresql_with_celery_runs_a_triggered_dag_run_and_retries_
     finally:
         svc.clear_celery_queue(REDIS_URL, queue)
 
-    tis = {(t, m): (state, tries, pool, start, end) for t, m, state, tries, pool, start, end in query(
-        pg_database, "SELECT task_id, map_index, state, try_number, pool, start_date, end_date "
+    tis = {(t, m): (state, tries, pool, start, end, label) for t, m, state, tries, pool, start, end, label in query(
+        pg_database, "SELECT task_id, map_index, state, try_number, pool, start_date, end_date, rendered_map_index "
         "FROM task_instance WHERE run_id = %s", run_id)}
-    for name in ("configure", "prepare", "plan", "round_0.paths", "round_0.merge", "round_0.evaluate",
+    for name in ("configure", "prepare", "plan", "evaluate_initial", "islands", "round_0.finished",
                  "round_0.register", "report"):
         assert tis[(name, -1)][0] == "success", name
-    trainers = {m: v for (t, m), v in tis.items() if t == "round_0.train_path"}
-    assert sorted(trainers) == [0, 1, 2, 3]
-    assert {v[0] for v in trainers.values()} == {"success"} and {v[2] for v in trainers.values()} == {POOL}
-    # the killed try failed, and the scheduler ran a second one, which succeeded
-    assert trainers[killed][1] == 2 and all(v[1] == 1 for m, v in trainers.items() if m != killed)
+    assert {s[0] for (t, _), s in tis.items() if t.startswith("round_1.")} == {"skipped"}  # rounds_per_run=1
+    islands = {v[5]: (m, *v) for (t, m), v in tis.items() if t == "island"}
+    assert sorted(islands) == ["island-0", "island-1"]
+    assert {v[1] for v in islands.values()} == {"success"} and {v[3] for v in islands.values()} == {POOL}
+    # the killed island's try failed, and the scheduler ran a second one, which succeeded
+    assert islands[killed][2] == 2 and all(v[2] == 1 for name, v in islands.items() if name != killed)
     history = query(pg_database, "SELECT try_number, state FROM task_instance_history WHERE run_id = %s AND "
-                    "task_id = 'round_0.train_path' AND map_index = %s", run_id, killed)
+                    "task_id = 'island' AND map_index = %s", run_id, islands[killed][0])
     assert history == [(1, "failed")]
-    # the pool, not the worker's concurrency, capped the path trainers running at once
-    spans = [(v[3], v[4]) for v in trainers.values()] + query(
+    # no path task was retried by Airflow: the killed island's lease expired (never finished) and an
+    # island took the next attempt of its task, which is done
+    attempts = {f.name: json.loads(f.read_text()) for f in lease.parent.glob("attempt-*.json")}
+    assert attempts[lease.name]["island"] == killed and attempts[lease.name]["state"] == "running"
+    assert [a["state"] for name, a in sorted(attempts.items()) if name != lease.name] == ["done"]
+    # the pool, not the worker's concurrency, capped the islands running at once
+    spans = [(v[4], v[5]) for v in islands.values()] + query(
         pg_database, "SELECT start_date, end_date FROM task_instance_history WHERE run_id = %s AND "
-        "task_id = 'round_0.train_path'", run_id)
+        "task_id = 'island'", run_id)
     assert max(sum(1 for s, e in spans if s <= start < e) for start, _ in spans) <= POOL_SLOTS
     from pipeline.storage import RunRoot
 

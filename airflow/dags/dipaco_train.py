@@ -1,24 +1,42 @@
 """dipaco_train: the pipeline as an Airflow DAG. Wiring only: every task calls the function the
 `dipaco` CLI calls (pipeline.stages), so a DAG run and `dipaco run` do the same work.
 
-    configure -> prepare -> plan -> evaluate_initial -> round_0 [paths -> train_path x n (mapped)
-    -> merge -> evaluate -> register] -> round_1 [...] -> ... -> report
+    configure -> prepare -> plan -> evaluate_initial --+--> islands -> island x n (mapped, pooled) --+--> report
+                                                       |                                            |
+                                                       +--> round_0 [finished (sensor) -> register] |
+                                                            -> round_1 [...] -> ... ----------------+
 
-There is one task group per round of `train.rounds`, named after the round it trains: `round_1`
-trains round 1 from round 1's modules, merges them into round 2's, then evaluates and registers
-those. Each DAG run trains `airflow.rounds_per_run` rounds from the first uncommitted one; the
-groups of other rounds are skipped, saying why (committed already, or left to a later DAG run).
-A DAG run once every round of `train.rounds` is committed trains nothing: `plan` is skipped with
-"nothing to train ... raise train.rounds to continue". `evaluate_initial` scores round 0's modules
-once, as `dipaco run` does, and `report` ends every DAG run with the same summary table.
+Training runs on islands, as in `dipaco run`: `island` is mapped over `train.islands` names, each
+task one long-lived `deepspeed` launch (a subprocess, inside stages.run_island, so torch.distributed
+never starts in an Airflow worker) that pulls the planned rounds' work (train a path, merge a
+module, commit a round, evaluate) from the lease-based queue in the run root until the plan is
+done. The pool `airflow.pool` caps how many islands run at once. There are no path tasks: a path
+whose island crashed is retaken by another island when its attempt is failed or its lease expires
+(up to train.max_attempts), and an Airflow retry of an island task starts that island again.
+
+Beside the islands there is one task group per round of `train.rounds`, named after the round it
+trains: in `round_1`, `finished` (a sensor) waits until the islands merged round 1 and evaluated
+the modules it wrote, then `register` logs the round to MLflow and registers those modules as a
+model version. The groups follow one another, so versions are registered in round order. Each DAG
+run trains `airflow.rounds_per_run` rounds from the first uncommitted one; the groups of other
+rounds are skipped, saying why (committed already, or left to a later DAG run). A DAG run once
+every round of `train.rounds` is committed trains nothing: `plan` is skipped with "nothing to train
+... raise train.rounds to continue". `evaluate_initial` scores round 0's modules once, as `dipaco
+run` does, and `report` ends every DAG run, after the last round group and the islands, with the
+same summary table.
+
+The sensors poke in mode="reschedule": between pokes they give their worker slot back, so a
+scheduler runs them beside long islands at no cost, and `dag.test()`, which runs the ready tasks one
+after the other in its own process, runs the islands after a sensor's first unanswered poke and
+pokes again once ROUND_POKE_S has passed (a sensor in mode="poke" would block it until its
+timeout). If every island fails for good, the round's sensor keeps waiting (until ROUND_TIMEOUT_S):
+clear the failed island tasks to start them again, and the waiting groups register what they train.
 
 The DAG's shape (schedule, pool, retries, one group per round) is read from the config named by
 $DIPACO_CONFIG when the file is parsed, and a config that cannot be read fails the parse with a
 one-line message; what a run trains is read at run time from the `config` and `overrides` params.
-Path trainers run the `deepspeed` launcher as a subprocess (inside stages.train_path), so
-torch.distributed never starts in an Airflow worker, and the pool `airflow.pool` caps how many run
-at once. Tasks pass a config reference, never data. Nothing heavy is imported here at parse time:
-pipeline and torch load inside the tasks.
+Tasks pass a config reference, never data. Nothing heavy is imported here at parse time: pipeline
+and torch load inside the tasks.
 """
 
 from __future__ import annotations
@@ -34,6 +52,8 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = os.environ.get("DIPACO_CONFIG", str(PROJECT_DIR / "configs" / "demo.yaml"))
 log = logging.getLogger("dipaco.dag")
+ROUND_POKE_S = 30  # how often a round's sensor looks whether the islands finished its round
+ROUND_TIMEOUT_S = 24 * 3600  # a round's sensor fails after waiting this long (from its first poke)
 
 
 def _dag_settings():
@@ -93,7 +113,8 @@ def prepare(ref: dict) -> None:
 @task(trigger_rule="none_failed")
 def plan(ref: dict) -> dict:
     """The rounds this DAG run trains: airflow.rounds_per_run of them from the first uncommitted
-    one, within train.rounds. Skipped, saying so, when every round is committed."""
+    one, within train.rounds, written to the run root's queue for the islands. Skipped, saying so,
+    when every round is committed."""
     from pipeline import stages
     from pipeline.errors import ConfigError
 
@@ -101,7 +122,7 @@ def plan(ref: dict) -> dict:
     if config.train.rounds > ROUNDS:
         raise ConfigError(f"{config.source}: train.rounds={config.train.rounds} but this DAG was parsed with "
                           f"{ROUNDS} round groups; set train.rounds in $DIPACO_CONFIG ({DEFAULT_CONFIG}) too")
-    todo = stages.rounds_to_train(config, config.airflow.rounds_per_run)
+    todo = stages.plan_rounds(config, config.airflow.rounds_per_run)
     if not todo:
         raise AirflowSkipException(stages.nothing_to_train(config))
     log.info("this DAG run trains round(s) %s", ", ".join(map(str, todo)))
@@ -119,11 +140,8 @@ def evaluate_initial(ref: dict) -> dict:
     return {"round": 0, "perplexity": result["perplexity"]}
 
 
-@task(trigger_rule="none_failed")
-def paths(ref: dict, window: dict | None, round_index: int) -> list[str]:
-    """The path jobs of this round, or a skip saying why this DAG run does not train it."""
-    from pipeline import stages
-
+def _skip_outside(window: dict | None, round_index: int) -> None:
+    """Skip, saying why, a task of a round that this DAG run does not train."""
     if window is None:
         raise AirflowSkipException("nothing to train in this DAG run (see plan)")
     if round_index < window["first"]:
@@ -133,51 +151,57 @@ def paths(ref: dict, window: dict | None, round_index: int) -> list[str]:
         these = f"round {first}" if first == last else f"rounds {first} to {last}"
         raise AirflowSkipException(f"round {round_index} is left to a later DAG run: this one trains {these} "
                                    f"(airflow.rounds_per_run)")
-    return stages.begin_round(_config(ref), round_index)
+
+
+@task(trigger_rule="none_failed")
+def islands(ref: dict, window: dict | None) -> list[str]:
+    """The islands this DAG run starts (`train.islands`), or a skip when it trains nothing."""
+    from pipeline import stages
+
+    if window is None:
+        raise AirflowSkipException("nothing to train in this DAG run (see plan)")
+    return stages.list_islands(_config(ref))
 
 
 @task(pool=SETTINGS.pool, pool_slots=SETTINGS.pool_slots, retries=SETTINGS.retries,
-      retry_delay=timedelta(seconds=SETTINGS.retry_delay_s), map_index_template="{{ task.op_kwargs['path_id'] }}")
-def train_path(ref: dict, round_index: int, path_id: str) -> dict:
-    """One path's DeepSpeed job (a subprocess); a path that failed every attempt is left out. A config
-    or input error fails the task without Airflow retries: another try would fail the same way."""
+      retry_delay=timedelta(seconds=SETTINGS.retry_delay_s), map_index_template="{{ task.op_kwargs['name'] }}")
+def island(ref: dict, name: str) -> dict:
+    """One island until the plan is done: a long-lived `deepspeed` launch (a subprocess, inside
+    stages.run_island; with train.launcher=inprocess, this worker process as a one-rank island, which
+    does the whole plan) taking tasks of the planned rounds from the run root's queue. An Airflow retry
+    starts it again; the task it held is failed at once, or its lease expires if the worker died, and
+    any island takes it again. A config or input error fails the task without Airflow retries."""
     from pipeline import stages
     from pipeline.errors import DipacoError
 
     try:
-        metrics = stages.train_path(_config(ref), round_index, path_id)
+        return stages.run_island(_config(ref), name)
     except DipacoError as exc:
         raise AirflowFailException(str(exc)) from None
-    if metrics is None:
-        return {"path": path_id, "trained": False}
-    return {"path": path_id, "trained": True, "tokens": metrics.get("tokens"),
-            "final_loss": (metrics.get("loss") or [None])[-1]}
 
 
-# A path task that failed for good is left out of the average (DiLoCo); with no path trained, or
-# the round skipped, there is nothing to merge.
-@task(trigger_rule="all_done_min_one_success")
-def merge(ref: dict, round_index: int) -> dict:
-    """The outer step of this round: writes the modules of the next round."""
+# mode="reschedule": no worker slot held between pokes, and dag.test() runs the islands between them
+# (in mode="poke" the first poke would block dag.test() until the timeout; see the module docstring).
+@task.sensor(poke_interval=ROUND_POKE_S, timeout=ROUND_TIMEOUT_S, mode="reschedule", trigger_rule="none_failed")
+def finished(ref: dict, window: dict | None, round_index: int) -> bool:
+    """Waits until the islands merged this round and evaluated the modules it wrote; skipped, saying
+    why, when this DAG run does not train the round."""
     from pipeline import stages
 
-    return stages.merge(_config(ref), round_index)
+    _skip_outside(window, round_index)
+    return stages.round_finished(_config(ref), round_index)
 
 
 @task
-def evaluate(ref: dict, round_index: int) -> dict:
-    """Routed perplexity of what this round's merge wrote: the modules round R+1 starts from."""
+def register(ref: dict, round_index: int) -> dict:
+    """Logs the round's paths, merge, evaluation and utilisation to MLflow and registers the modules
+    round R+1 starts from as a model version (tagged dipaco.round=R+1)."""
     from pipeline import stages
 
-    return stages.evaluate(_config(ref), round_index + 1)
-
-
-@task
-def register(ref: dict, round_index: int, result: dict) -> str | None:
-    """Registers the modules round R+1 starts from as a model version (tagged dipaco.round=R+1)."""
-    from pipeline import stages
-
-    return stages.register(_config(ref), round_index + 1, result)
+    done = stages.report_round(_config(ref), round_index)
+    return {"round": round_index + 1, "model_version": done["model_version"],
+            "perplexity": done["eval"]["perplexity"], "bits_per_byte": done["eval"].get("bits_per_byte"),
+            "utilisation": (done["utilisation"] or {}).get("utilisation")}
 
 
 @task(trigger_rule="none_failed")
@@ -197,13 +221,8 @@ def report(ref: dict) -> str:
 
 @task_group
 def outer_round(ref, window, round_index: int):
-    """Train every path of the grid (mapped), merge into the next round's modules, evaluate, register."""
-    trained = train_path.partial(ref=ref, round_index=round_index).expand(path_id=paths(ref, window, round_index))
-    merged = merge(ref, round_index)
-    trained >> merged
-    result = evaluate(ref, round_index)
-    merged >> result
-    register(ref, round_index, result)
+    """Wait for the islands to finish the round, then log it and register the modules it wrote."""
+    finished(ref, window, round_index=round_index) >> register(ref, round_index=round_index)
 
 
 @dag(
@@ -230,13 +249,17 @@ def dipaco_train():
     prepared = prepare(ref)
     window = plan(ref)
     prepared >> window
-    previous = evaluate_initial(ref)
-    window >> previous
+    initial = evaluate_initial(ref)
+    window >> initial
+    names = islands(ref, window)
+    initial >> names
+    trained = island.partial(ref=ref).expand(name=names)
+    previous = initial  # the round groups wait beside the islands, one round after the other
     for k in range(ROUNDS):
         done = outer_round.override(group_id=f"round_{k}")(ref, window, k)
         previous >> done
         previous = done
-    previous >> report(ref)
+    [previous, trained] >> report(ref)
 
 
 dipaco_train()
