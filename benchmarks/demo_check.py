@@ -16,7 +16,7 @@ import gzip
 import json
 import re
 
-from pipeline.config import load_config
+from pipeline.core.config import load_config
 from pipeline.stages import summarize
 
 PROMPTS = [
@@ -52,7 +52,7 @@ def continuation_words(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     import mlflow
 
-    from pipeline.tracking import CHAMPION, tracking_uri
+    from pipeline.tracking.uris import CHAMPION, tracking_uri
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/demo.yaml")

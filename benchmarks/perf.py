@@ -9,7 +9,7 @@
   gradient buffers, float64 norm, fp32 master copy) is a visible share of a step.
 - prepare: documents/s of the whole Beam job over the raw embedder on the same documents
   (`benchmarks.bench_prepare.bench_prepare`, another engineer's, called when present). Target >= 0.85x.
-- merge: `pipeline.merge.merge_round` seconds for a 16-path [4, 4] grid over plainly reading and
+- merge: `pipeline.outer.merge.merge_round` seconds for a 16-path [4, 4] grid over plainly reading and
   writing the same bytes. Target <= 1.5x. A cProfile of one merge names where the time goes.
 - bytes: outer bytes per round over data-parallel training for the same steps. Target <= 1/H.
 """
@@ -35,12 +35,13 @@ from safetensors.torch import save as st_save
 
 from models.grid import all_path_ids
 from models.modular import ModelShape, assemble_path_state
-from pipeline import layout, stages
-from pipeline.config import Config, config_from_dict
-from pipeline.distributed import free_port, set_runtime_env
-from pipeline.merge import merge_round
-from pipeline.module_store import load_path_modules
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline import stages
+from pipeline.core.config import Config, config_from_dict
+from pipeline.train.distributed import free_port, set_runtime_env
+from pipeline.outer.merge import merge_round
+from pipeline.state.module_store import load_path_modules
+from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.bench.perf")
 OUT = Path("benchmarks/out/perf")

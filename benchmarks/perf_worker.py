@@ -11,7 +11,7 @@ median over many short reps keeps one disturbed block from deciding the figure.
 
 Modes, each with its own model copy (same init) and optimizer:
 - `plain`: the loop a PyTorch user writes (AdamW, warmup+cosine lr, clip 1.0; DDP when N > 1);
-- `zero1|2|3`: `pipeline.train_path.run_inner_loop` (the trainer's own loop) on a ZeRO engine;
+- `zero1|2|3`: `pipeline.train.train_path.run_inner_loop` (the trainer's own loop) on a ZeRO engine;
 - `zero2_bare`: the ZeRO-2 engine stepped without the trainer's per-step logging collective, to
   separate the cost of DeepSpeed from the cost of the loop around it.
 Each block is timed after a warm-up block; the first steps (allocator, autograd graph, DeepSpeed
@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from models.modular import ModelShape, build_path_model, eos_token_id, initial_level_states
-from pipeline.config import Config, config_from_dict
-from pipeline.data import RowStream, micro_batch_start, pack_documents
-from pipeline.distributed import close_distributed, init_distributed
-from pipeline.train_path import adamw_for, lr_at, run_inner_loop
-from pipeline.zero import load_ds_config, wrap_with_zero
+from pipeline.core.config import Config, config_from_dict
+from pipeline.train.data import RowStream, micro_batch_start, pack_documents
+from pipeline.train.distributed import close_distributed, init_distributed
+from pipeline.train.train_path import adamw_for, lr_at, run_inner_loop
+from pipeline.train.zero import load_ds_config, wrap_with_zero
 
 log = logging.getLogger("dipaco.bench.perf_worker")
 MODES = ("plain", "zero1", "zero2", "zero3", "zero2_bare")
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     result["mfu"] = {m: result["tokens_per_s"][m] * flops_token / result["matmul_flops"] for m in seconds}
     if rank == 0:
         Path(args.out).write_text(json.dumps(result, indent=2))
-    close_distributed()  # as a path job ends (pipeline.train_path.main)
+    close_distributed()  # as a path job ends (pipeline.train.train_path.main)
     return 0
 
 

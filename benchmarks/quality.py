@@ -31,9 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import layout, stages
-from pipeline.config import Config, config_from_dict
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline import stages
+from pipeline.core.config import Config, config_from_dict
+from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.bench.quality")
 OUT = Path("benchmarks/out")
@@ -227,7 +228,7 @@ def mean_curve(losses: dict[str, list[float]]) -> list[float]:
 
 def plot_quality(result: dict, out: Path) -> list[Path]:
     """Learning curves (train loss, held-out ppl) per variant, and the final perplexity bars."""
-    from pipeline import plots  # Agg backend set there
+    from pipeline.tracking import plots  # Agg backend set there
     from matplotlib import pyplot as plt
 
     fig, (ax_loss, ax_ppl) = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -194,7 +194,7 @@ def render(result: dict, command: str) -> str:
 
 
 def plot_perf(p: dict, out: Path) -> Path:
-    from pipeline import plots
+    from pipeline.tracking import plots
     from matplotlib import pyplot as plt
 
     names, values, targets = [], [], []

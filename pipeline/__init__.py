@@ -1,1 +1,13 @@
-"""dipaco's pipeline: config, storage contract, path trainer, outer merge, evaluation, CLI."""
+"""dipaco's pipeline, grouped by job, each package importing only those before it:
+
+    core        config, errors, bounds
+    state       the run root: storage, layout (the contract between stages), lock, modules, shards
+    train       one path for one round on DeepSpeed ZeRO
+    outer       the DiLoCo outer merge (whole round, or module by module)
+    evaluation  routed perplexity and bits per byte
+    islands     long-lived trainers pulling tasks from the run root's queue; one-shot launches
+    tracking    MLflow tracker, registry and pyfunc, plots, utilisation, the run summary
+
+and at the top the stages the CLI and the Airflow DAG call (stages, preflight, cli).
+tests/test_code_layout.py holds the rule.
+"""

@@ -15,12 +15,13 @@ import logging
 import sys
 import textwrap
 
-from pipeline import layout, preflight
-from pipeline.bounds import one_line
-from pipeline.config import load_config
-from pipeline.errors import DipacoError, IslandError, StorageError
-from pipeline.report import format_summary
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline import preflight
+from pipeline.core.bounds import one_line
+from pipeline.core.config import load_config
+from pipeline.core.errors import DipacoError, IslandError, StorageError
+from pipeline.tracking.report import format_summary
+from pipeline.state.storage import RunRoot
 
 ROUNDS = """\
 rounds: round R trains every path from the modules of round R, and `merge --round R` turns the
@@ -60,7 +61,7 @@ COMMANDS = {
     ),
     "island": (
         "join a running run as one more island (elastic: from any shell or host)",
-        "Start one island (a long-lived `deepspeed` launch of pipeline.island) on the run root of the config: "
+        "Start one island (a long-lived `deepspeed` launch of pipeline.islands.island) on the run root of the config: "
         "it takes tasks of the rounds the run planned (queue/plan.json) until they are done, or until SIGTERM, "
         "which releases its task and leaves. Its train section may differ from the run's (procs_per_path, "
         "num_nodes, hostfile, ds_config): islands may be heterogeneous; the model is the run's.",

@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from models.grid import parse_job_id
-from pipeline import layout
-from pipeline.config import Config
-from pipeline.errors import ConfigError, InputError
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.config import Config
+from pipeline.core.errors import ConfigError, InputError
+from pipeline.state.storage import RunRoot
 
 PREPARE_FIRST = "shards are not committed; run `dipaco prepare` first"
 

@@ -12,15 +12,16 @@ import re
 import time
 
 from models.grid import all_job_ids
-from pipeline import layout, preflight
-from pipeline.config import Config, config_from_yaml, dump_yaml
-from pipeline.errors import ConfigError, CorruptStateError, InputError, IslandError
-from pipeline.evaluate import evaluate_round
-from pipeline.launch import train_path_job, train_paths
-from pipeline.lock import run_lock
-from pipeline.merge import merge_round
-from pipeline.module_store import init_modules
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline import preflight
+from pipeline.core.config import Config, config_from_yaml, dump_yaml
+from pipeline.core.errors import ConfigError, CorruptStateError, InputError, IslandError
+from pipeline.evaluation.evaluate import evaluate_round
+from pipeline.islands.launch import train_path_job, train_paths
+from pipeline.state.lock import run_lock
+from pipeline.outer.merge import merge_round
+from pipeline.state.module_store import init_modules
+from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco")
 # Sections that fix what the committed state means; a run root refuses a config that changes them.
@@ -46,7 +47,7 @@ def init_run(config: Config) -> RunRoot:
 def prepare(config: Config) -> dict:
     """The Beam job: router and shards (skipped when shards/ is committed)."""
     from preprocessing.prepare import run_prepare
-    from pipeline.tracking import get_tracker
+    from pipeline.tracking.tracker import get_tracker
 
     manifest = run_prepare(config)
     get_tracker(config).log_prepare(manifest)
@@ -70,7 +71,7 @@ def next_round(config: Config) -> int:
 
 def train_path(config: Config, round_index: int, path_id: str) -> dict | None:
     """One path's DeepSpeed job with retries; its metrics, or None when every attempt failed."""
-    from pipeline.tracking import get_tracker
+    from pipeline.tracking.tracker import get_tracker
 
     metrics = train_path_job(config, round_index, path_id)
     if metrics is not None:
@@ -79,7 +80,7 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict | None:
 
 
 def merge(config: Config, round_index: int) -> dict:
-    from pipeline.tracking import get_tracker
+    from pipeline.tracking.tracker import get_tracker
 
     report = merge_round(config, round_index)
     get_tracker(config).log_merge(round_index, report)
@@ -88,7 +89,7 @@ def merge(config: Config, round_index: int) -> dict:
 
 def evaluate(config: Config, round_index: int) -> dict:
     """Routed perplexity of the modules at the start of a round (round r+1 after merge r)."""
-    from pipeline.tracking import get_tracker
+    from pipeline.tracking.tracker import get_tracker
 
     started = time.time()
     result = evaluate_round(config, round_index)
@@ -107,7 +108,7 @@ def evaluate_initial(config: Config) -> dict | None:
 
 def begin_round(config: Config, round_index: int) -> list[str]:
     """The round's path jobs, once the tracker shows the round as running."""
-    from pipeline.tracking import get_tracker
+    from pipeline.tracking.tracker import get_tracker
 
     get_tracker(config).begin_round(round_index)
     return list_paths(config)
@@ -128,14 +129,14 @@ def nothing_to_train(config: Config) -> str:
 
 
 def register(config: Config, round_index: int, result: dict) -> str | None:
-    from pipeline.tracking import get_tracker
+    from pipeline.tracking.tracker import get_tracker
 
     return get_tracker(config).register(round_index, result)
 
 
 def train_round(config: Config, round_index: int) -> dict:
     """Train every path (parallel launches), merge, evaluate, register: one outer round."""
-    from pipeline.tracking import get_tracker
+    from pipeline.tracking.tracker import get_tracker
 
     jobs, root = begin_round(config, round_index), RunRoot(config.run_root)
     pending = [job for job in jobs if not root.is_committed(layout.path_dir(round_index, job))]
@@ -151,14 +152,14 @@ def train_round(config: Config, round_index: int) -> dict:
 
 def list_islands(config: Config) -> list[str]:
     """The islands a run starts on this machine (`train.islands`); the DAG maps over this list."""
-    from pipeline.launch import island_count
+    from pipeline.islands.launch import island_count
 
     return [f"island-{i}" for i in range(island_count(config.train))]
 
 
 def plan_rounds(config: Config, rounds: int | None = None) -> range:
     """The rounds this run trains, written to queue/plan.json for every island (joiners too)."""
-    from pipeline.task_queue import write_plan
+    from pipeline.islands.task_queue import write_plan
 
     todo = rounds_to_train(config, rounds)
     if todo:
@@ -167,10 +168,10 @@ def plan_rounds(config: Config, rounds: int | None = None) -> range:
 
 
 def run_island(config: Config, island: str, ds_config: str | None = None) -> dict:
-    """One island until the plan is done: a `deepspeed` launch of pipeline.island (with
+    """One island until the plan is done: a `deepspeed` launch of pipeline.islands.island (with
     `train.launcher: inprocess`, this process as a one-rank island). Raises when it failed."""
-    from pipeline.island import Island
-    from pipeline.launch import IslandProcess
+    from pipeline.islands.island import Island
+    from pipeline.islands.launch import IslandProcess
 
     if config.train.launcher == "inprocess":
         return Island(config, island).run()
@@ -188,8 +189,8 @@ def run_island(config: Config, island: str, ds_config: str | None = None) -> dic
 def island_failed(config: Config, island: str, returncode: int, tail: list[str]) -> None:
     """An island exited with an error: its running attempt is failed at once (no need to wait out
     the lease); a config or input error is raised with the trainer's own message."""
-    from pipeline.launch import INPUT_ERROR_EXIT, trainer_message
-    from pipeline.task_queue import TaskQueue
+    from pipeline.islands.launch import INPUT_ERROR_EXIT, trainer_message
+    from pipeline.islands.task_queue import TaskQueue
 
     queue = TaskQueue(RunRoot(config.run_root), config)
     queue.fail_running(island, f"island exited with status {returncode}: {tail[-1] if tail else ''}"[:2000])
@@ -204,7 +205,7 @@ def join_run(config: Config, name: str | None = None) -> dict:
     import os
     import socket
 
-    from pipeline.task_queue import read_plan
+    from pipeline.islands.task_queue import read_plan
 
     root = RunRoot(config.run_root)
     until = read_plan(root)
@@ -222,9 +223,9 @@ def round_finished(config: Config, round_index: int) -> bool:
 def report_round(config: Config, round_index: int) -> dict:
     """After islands finished round r: its paths, merge, evaluation and utilisation to the tracker,
     and round r+1's modules registered. Logging twice logs nothing twice (tracking is idempotent)."""
-    from pipeline.launch import read_metrics
-    from pipeline.tracking import get_tracker
-    from pipeline.utilisation import round_utilisation
+    from pipeline.islands.launch import read_metrics
+    from pipeline.tracking.tracker import get_tracker
+    from pipeline.tracking.utilisation import round_utilisation
 
     root, tracker = RunRoot(config.run_root), get_tracker(config)
     for job in list_paths(config):
@@ -250,8 +251,8 @@ ISLAND_POLL_S = 0.5
 def train_on_islands(config: Config, todo: range) -> None:
     """Start `train.islands` islands, report and register each round as it finishes, and restart
     an island that crashed (its task's lease is failed and another island may take it)."""
-    from pipeline.island import Island
-    from pipeline.launch import IslandProcess
+    from pipeline.islands.island import Island
+    from pipeline.islands.launch import IslandProcess
 
     if config.train.launcher == "inprocess":  # tests and debugging: one one-rank island, here
         Island(config, "island-0").run()
@@ -277,7 +278,7 @@ def train_on_islands(config: Config, todo: range) -> None:
                     island_failed(config, name, returncode, process.tail)
                 log.warning("%s exited with status %s; starting it again (%d/%d)", name, returncode,
                             restarts[name], config.train.max_attempts)
-                from pipeline.task_queue import TaskQueue
+                from pipeline.islands.task_queue import TaskQueue
 
                 TaskQueue(RunRoot(config.run_root), config).fail_running(name, f"island exited with status {returncode}")
                 islands[name] = IslandProcess(config, name)
@@ -296,7 +297,7 @@ def train_on_islands(config: Config, todo: range) -> None:
 def run(config: Config, rounds: int | None = None) -> dict:
     """Every stage that has not committed: prepare, then rounds up to `train.rounds` (or `rounds`
     more, as a scheduled DAG run does), evaluation and registration after each merge."""
-    from pipeline.tracking import get_tracker
+    from pipeline.tracking.tracker import get_tracker
 
     root = RunRoot(config.run_root)
     preflight.check_data(config)  # before the lock and init_run write anything
@@ -313,7 +314,7 @@ def run(config: Config, rounds: int | None = None) -> dict:
             train_on_islands(config, todo)
         summary = summarize(config)
         if config.eval.sample_prompt and summary.get("model_version"):
-            from pipeline.registry import champion_continuation
+            from pipeline.tracking.registry import champion_continuation
 
             prompt = config.eval.sample_prompt
             summary["sample"] = {"prompt": prompt, "continuation": champion_continuation(config, prompt)}
@@ -324,14 +325,14 @@ def run(config: Config, rounds: int | None = None) -> dict:
 def summarize(config: Config) -> dict:
     """Perplexity per path and overall by round, from the committed eval files, and where the
     registered model and the tracking store are."""
-    from pipeline.tracking import get_tracker, redact, tracking_uri
+    from pipeline.tracking.tracker import get_tracker, redact, tracking_uri
 
     root = RunRoot(config.run_root)
     rounds = sorted(int(m.group(1)) for n in root.listdir(layout.EVAL_DIR) if (m := _EVAL_FILE.fullmatch(n)))
     summary = {"run_root": root.path() if root.is_local else root.url,
                "rounds_committed": next_round(config), "train_rounds": config.train.rounds,
                "eval": {r: read_eval(root, r) for r in rounds}}
-    from pipeline.utilisation import round_utilisation
+    from pipeline.tracking.utilisation import round_utilisation
 
     last = next_round(config) - 1
     figures = round_utilisation(config, last) if last >= 0 else None

@@ -10,7 +10,7 @@ by name in both.
 
 Hostile lines are bounded before they are parsed: a line is read at most `max_doc_bytes` (+2) at
 a time, so a gigabyte without a newline costs no more memory than a long document; JSON nested
-deeper than pipeline.bounds.MAX_JSON_DEPTH is rejected `too_deep` before json (whose C decoder
+deeper than pipeline.core.bounds.MAX_JSON_DEPTH is rejected `too_deep` before json (whose C decoder
 recurses once per level) sees it; and any other parser failure is a rejection with a reason, never
 an exception that takes the job down. A UTF-8 byte-order mark at the start of a line (files saved
 on Windows start with one) is dropped, as `utf-8-sig` would.
@@ -29,8 +29,8 @@ from typing import IO, NamedTuple
 
 import fsspec
 
-from pipeline.bounds import MAX_JSON_DEPTH, too_deep
-from pipeline.errors import InputError
+from pipeline.core.bounds import MAX_JSON_DEPTH, too_deep
+from pipeline.core.errors import InputError
 
 log = logging.getLogger(__name__)
 

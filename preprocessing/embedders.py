@@ -19,8 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from pipeline.errors import CorruptStateError, InputError
-from pipeline.storage import RunRoot
+from pipeline.core.errors import CorruptStateError, InputError
+from pipeline.state.storage import RunRoot
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class TfidfEmbedder:
 
     @classmethod
     def load(cls, root: RunRoot, rel_dir: str) -> "TfidfEmbedder":
-        from pipeline.bounds import load_npy
+        from pipeline.core.bounds import load_npy
 
         where = root.path(rel_dir, TFIDF_VOCAB)
         state = root.read_committed_json(rel_dir, TFIDF_VOCAB)
@@ -145,7 +145,7 @@ class PathModelEmbedder:
 
     @classmethod
     def from_run(cls, root: RunRoot, config, round_index: int, path_id: str) -> "PathModelEmbedder":
-        from pipeline.module_store import load_path_model
+        from pipeline.state.module_store import load_path_model
         from preprocessing.tokenizer import load_tokenizer
 
         return cls(load_path_model(root, config, round_index, path_id), config.router.prefix_tokens, config.router.batch_size,

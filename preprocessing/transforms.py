@@ -36,9 +36,9 @@ from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, Predi
 from apache_beam.metrics import Metrics
 from apache_beam.transforms.combiners import TopCombineFn
 
-from pipeline import layout
-from pipeline.shards import shard_table, write_shard_file
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.state.shards import shard_table, write_shard_file
+from pipeline.state.storage import RunRoot
 from preprocessing import c4
 
 log = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class RouterEmbedderHandler(ModelHandler[str, PredictionResult, Any]):
             torch.set_num_threads(self.threads)  # N workers x threads = the cores, no oversubscription
         config = None
         if self.config_dict is not None:
-            from pipeline.config import config_from_dict
+            from pipeline.core.config import config_from_dict
 
             config = config_from_dict(self.config_dict, "<prepare>")
         embedder = Router.load(RunRoot(self.root_url), config).embedder

@@ -18,9 +18,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from models.grid import all_path_ids  # noqa: E402
-from pipeline.config import Config, load_config  # noqa: E402
-from pipeline.shards import shard_table, write_shard_file  # noqa: E402
-from pipeline.storage import RunRoot  # noqa: E402
+from pipeline.core.config import Config, load_config  # noqa: E402
+from pipeline.state.shards import shard_table, write_shard_file  # noqa: E402
+from pipeline.state.storage import RunRoot  # noqa: E402
 
 TINY_VOCAB = 256
 

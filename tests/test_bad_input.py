@@ -14,11 +14,11 @@ import sys
 import pytest
 
 from conftest import REPO
-from pipeline import layout
-from pipeline.config import config_from_dict
-from pipeline.distributed import child_env
-from pipeline.errors import InputError
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.config import config_from_dict
+from pipeline.train.distributed import child_env
+from pipeline.core.errors import InputError
+from pipeline.state.storage import RunRoot
 from preprocessing.prepare import run_prepare
 
 GOOD = REPO / "tests" / "data" / "c4" / "train" / "c4-train.00000-of-00002.json"

@@ -9,10 +9,11 @@ import pytest
 import yaml
 
 from conftest import REPO, tiny_config, write_synthetic_shards
-from pipeline import layout, stages
+from pipeline.state import layout
+from pipeline import stages
 from pipeline.cli import main
-from pipeline.config import config_from_dict, load_config
-from pipeline.errors import ConfigError
+from pipeline.core.config import config_from_dict, load_config
+from pipeline.core.errors import ConfigError
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 
@@ -86,7 +87,7 @@ def test_the_installed_console_script_exits_2_without_a_traceback(tmp_path):
 
 
 def test_multi_node_islands_launch_through_a_hostfile(tmp_path, run_root):
-    from pipeline.launch import launcher_command
+    from pipeline.islands.launch import launcher_command
 
     with pytest.raises(ConfigError, match="train.hostfile"):
         tiny_config(run_root, "train.num_nodes=2")
@@ -165,8 +166,8 @@ def test_a_path_jobs_input_error_is_not_retried_and_reaches_the_caller(launcher,
     """An input error inside the trainer (here: a shard too small for one row) fails the first
     attempt with the trainer's own message (exit status 2 from a launched rank); another attempt
     could only fail the same way."""
-    from pipeline.errors import InputError
-    from pipeline.launch import train_path_job
+    from pipeline.core.errors import InputError
+    from pipeline.islands.launch import train_path_job
 
     config = tiny_config(run_root, "train.max_attempts=3", f"train.launcher={launcher}")
     root = stages.init_run(config)
@@ -184,7 +185,7 @@ def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
                             capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 2 and "train.inner_stepz" in result.stderr
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-    assert "pipeline.config" in imported
+    assert "pipeline.core.config" in imported
     assert not {"torch", "deepspeed", "mlflow", "apache_beam"} & imported
 
 

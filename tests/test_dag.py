@@ -76,8 +76,8 @@ def test_a_wrong_dipaco_config_fails_the_parse_in_one_line(tmp_path, monkeypatch
         errors = DagBag(dag_folder=str(DAGS)).import_errors
         (error,) = errors.values()
         message = error.strip().splitlines()[-1]  # the error itself, under Airflow's short traceback
-        assert message.startswith(f"pipeline.errors.ConfigError: $DIPACO_CONFIG: {config}: {why}"), message
-        assert "pipeline/config.py" not in error  # raised by the DAG file: no frames from deep inside
+        assert message.startswith(f"pipeline.core.errors.ConfigError: $DIPACO_CONFIG: {config}: {why}"), message
+        assert "pipeline/core/config.py" not in error  # raised by the DAG file: no frames from deep inside
 
 
 def test_task_graph_wires_islands_beside_one_group_per_round(dag):
@@ -160,10 +160,10 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     from test_registry import write_c4
 
     from models.grid import all_path_ids
-    from pipeline import layout
-    from pipeline.config import load_config
-    from pipeline.storage import RunRoot
-    from pipeline.tracking import tracking_uri
+    from pipeline.state import layout
+    from pipeline.core.config import load_config
+    from pipeline.state.storage import RunRoot
+    from pipeline.tracking.uris import tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     data = write_c4(tmp_path / "c4")
@@ -239,7 +239,7 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
 ])
 def test_a_trigger_whose_params_break_the_schema_is_refused(dag, params, expected):
     """Airflow checks the params' JSON schema when a run is triggered, before any task runs;
-    configure then checks them again (pipeline.config.check_dag_params) and loads the config."""
+    configure then checks them again (pipeline.core.config.check_dag_params) and loads the config."""
     import copy
 
     from airflow.sdk.exceptions import ParamValidationError

@@ -18,13 +18,14 @@ import torch
 
 from conftest import REPO, TINY_VOCAB, tiny_config, write_synthetic_shards
 from models.grid import ModuleKey
-from pipeline import layout, stages
-from pipeline.distributed import child_env
-from pipeline.errors import CorruptStateError, StorageError
-from pipeline.merge import merge_round
-from pipeline.module_store import load_modules
-from pipeline.storage import RunRoot
-from pipeline.train_path import CKPT, train_path
+from pipeline.state import layout
+from pipeline import stages
+from pipeline.train.distributed import child_env
+from pipeline.core.errors import CorruptStateError, StorageError
+from pipeline.outer.merge import merge_round
+from pipeline.state.module_store import load_modules
+from pipeline.state.storage import RunRoot
+from pipeline.train.train_path import CKPT, train_path
 
 TINY_SETS = [f"model.vocab_size={TINY_VOCAB}", "train.launcher=inprocess", "mlflow.enabled=false"]
 
@@ -37,14 +38,14 @@ def cli(args: list[str], run_root: Path, *sets: str, env: dict | None = None, **
 
 
 def rank_pids(path_id: str) -> list[int]:
-    """PIDs of the DeepSpeed ranks training a path (`python -u -m pipeline.train_path ... --path ID`)."""
+    """PIDs of the DeepSpeed ranks training a path (`python -u -m pipeline.train.train_path ... --path ID`)."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"pipeline.train_path" in argv and b"-m" in argv and path_id.encode() in argv and b"--module" not in argv:
+        if b"pipeline.train.train_path" in argv and b"-m" in argv and path_id.encode() in argv and b"--module" not in argv:
             pids.append(int(proc.name))
     return pids
 
@@ -149,7 +150,7 @@ def test_a_second_run_is_refused_and_a_killed_holder_leaves_no_stale_lock(run_ro
     config = tiny_config(run_root)
     stages.init_run(config)
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pipeline.lock import run_lock; from pipeline.storage import RunRoot\n"
+        "import sys, time; from pipeline.state.lock import run_lock; from pipeline.state.storage import RunRoot\n"
         f"with run_lock(RunRoot({str(run_root)!r})):\n    print('held', flush=True); time.sleep(120)")],
         stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
@@ -160,7 +161,7 @@ def test_a_second_run_is_refused_and_a_killed_holder_leaves_no_stale_lock(run_ro
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    from pipeline.lock import run_lock
+    from pipeline.state.lock import run_lock
 
     with run_lock(RunRoot(str(run_root))):  # the kernel released the dead holder's lock
         pass
@@ -227,7 +228,7 @@ def test_unsafe_names_in_a_commit_record_are_refused(run_root):
     marker = root.read_json("shards/_SUCCESS")
     marker["files"]["path=p0-0/../../../../etc/passwd"] = {"sha256": "0", "bytes": 1}
     root.write_json("shards/_SUCCESS", marker)
-    from pipeline.shards import read_path_documents
+    from pipeline.state.shards import read_path_documents
 
     with pytest.raises(CorruptStateError, match="unsafe file name"):
         read_path_documents(root, "p0-0")

@@ -25,15 +25,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO
-from pipeline import layout
-from pipeline.bounds import MAX_JSON_DEPTH, too_deep
-from pipeline.config import Config, check_dag_params, load_config
-from pipeline.errors import DipacoError
-from pipeline.launch import read_metrics
-from pipeline.lock import _heartbeat_lock
-from pipeline.module_store import decode, encode
+from pipeline.state import layout
+from pipeline.core.bounds import MAX_JSON_DEPTH, too_deep
+from pipeline.core.config import Config, check_dag_params, load_config
+from pipeline.core.errors import DipacoError
+from pipeline.islands.launch import read_metrics
+from pipeline.state.lock import _heartbeat_lock
+from pipeline.state.module_store import decode, encode
 from pipeline.stages import read_eval
-from pipeline.storage import RunRoot
+from pipeline.state.storage import RunRoot
 from preprocessing import c4
 from preprocessing.router import Router
 
@@ -326,7 +326,7 @@ def test_a_hostile_run_root_json_file_is_read_or_refused(data, target):
             json.dumps({k: metrics[k] for k in ("round", "path", "tokens", "tokens_per_s", "seconds")}
                        | {"final_loss": metrics["loss"][-1]})
         elif target == "eval":
-            from pipeline.report import format_summary
+            from pipeline.tracking.report import format_summary
 
             format_summary({"eval": {0: read_eval(root, 0)}, "run_root": "r", "rounds_committed": 1})
         elif target == "lock":

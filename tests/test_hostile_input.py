@@ -15,14 +15,15 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from pipeline import layout, stages
-from pipeline.config import check_dag_params, load_config
-from pipeline.errors import ConfigError, CorruptStateError
-from pipeline.launch import read_metrics
-from pipeline.lock import _heartbeat_lock
-from pipeline.merge import committed_paths, merge_round
-from pipeline.module_store import decode, encode, init_modules, load_path_model
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline import stages
+from pipeline.core.config import check_dag_params, load_config
+from pipeline.core.errors import ConfigError, CorruptStateError
+from pipeline.islands.launch import read_metrics
+from pipeline.state.lock import _heartbeat_lock
+from pipeline.outer.merge import committed_paths, merge_round
+from pipeline.state.module_store import decode, encode, init_modules, load_path_model
+from pipeline.state.storage import RunRoot
 from preprocessing import c4
 from preprocessing.prepare import run_prepare
 from preprocessing.router import Router
@@ -272,9 +273,9 @@ def test_a_hostile_success_marker_is_refused_naming_it(routed_root, marker, expe
 
 
 def test_an_oversized_json_file_is_refused_after_reading_only_the_bound(tmp_path, monkeypatch):
-    import pipeline.storage
+    import pipeline.state.storage
 
-    monkeypatch.setattr(pipeline.storage, "MAX_STATE_JSON_BYTES", 1000)
+    monkeypatch.setattr(pipeline.state.storage, "MAX_STATE_JSON_BYTES", 1000)
     root = RunRoot(tmp_path)
     root.write_bytes("shards/manifest.json", b'{"pad": "' + b"x" * 5000 + b'"}')
     root.commit("shards")

@@ -13,11 +13,12 @@ import pytest
 
 from conftest import REPO, tiny_config, write_synthetic_shards
 from models.grid import ModuleKey, all_modules
-from pipeline import layout, stages
-from pipeline.merge import finish_round, merge_module, merge_round
-from pipeline.storage import RunRoot
-from pipeline.task_queue import Task, TaskQueue, write_plan
-from pipeline.train_path import train_path
+from pipeline.state import layout
+from pipeline import stages
+from pipeline.outer.merge import finish_round, merge_module, merge_round
+from pipeline.state.storage import RunRoot
+from pipeline.islands.task_queue import Task, TaskQueue, write_plan
+from pipeline.train.train_path import train_path
 
 
 def _files(run, round_index: int) -> dict[str, bytes]:
@@ -126,7 +127,7 @@ def test_merging_module_by_module_writes_bitwise_the_whole_round_merge(tmp_path)
 
 def _island(run_root, name: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.island", "--run-root", str(run_root), "--island", name],
+    return subprocess.Popen([sys.executable, "-m", "pipeline.islands.island", "--run-root", str(run_root), "--island", name],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

@@ -9,11 +9,12 @@ from safetensors.torch import save as st_save
 from conftest import tiny_config, write_synthetic_shards
 from models.grid import ModuleKey, all_modules
 from models.modular import ModelShape, assemble_path_state, split_path_state
-from pipeline import layout, stages
-from pipeline.merge import OuterOptimizer, merge_round
-from pipeline.module_store import load_modules, load_path_modules
-from pipeline.storage import RunRoot
-from pipeline.train_path import train_path
+from pipeline.state import layout
+from pipeline import stages
+from pipeline.outer.merge import OuterOptimizer, merge_round
+from pipeline.state.module_store import load_modules, load_path_modules
+from pipeline.state.storage import RunRoot
+from pipeline.train.train_path import train_path
 
 LR, MOMENTUM = 0.7, 0.9
 
@@ -111,7 +112,7 @@ def test_degenerate_grid_one_path_lr_one_no_momentum_gives_the_trained_path(run_
     train_path(config, 0, "p0")
     merge_round(config, 0)
     shape = ModelShape.from_config(config.model)
-    from pipeline.module_store import decode
+    from pipeline.state.module_store import decode
 
     trained = split_path_state(shape, decode(root.read_committed(layout.path_dir(0, "p0"), "model.safetensors"), "p0"))
     merged = load_modules(root, 1, [ModuleKey(0, 0)])[ModuleKey(0, 0)]
@@ -129,7 +130,7 @@ def test_grid_2x2_averages_each_shared_module_over_exactly_two_trained_paths(run
         train_path(config, 0, path_id)
     report = merge_round(config, 0)
     shape = ModelShape.from_config(config.model)
-    from pipeline.module_store import decode
+    from pipeline.state.module_store import decode
 
     trained = {p: split_path_state(shape, decode(root.read_committed(layout.path_dir(0, p), "model.safetensors"), p))
                for p in stages.list_paths(config)}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from pipeline.report import format_summary
+from pipeline.tracking.report import format_summary
 
 README = (REPO / "README.md").read_text()
 
@@ -61,7 +61,7 @@ def demo_clone(tmp_path_factory):
     from test_registry import real_text_config, write_c4
 
     from pipeline import stages
-    from pipeline.tracking import get_tracker
+    from pipeline.tracking.tracker import get_tracker
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     clone = tmp_path_factory.mktemp("clone")

@@ -12,11 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
-from pipeline import layout
-from pipeline.config import config_from_dict
-from pipeline.errors import InputError
-from pipeline.shards import read_path_documents
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.config import config_from_dict
+from pipeline.core.errors import InputError
+from pipeline.state.shards import read_path_documents
+from pipeline.state.storage import RunRoot
 from preprocessing.prepare import run_prepare
 from preprocessing.router import Router
 from preprocessing.tokenizer import encode

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, tiny_config
 
-from pipeline import layout, stages
-from pipeline.storage import RunRoot
-from pipeline.tracking import get_tracker, tracking_uri
+from pipeline.state import layout
+from pipeline import stages
+from pipeline.state.storage import RunRoot
+from pipeline.tracking.tracker import get_tracker, tracking_uri
 
 TOPICS = {
     "sport": "football match team goal player season league coach stadium score win cup",
@@ -92,7 +93,7 @@ def test_versions_aliases_and_idempotent_registration(prepared):
 def test_champion_loads_in_a_fresh_process_with_its_tokenizer_and_generates_like_its_path(prepared, tmp_path):
     import torch
 
-    from pipeline.module_store import load_path_model
+    from pipeline.state.module_store import load_path_model
     from preprocessing.router import Router
     from preprocessing.tokenizer import load_tokenizer
 
@@ -140,8 +141,8 @@ def test_champion_loads_in_a_fresh_process_with_its_tokenizer_and_generates_like
 
 
 def test_run_summary_shows_the_champions_continuation(prepared):
-    from pipeline.registry import champion_continuation
-    from pipeline.report import format_summary
+    from pipeline.tracking.registry import champion_continuation
+    from pipeline.tracking.report import format_summary
 
     get_tracker(prepared).register(1, {"round": 1, "perplexity": 50.0, "tokens": 10})
     text = champion_continuation(prepared, PROMPTS[0])

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
-from pipeline import layout
-from pipeline.errors import CorruptStateError, InputError
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.errors import CorruptStateError, InputError
+from pipeline.state.storage import RunRoot
 from preprocessing import c4, kmeans
 from preprocessing.router import CENTROIDS, Router
 

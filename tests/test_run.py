@@ -3,10 +3,11 @@
 import pytest
 
 from conftest import tiny_config, write_synthetic_shards
-from pipeline import layout, stages
-from pipeline.errors import RunLockedError
-from pipeline.lock import run_lock
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline import stages
+from pipeline.core.errors import RunLockedError
+from pipeline.state.lock import run_lock
+from pipeline.state.storage import RunRoot
 
 
 def module_files(root: RunRoot, round_index: int) -> dict[str, bytes]:

@@ -23,8 +23,8 @@ import pytest
 import yaml
 from conftest import REPO, tiny_config
 
-from pipeline import layout
-from pipeline.errors import ConfigError
+from pipeline.state import layout
+from pipeline.core.errors import ConfigError
 from preprocessing.prepare import DASK_RUNNER, make_runner, pipeline_options, run_prepare
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -318,7 +318,7 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
         pg_database, "SELECT start_date, end_date FROM task_instance_history WHERE run_id = %s AND "
         "task_id = 'island'", run_id)
     assert max(sum(1 for s, e in spans if s <= start < e) for start, _ in spans) <= POOL_SLOTS
-    from pipeline.storage import RunRoot
+    from pipeline.state.storage import RunRoot
 
     root = RunRoot(tmp_path / "run")
     assert root.is_committed(layout.round_dir(0)) and root.exists(layout.eval_file(1))

@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from pipeline.errors import CorruptStateError, InputError
-from pipeline.storage import RunRoot
+from pipeline.core.errors import CorruptStateError, InputError
+from pipeline.state.storage import RunRoot
 
 
 def test_commit_records_checksums_and_reads_are_verified(tmp_path):
@@ -54,8 +54,8 @@ def test_a_write_the_kernel_refuses_leaves_the_old_file_and_names_the_file(tmp_p
     script = f"""
 import resource, signal
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-from pipeline.storage import RunRoot
-from pipeline.errors import StorageError
+from pipeline.state.storage import RunRoot
+from pipeline.core.errors import StorageError
 root = RunRoot({str(tmp_path)!r})
 root.write_bytes("state.bin", b"old")
 resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
@@ -76,7 +76,7 @@ def test_module_files_decode_in_place_and_malformed_ones_are_refused():
     import torch
     from safetensors.torch import load, save
 
-    from pipeline.module_store import decode
+    from pipeline.state.module_store import decode
 
     state = {"w": torch.randn(3, 4), "ids": torch.arange(5), "empty": torch.zeros(0, 2), "half": torch.randn(2).bfloat16()}
     data = save(state, metadata={"k": "v"})

@@ -12,10 +12,11 @@ import pytest
 import torch
 from conftest import REPO, tiny_config
 
-from pipeline import layout, stages
-from pipeline.errors import ConfigError
-from pipeline.evaluate import bits_per_byte, score_documents, scored_bytes
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline import stages
+from pipeline.core.errors import ConfigError
+from pipeline.evaluation.evaluate import bits_per_byte, score_documents, scored_bytes
+from pipeline.state.storage import RunRoot
 from preprocessing.tokenizer import commit_bpe, encode, gpt2_tokenizer, load_tokenizer, token_byte_lengths, train_bpe
 
 TRAIN_FILES = sorted(str(p) for p in (REPO / "tests" / "data" / "c4" / "train").iterdir())
@@ -111,7 +112,7 @@ def test_prepare_trains_commits_and_uses_the_bpe_then_eval_reports_bits_per_byte
     assert manifest["tokenizer"]["sha256"] == marker["sha256"]
     tokenizer = load_tokenizer(root, "bpe")
 
-    from pipeline.shards import read_path_documents
+    from pipeline.state.shards import read_path_documents
 
     # every shard holds the ids of the trained tokenizer, not GPT-2's
     docs = [d for p in ("p0-0", "p0-1", "p1-0", "p1-1") for d in read_path_documents(root, p)]
@@ -137,7 +138,7 @@ def test_prepare_trains_commits_and_uses_the_bpe_then_eval_reports_bits_per_byte
 
 @pytest.mark.parametrize("content", [b"{}", b'{"model": {"type": "BPE", "vocab": 3}}', b"[" * 100_000, b"\xff\xfe not json"])
 def test_a_corrupt_tokenizer_file_is_one_line_naming_it(tmp_path, content):
-    from pipeline.errors import CorruptStateError
+    from pipeline.core.errors import CorruptStateError
 
     root = RunRoot(str(tmp_path / "run"))
     root.write_bytes(f"{layout.TOKENIZER_DIR}/tokenizer.json", content)

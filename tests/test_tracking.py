@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, tiny_config
 
-from pipeline import layout
-from pipeline.errors import ConfigError
-from pipeline.storage import RunRoot
-from pipeline.tracking import MlflowTracker, NullTracker, get_tracker, metric_name, redact, tracking_uri
+from pipeline.state import layout
+from pipeline.core.errors import ConfigError
+from pipeline.state.storage import RunRoot
+from pipeline.tracking.tracker import MlflowTracker, NullTracker, get_tracker, metric_name, redact, tracking_uri
 
 PATHS = ["p0-0", "p0-1", "p1-0", "p1-1"]
 STEPS = 4
@@ -192,7 +192,7 @@ def test_reruns_and_new_processes_reuse_the_same_runs(config, run_root):
     script = (
         "import sys; sys.path.insert(0, 'tests')\n"
         "from conftest import tiny_config\n"
-        "from pipeline.tracking import get_tracker\n"
+        "from pipeline.tracking.tracker import get_tracker\n"
         "from test_tracking import path_metrics\n"
         f"config = tiny_config({str(run_root)!r}, 'mlflow.enabled=true', 'mlflow.experiment=test-tracking',"
         " 'data.train=https://reader:s3cr3t@data.example.com/c4/*.json')\n"

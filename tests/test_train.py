@@ -13,15 +13,16 @@ import torch.nn.functional as F
 from conftest import REPO, tiny_config, write_synthetic_shards
 from models.grid import ModuleKey
 from models.modular import ModelShape, build_path_model, eos_token_id
-from pipeline import layout, stages
-from pipeline.data import RowStream, micro_batch_start, pack_documents
-from pipeline.distributed import child_env
-from pipeline.launch import train_path_job
-from pipeline.merge import OuterOptimizer, merge_round
-from pipeline.module_store import load_modules, load_path_modules
-from pipeline.shards import read_path_documents
-from pipeline.train_path import CKPT, adamw_for, lr_at, train_path
-from pipeline.zero import full_state, load_ds_config, set_full_state, wrap_with_zero
+from pipeline.state import layout
+from pipeline import stages
+from pipeline.train.data import RowStream, micro_batch_start, pack_documents
+from pipeline.train.distributed import child_env
+from pipeline.islands.launch import train_path_job
+from pipeline.outer.merge import OuterOptimizer, merge_round
+from pipeline.state.module_store import load_modules, load_path_modules
+from pipeline.state.shards import read_path_documents
+from pipeline.train.train_path import CKPT, adamw_for, lr_at, train_path
+from pipeline.train.zero import full_state, load_ds_config, set_full_state, wrap_with_zero
 
 
 def reference_inner_loop(config, root, round_index: int, worker: int, workers: int) -> dict:
@@ -218,7 +219,7 @@ def test_a_rank_leaves_no_shared_memory_behind():
     """DeepSpeed's CPU comm op creates a 69 MB workspace per rank in /dev/shm (RAM) and never
     removes it; init_distributed unlinks it once every rank has mapped it, so a finished or killed
     job leaves nothing behind (192 leftovers, 13 GB, once pushed a benchmark out of memory)."""
-    code = ("import os, deepspeed.comm.comm as c; from pipeline.distributed import init_distributed; "
+    code = ("import os, deepspeed.comm.comm as c; from pipeline.train.distributed import init_distributed; "
             "init_distributed(); print(c.cdb.shm_comm_op is not None, os.environ['MASTER_PORT'])")
     done = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=Path(__file__).parents[1], capture_output=True,
                           text=True, timeout=300)
@@ -252,7 +253,7 @@ def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(r
             return F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), labels.flatten()).item()
 
     merged_loss = loss_of(build_path_model(shape, load_path_modules(root, 1, (0,))))
-    from pipeline.module_store import decode
+    from pipeline.state.module_store import decode
     from models.modular import split_path_state
 
     trained = split_path_state(shape, decode(root.read_committed(layout.path_dir(0, "p0"), "model.safetensors"), "p0"))
@@ -317,7 +318,7 @@ def test_a_one_rank_job_whose_probed_port_was_taken_picks_another(tmp_path):
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     taken = holder.getsockname()[1]
-    script = ("import os\nfrom pipeline.distributed import close_distributed, init_distributed\n"
+    script = ("import os\nfrom pipeline.train.distributed import close_distributed, init_distributed\n"
               "print(init_distributed(), os.environ['MASTER_PORT'])\nclose_distributed()\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     try:
@@ -333,7 +334,7 @@ def test_a_one_rank_job_whose_probed_port_was_taken_picks_another(tmp_path):
 def test_plots_of_a_run_where_no_module_was_merged_still_render(tmp_path):
     """Every path of a round can fail (the merge then keeps every module): the run's plots must
     still be drawn, not end the run with a matplotlib error."""
-    from pipeline import plots
+    from pipeline.tracking import plots
 
     for name, fig in {"heatmap": plots.grad_norm_heatmap({}), "loss": plots.loss_curves({}, 4),
                       "docs": plots.docs_per_path({}), "ppl": plots.perplexity_by_round({}, {}),

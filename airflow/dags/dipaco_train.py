@@ -59,8 +59,8 @@ ROUND_TIMEOUT_S = 24 * 3600  # a round's sensor fails after waiting this long (f
 def _dag_settings():
     """The `airflow` section and `train.rounds` of $DIPACO_CONFIG: the DAG's shape, known at parse
     time. A config that cannot be used fails the parse: the import error is its one-line message."""
-    from pipeline.config import load_config
-    from pipeline.errors import ConfigError
+    from pipeline.core.config import load_config
+    from pipeline.core.errors import ConfigError
 
     try:
         config = load_config(DEFAULT_CONFIG)
@@ -76,7 +76,7 @@ SETTINGS, ROUNDS = _dag_settings()
 
 def _config(ref: dict):
     """Load the run's config the way the CLI does, from the project directory (relative paths)."""
-    from pipeline.config import load_config
+    from pipeline.core.config import load_config
 
     os.chdir(ref["project_dir"])
     return load_config(ref["config"], ref["overrides"])
@@ -87,8 +87,8 @@ def configure(params: dict | None = None) -> dict:
     """Validate the params, the config and its data, write run.yaml and round 0 (stages.init_run),
     log it to MLflow."""
     from pipeline import preflight, stages
-    from pipeline.config import check_dag_params
-    from pipeline.tracking import get_tracker
+    from pipeline.core.config import check_dag_params
+    from pipeline.tracking.tracker import get_tracker
 
     ref = check_dag_params({k: params[k] for k in ("config", "overrides", "project_dir")})
     config = _config(ref)
@@ -101,8 +101,9 @@ def configure(params: dict | None = None) -> dict:
 @task
 def prepare(ref: dict) -> None:
     """The Beam job; shown as skipped when the shards are committed already."""
-    from pipeline import layout, stages
-    from pipeline.storage import RunRoot
+    from pipeline.state import layout
+    from pipeline import stages
+    from pipeline.state.storage import RunRoot
 
     config = _config(ref)
     if RunRoot(config.run_root).is_committed(layout.SHARDS_DIR):
@@ -116,7 +117,7 @@ def plan(ref: dict) -> dict:
     one, within train.rounds, written to the run root's queue for the islands. Skipped, saying so,
     when every round is committed."""
     from pipeline import stages
-    from pipeline.errors import ConfigError
+    from pipeline.core.errors import ConfigError
 
     config = _config(ref)
     if config.train.rounds > ROUNDS:
@@ -172,7 +173,7 @@ def island(ref: dict, name: str) -> dict:
     starts it again; the task it held is failed at once, or its lease expires if the worker died, and
     any island takes it again. A config or input error fails the task without Airflow retries."""
     from pipeline import stages
-    from pipeline.errors import DipacoError
+    from pipeline.core.errors import DipacoError
 
     try:
         return stages.run_island(_config(ref), name)
@@ -208,8 +209,8 @@ def register(ref: dict, round_index: int) -> dict:
 def report(ref: dict) -> str:
     """Plots in MLflow and the summary table that `dipaco run` ends with (in the log and the XCom)."""
     from pipeline import stages
-    from pipeline.report import format_summary
-    from pipeline.tracking import get_tracker
+    from pipeline.tracking.report import format_summary
+    from pipeline.tracking.tracker import get_tracker
 
     config = _config(ref)
     summary = stages.summarize(config)
@@ -233,7 +234,7 @@ def outer_round(ref, window, round_index: int):
     max_active_runs=1,
     tags=["dipaco"],
     params={
-        # The bounds of pipeline.config.check_dag_params, as the JSON schema Airflow checks on trigger.
+        # The bounds of pipeline.core.config.check_dag_params, as the JSON schema Airflow checks on trigger.
         "config": Param(DEFAULT_CONFIG, type="string", minLength=1, maxLength=4096,
                         description="the run's YAML config"),
         "overrides": Param([], type="array", maxItems=256,

@@ -67,7 +67,7 @@ def too_deep(data: bytes | bytearray | str, limit: int = MAX_JSON_DEPTH) -> bool
 def load_json(data: bytes | bytearray | str, where: str, expect: type | tuple[type, ...] | None = dict) -> Any:
     """Stored JSON, parsed within the depth bound; CorruptStateError naming `where` when the bytes
     are not JSON, nest too deep, or the top level is not `expect` (callers index into it)."""
-    from pipeline.errors import CorruptStateError
+    from pipeline.core.errors import CorruptStateError
 
     if too_deep(data):
         raise CorruptStateError(f"{where}: JSON nests deeper than {MAX_JSON_DEPTH} levels; refusing to parse it")
@@ -92,7 +92,7 @@ def load_npy(data: bytes | bytearray, where: str, shape: tuple[int, ...] | None 
     import numpy as np
     from numpy.lib import format as npy
 
-    from pipeline.errors import CorruptStateError
+    from pipeline.core.errors import CorruptStateError
 
     stream = io.BytesIO(data)
     try:

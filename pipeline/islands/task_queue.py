@@ -31,10 +31,10 @@ import uuid
 from dataclasses import dataclass
 
 from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules
-from pipeline import layout
-from pipeline.bounds import shown
-from pipeline.errors import ConfigError, CorruptStateError
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.bounds import shown
+from pipeline.core.errors import ConfigError, CorruptStateError
+from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.queue")
 PLAN = "queue/plan.json"
@@ -205,7 +205,7 @@ class TaskQueue:
 
     # -- readiness -----------------------------------------------------------------------------
     def modules_ready(self, round_index: int, keys: list[ModuleKey]) -> bool:
-        from pipeline.module_store import module_location
+        from pipeline.state.module_store import module_location
 
         return all(module_location(self.root, round_index, key) is not None for key in keys)
 
@@ -248,7 +248,7 @@ class TaskQueue:
         return sorted(tasks)
 
     def eval_paths(self) -> list[str]:
-        from pipeline.shards import shard_parts
+        from pipeline.state.shards import shard_parts
 
         return [p for p in all_path_ids(self.grid) if shard_parts(self.root, p, split="validation")]
 

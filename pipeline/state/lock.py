@@ -16,10 +16,10 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from pipeline import layout
-from pipeline.bounds import SHOWN_CHARS, one_line, shown
-from pipeline.errors import CorruptStateError, RunLockedError
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
+from pipeline.core.errors import CorruptStateError, RunLockedError
+from pipeline.state.storage import RunRoot
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0

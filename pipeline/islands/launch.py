@@ -4,7 +4,7 @@ Each path is its own DeepSpeed job (its island), run as a subprocess so torch.di
 starts inside the orchestrator (the CLI or an Airflow worker). A launch that fails or dies is
 retried up to `train.max_attempts`; after that the round commits without the path and the merge
 names it. Leftovers of a failed attempt are removed before the next, so no partial file is read.
-A launch that exits with status 2 hit a config or input error (pipeline.train_path.main): another
+A launch that exits with status 2 hit a config or input error (pipeline.train.train_path.main): another
 attempt would fail the same way, so it is not retried and its own message is raised to the caller.
 """
 
@@ -20,11 +20,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pipeline import layout
-from pipeline.bounds import shown
-from pipeline.distributed import child_env, free_port, set_runtime_env
-from pipeline.errors import CorruptStateError, DipacoError, InputError
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.bounds import shown
+from pipeline.train.distributed import child_env, free_port, set_runtime_env
+from pipeline.core.errors import CorruptStateError, DipacoError, InputError
+from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.launch")
 _FORWARD = ("dipaco.", "Error", "error", "Traceback", "Killed")
@@ -39,7 +39,7 @@ def launcher_command(run_root: str, round_index: int, path_id: str, train, port:
     hosts = ["--hostfile", train.hostfile] if train.hostfile else []
     return [
         str(launcher), *hosts, "--num_nodes", str(train.num_nodes), "--num_gpus", str(train.procs_per_path),
-        "--master_port", str(port), "--no_local_rank", "--module", "pipeline.train_path",
+        "--master_port", str(port), "--no_local_rank", "--module", "pipeline.train.train_path",
         "--run-root", run_root, "--round", str(round_index), "--path", path_id,
     ]
 
@@ -58,12 +58,12 @@ def island_count(train) -> int:
 
 def island_command(run_root: str, island: str, train, port: int, ds_config: str | None = None) -> list[str]:
     """The `deepspeed` launcher command of one island: it lives for the whole run and pulls tasks
-    (pipeline.island); the same ranks and hosts as a one-shot path launch."""
+    (pipeline.islands.island); the same ranks and hosts as a one-shot path launch."""
     launcher = Path(sys.executable).with_name("deepspeed")
     hosts = ["--hostfile", train.hostfile] if train.hostfile else []
     return [
         str(launcher), *hosts, "--num_nodes", str(train.num_nodes), "--num_gpus", str(train.procs_per_path),
-        "--master_port", str(port), "--no_local_rank", "--module", "pipeline.island",
+        "--master_port", str(port), "--no_local_rank", "--module", "pipeline.islands.island",
         "--run-root", run_root, "--island", island, *(["--ds-config", ds_config] if ds_config else []),
     ]
 
@@ -151,7 +151,7 @@ def read_metrics(root: RunRoot, rel: str) -> dict:
 
 def _run_attempt(config, round_index: int, path_id: str) -> tuple[int, list[str]]:
     if config.train.launcher == "inprocess":
-        from pipeline.train_path import train_path
+        from pipeline.train.train_path import train_path
 
         try:
             train_path(config, round_index, path_id)

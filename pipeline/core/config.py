@@ -7,7 +7,7 @@ Config text comes from users and, through the DAG's `overrides` param, from anyo
 trigger a run, so YAML is read with bounds: anchors and aliases are refused (nine nested aliases
 in 2 KB expand to 10^9 items: a "billion laughs"), nesting is capped, a file is read up to
 MAX_CONFIG_BYTES and a `--set` item up to MAX_SET_CHARS, and a value is shown in a message cut to
-pipeline.bounds.SHOWN_CHARS characters, so every error is one short line naming key and file.
+pipeline.core.bounds.SHOWN_CHARS characters, so every error is one short line naming key and file.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from pipeline.bounds import SHOWN_CHARS, one_line, shown
-from pipeline.errors import ConfigError
+from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
+from pipeline.core.errors import ConfigError
 
 MAX_CONFIG_BYTES = 256 * 1024  # a real config is ~2 KB; PyYAML constructs ~250 KB/s
 MAX_SET_CHARS = 64 * 1024  # one --set item (or DAG override)

@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import layout
-from pipeline.errors import InputError
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.errors import InputError
+from pipeline.state.storage import RunRoot
 
 SCHEMA = pa.schema(
     [

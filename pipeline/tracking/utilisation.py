@@ -13,9 +13,9 @@ process can compute it after the fact.
 from __future__ import annotations
 
 from models.grid import all_job_ids
-from pipeline import layout
-from pipeline.storage import RunRoot
-from pipeline.task_queue import ISLANDS, LEASES
+from pipeline.state import layout
+from pipeline.state.storage import RunRoot
+from pipeline.islands.task_queue import ISLANDS, LEASES
 
 
 def round_utilisation(config, round_index: int) -> dict | None:

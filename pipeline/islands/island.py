@@ -1,11 +1,11 @@
 """An island: one `deepspeed` launch that lives for the whole run and pulls tasks from the queue.
 
     deepspeed [--hostfile H --num_nodes N] --num_gpus G --no_local_rank \
-        --module pipeline.island --run-root URL --island NAME [--ds-config FILE]
+        --module pipeline.islands.island --run-root URL --island NAME [--ds-config FILE]
 
 Its ranks form one process group for their whole life, so the launch, the interpreter starts and
 DeepSpeed's first-start costs are paid once per run instead of once per (path, round). Rank 0
-claims a task (pipeline.task_queue) and broadcasts it; every rank runs a train task (a fresh
+claims a task (pipeline.islands.task_queue) and broadcasts it; every rank runs a train task (a fresh
 ZeRO engine per task, released after it, the path's modules and inner optimizer state loaded as
 for a one-shot launch); rank 0 alone runs the small ones (a module's merge, a round's commit,
 a path's evaluation and the round's evaluation file) while the others wait for the next task.
@@ -27,11 +27,11 @@ import socket
 import sys
 import time
 
-from pipeline import layout
-from pipeline.config import Config, config_from_yaml
-from pipeline.errors import DipacoError
-from pipeline.storage import RunRoot
-from pipeline.task_queue import ISLANDS, Lease, Task, TaskQueue, read_plan
+from pipeline.state import layout
+from pipeline.core.config import Config, config_from_yaml
+from pipeline.core.errors import DipacoError
+from pipeline.state.storage import RunRoot
+from pipeline.islands.task_queue import ISLANDS, Lease, Task, TaskQueue, read_plan
 
 log = logging.getLogger("dipaco.island")
 POLL_S = 0.5  # how often an idle island looks for ready work
@@ -52,7 +52,7 @@ class Island:
         self.rank, self.world = 0, 1
 
     def run(self) -> dict:
-        from pipeline.distributed import init_distributed
+        from pipeline.train.distributed import init_distributed
 
         rank, world = init_distributed()
         self.rank, self.world = rank, world
@@ -124,7 +124,7 @@ def run_task(config: Config, task: Task, rank: int) -> dict | None:
     """Do one task on this rank; what the lease records of it (rank 0)."""
     root = RunRoot(config.run_root)
     if task.kind == "train":
-        from pipeline.train_path import train_path
+        from pipeline.train.train_path import train_path
 
         rel = layout.path_dir(task.round, task.target)
         if rank == 0 and not root.is_committed(rel):
@@ -134,20 +134,20 @@ def run_task(config: Config, task: Task, rank: int) -> dict | None:
     if rank != 0:
         return None
     if task.kind == "merge":
-        from pipeline.merge import merge_module
+        from pipeline.outer.merge import merge_module
 
         merge_module(config, task.round, task.module)
     elif task.kind == "commit":
-        from pipeline.merge import finish_round
+        from pipeline.outer.merge import finish_round
 
         finish_round(config, task.round)
     elif task.kind == "eval":
-        from pipeline.evaluate import evaluate_path
+        from pipeline.evaluation.evaluate import evaluate_path
 
         root.write_json(layout.eval_part(task.round, task.target),
                         {"path": task.target, "result": evaluate_path(config, task.round, task.target)})
     elif task.kind == "evalsum":
-        from pipeline.evaluate import combine_paths
+        from pipeline.evaluation.evaluate import combine_paths
 
         parts = {p: root.read_json(layout.eval_part(task.round, p)).get("result") for p in TaskQueue(root, config).eval_paths()}
         combine_paths(config, task.round, parts)
@@ -184,14 +184,14 @@ def island_config(run_root: str, ds_config: str | None = None) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of each launched rank."""
-    parser = argparse.ArgumentParser(prog="python -m pipeline.island")
+    parser = argparse.ArgumentParser(prog="python -m pipeline.islands.island")
     parser.add_argument("--run-root", required=True)
     parser.add_argument("--island", required=True)
     parser.add_argument("--ds-config", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
-    from pipeline.distributed import close_distributed
+    from pipeline.train.distributed import close_distributed
 
     island = None
     try:

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from models.modular import ModelShape
-from pipeline.bounds import load_json
-from pipeline.config import read_config_text, resolve_ds_config
-from pipeline.distributed import init_distributed
-from pipeline.errors import ConfigError, CorruptStateError
+from pipeline.core.bounds import load_json
+from pipeline.core.config import read_config_text, resolve_ds_config
+from pipeline.train.distributed import init_distributed
+from pipeline.core.errors import ConfigError, CorruptStateError
 
 
 def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: int, source: str) -> dict[str, Any]:

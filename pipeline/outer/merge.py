@@ -20,10 +20,10 @@ import torch
 
 from models.grid import ModuleKey, all_job_ids, all_modules, parse_job_id, path_modules
 from models.modular import ModelShape, ModuleState, split_path_state
-from pipeline import layout
-from pipeline.bounds import SHOWN_CHARS, one_line, shown
-from pipeline.errors import CorruptStateError
-from pipeline.module_store import (
+from pipeline.state import layout
+from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
+from pipeline.core.errors import CorruptStateError
+from pipeline.state.module_store import (
     check_state,
     commit_states,
     decode,
@@ -34,7 +34,7 @@ from pipeline.module_store import (
     read_state,
     write_state,
 )
-from pipeline.storage import IO_THREADS, SUCCESS, RunRoot, map_io
+from pipeline.state.storage import IO_THREADS, SUCCESS, RunRoot, map_io
 
 log = logging.getLogger("dipaco.merge")
 

@@ -41,10 +41,10 @@ from typing import Any
 
 import yaml
 
-from pipeline import layout
-from pipeline.config import MAX_CONFIG_BYTES, Config, flatten, parse_yaml, resolve_ds_config
-from pipeline.errors import ConfigError
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.core.config import MAX_CONFIG_BYTES, Config, flatten, parse_yaml, resolve_ds_config
+from pipeline.state.storage import RunRoot
+from pipeline.tracking.uris import CHAMPION, NEWEST, redact, redact_data, tracking_uri  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -53,49 +53,14 @@ KIND = "dipaco.kind"  # pipeline | prepare | round | path | merge | register: wh
 KEY, RUN_KEY = "mlflow.dipaco.key", "mlflow.dipaco.run_key"  # bookkeeping, hidden by the MLflow UI
 PARENT_TAG = "mlflow.parentRunId"
 DESCRIPTION_TAG = "mlflow.note.content"  # the run page's description
-NEWEST, CHAMPION = "newest", "champion"  # registry aliases (MLflow reserves "latest")
 EVAL_SERIES = {"bytes": "eval_bytes"}  # eval result key -> metric name on the parent and round runs
-_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][\w+.-]*://)[^/@\s]+@")
 _BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
 
 
 # -- helpers shared by the implementations --------------------------------------------------------
-def redact(text: str) -> str:
-    """'https://user:pw@host/x' -> 'https://***@host/x': a tracking URI may carry a password."""
-    return _CREDENTIALS.sub(r"\g<scheme>***@", text)
-
-
-def redact_data(obj: Any) -> Any:
-    """redact() applied to every string inside nested dicts and lists."""
-    if isinstance(obj, str):
-        return redact(obj)
-    if isinstance(obj, dict):
-        return {k: redact_data(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [redact_data(v) for v in obj]
-    return obj
-
-
 def metric_name(text: str) -> str:
     """MLflow names allow [/\\w.- :] only: 'level=0/module=1' -> 'level_0/module_1'."""
     return _BAD_NAME_CHARS.sub("_", text)
-
-
-def tracking_uri(config: Config) -> str:
-    """mlflow.tracking_uri, else $MLFLOW_TRACKING_URI, else SQLite in the run root."""
-    if config.mlflow.tracking_uri:
-        return config.mlflow.tracking_uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    root = RunRoot(config.run_root)
-    if not root.is_local:
-        raise ConfigError(
-            f"{config.source}: mlflow.tracking_uri must be set when run_root is not local "
-            f"({redact(config.run_root)}): the embedded SQLite store needs a local file"
-        )
-    db = root.local_path("mlflow.db").resolve()
-    db.parent.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{db}"
 
 
 def run_key(config: Config) -> str:
@@ -282,7 +247,7 @@ class MlflowTracker(Tracker):
         self._end(round_run, finished)
 
     def log_utilisation(self, round_index: int, figures: dict) -> None:
-        """Islands' utilisation up to round r (pipeline.utilisation) on the parent, by round, and
+        """Islands' utilisation up to round r (pipeline.tracking.utilisation) on the parent, by round, and
         on the round's run."""
         series = {f"islands_{metric_name(k)}" if k != "utilisation" else "utilisation": [(round_index, float(v))]
                   for k, v in figures.items() if _numeric(v)}
@@ -331,7 +296,7 @@ class MlflowTracker(Tracker):
         self._end(round_run)
 
     def register(self, round_index: int, result: dict) -> str | None:
-        from pipeline import registry
+        from pipeline.tracking import registry
 
         name = self.config.mlflow.registered_model
         existing = self._versions(name, {RUN_KEY: self.key, "dipaco.round": str(round_index)})
@@ -352,7 +317,7 @@ class MlflowTracker(Tracker):
         return str(versions[-1].version) if versions else None
 
     def finish(self, summary: dict) -> None:
-        from pipeline import plots
+        from pipeline.tracking import plots
 
         parent = self._parent()
         figures = {

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from models.grid import all_path_ids
 from models.modular import EOS_TOKEN_ID, eos_token_id
 from preprocessing.tokenizer import load_tokenizer, token_byte_lengths
-from pipeline import layout
-from pipeline.module_store import load_path_model
-from pipeline.shards import read_path_documents, shard_parts
-from pipeline.storage import RunRoot
+from pipeline.state import layout
+from pipeline.state.module_store import load_path_model
+from pipeline.state.shards import read_path_documents, shard_parts
+from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.eval")
 

@@ -35,8 +35,8 @@ from typing import IO, Any, Callable, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from pipeline.bounds import MAX_STATE_JSON_BYTES, load_json
-from pipeline.errors import CorruptStateError, InputError, StorageError
+from pipeline.core.bounds import MAX_STATE_JSON_BYTES, load_json
+from pipeline.core.errors import CorruptStateError, InputError, StorageError
 
 SUCCESS = "_SUCCESS"
 T, R = TypeVar("T"), TypeVar("R")
@@ -158,7 +158,7 @@ class RunRoot:
         return bytearray(data) if writable else data
 
     def read_json(self, rel: str, expect: type | tuple[type, ...] | None = dict) -> Any:
-        """A stored JSON file (its top level an `expect`), within pipeline.bounds' size and depth
+        """A stored JSON file (its top level an `expect`), within pipeline.core.bounds' size and depth
         bounds; anything else is a CorruptStateError naming the file."""
         return load_json(self.read_bytes(rel, max_bytes=MAX_STATE_JSON_BYTES), self.path(rel), expect)
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import mlflow
 
-from pipeline import layout
-from pipeline.bounds import load_json
-from pipeline.config import parse_yaml, read_config_text, resolve_ds_config
-from pipeline.errors import ConfigError, CorruptStateError
-from pipeline.storage import SUCCESS, RunRoot
-from pipeline.tracking import redact
+from pipeline.state import layout
+from pipeline.core.bounds import load_json
+from pipeline.core.config import parse_yaml, read_config_text, resolve_ds_config
+from pipeline.core.errors import ConfigError, CorruptStateError
+from pipeline.state.storage import SUCCESS, RunRoot
+from pipeline.tracking.uris import redact
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ _REQUIREMENTS = (
 )
 _MODEL_CODE = '''"""dipaco's pyfunc, logged from code: mlflow loads this file and serves the object it sets."""
 import mlflow
-from pipeline.registry import DipacoModel
+from pipeline.tracking.registry import DipacoModel
 
 mlflow.models.set_model(DipacoModel())
 '''
@@ -55,7 +55,7 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
     """Route, assemble the path, generate. Path models are built on first use and kept."""
 
     def load_context(self, context) -> None:
-        from pipeline.config import config_from_dict
+        from pipeline.core.config import config_from_dict
         from preprocessing.router import Router
         from preprocessing.tokenizer import load_tokenizer
 
@@ -106,7 +106,7 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
 
     def _model(self, path_id: str):
         if path_id not in self._models:
-            from pipeline.module_store import load_path_model
+            from pipeline.state.module_store import load_path_model
 
             model = load_path_model(self.root, self.config, self.round_index, path_id)
             self._models[path_id] = model.eval()
@@ -116,7 +116,7 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
 def champion_continuation(config, prompt: str) -> str:
     """What a user of the registry gets: `models:/<name>@champion` loaded as MLflow loads it, asked
     to continue `prompt` with the default generation params."""
-    from pipeline.tracking import CHAMPION, tracking_uri
+    from pipeline.tracking.uris import CHAMPION, tracking_uri
 
     # Both: mlflow.set_registry_uri (the tracker's registration) also sets MLFLOW_REGISTRY_URI in
     # this process, so a registry set for another run would otherwise win over the tracking URI.

@@ -3,7 +3,7 @@
 import logging
 import time
 
-from pipeline.distributed import init_distributed
+from pipeline.train.distributed import init_distributed
 
 
 def main() -> None:

@@ -20,10 +20,10 @@ from transformers import LlamaForCausalLM
 
 from models.grid import ModuleKey, all_modules, parse_path_id, path_modules
 from models.modular import ModelShape, ModuleState, build_path_model, initial_level_states, path_state, split_path_state
-from pipeline import layout
-from pipeline.bounds import MAX_JSON_DEPTH, SHOWN_CHARS, one_line, shown, too_deep
-from pipeline.errors import CorruptStateError
-from pipeline.storage import RunRoot, map_io
+from pipeline.state import layout
+from pipeline.core.bounds import MAX_JSON_DEPTH, SHOWN_CHARS, one_line, shown, too_deep
+from pipeline.core.errors import CorruptStateError
+from pipeline.state.storage import RunRoot, map_io
 
 
 def encode(state: ModuleState, metadata: dict[str, str] | None = None) -> bytes:

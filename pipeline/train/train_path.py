@@ -1,6 +1,6 @@
 """Train one path for one round on its island: the process every DeepSpeed rank runs.
 
-Launched as `deepspeed --num_gpus N --no_local_rank --module pipeline.train_path --run-root URL
+Launched as `deepspeed --num_gpus N --no_local_rank --module pipeline.train.train_path --run-root URL
 --round R --path ID` (N CPU ranks with gloo here, N GPUs with NCCL elsewhere), or called in
 process with one rank. Reads the round's modules and the path's shard, runs `inner_steps` AdamW
 steps under ZeRO, writes the trained path and its metrics, and commits the path's directory.
@@ -22,15 +22,15 @@ import torch.nn.functional as F
 
 from models.grid import parse_job_id
 from models.modular import ModelShape, build_path_model
-from pipeline import layout
-from pipeline.config import Config, config_from_yaml
-from pipeline.data import RowStream, micro_batch_start, pack_documents
-from pipeline.distributed import close_distributed, init_distributed
-from pipeline.errors import ConfigError, DipacoError, InputError
-from pipeline.module_store import load_path_modules
-from pipeline.shards import read_path_documents
-from pipeline.storage import RunRoot
-from pipeline.zero import full_state, load_ds_config, release_engine, set_full_state, wrap_with_zero
+from pipeline.state import layout
+from pipeline.core.config import Config, config_from_yaml
+from pipeline.train.data import RowStream, micro_batch_start, pack_documents
+from pipeline.train.distributed import close_distributed, init_distributed
+from pipeline.core.errors import ConfigError, DipacoError, InputError
+from pipeline.state.module_store import load_path_modules
+from pipeline.state.shards import read_path_documents
+from pipeline.state.storage import RunRoot
+from pipeline.train.zero import full_state, load_ds_config, release_engine, set_full_state, wrap_with_zero
 
 log = logging.getLogger("dipaco.train")
 CKPT = "ds_checkpoint"
@@ -211,7 +211,7 @@ def prune_inner_state(root: RunRoot, round_index: int, path_id: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of each launched rank."""
-    parser = argparse.ArgumentParser(prog="python -m pipeline.train_path")
+    parser = argparse.ArgumentParser(prog="python -m pipeline.train.train_path")
     parser.add_argument("--run-root", required=True)
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--path", required=True)

@@ -1,0 +1,3 @@
+"""Training one path for one round on DeepSpeed ZeRO: the process group, the engine, the packed data
+and the inner loop. Imports pipeline.core and pipeline.state.
+"""
