@@ -17,7 +17,7 @@ from pipeline import preflight
 from pipeline.core.config import Config, config_from_yaml, dump_yaml
 from pipeline.core.errors import ConfigError, CorruptStateError, InputError, IslandError
 from pipeline.evaluation.evaluate import evaluate_round
-from pipeline.islands.launch import train_path_job, train_paths
+from pipeline.islands.launch import train_path_job
 from pipeline.state.lock import run_lock
 from pipeline.outer.merge import merge_round
 from pipeline.state.module_store import init_modules
@@ -32,16 +32,23 @@ _EVAL_FILE = re.compile(r"round=(\d{1,9})\.json")
 def init_run(config: Config) -> RunRoot:
     """Write run.yaml and the round-0 modules, unless the run root already holds them."""
     root = RunRoot(config.run_root)
+    check_same_run(config)
+    root.write_text(layout.RUN_CONFIG, dump_yaml(config))
+    if init_modules(root, config.model, config.model.grid):
+        log.info("initialised round 0: %d modules for %d paths", sum(config.model.grid), config.n_paths)
+    return root
+
+
+def check_same_run(config: Config) -> None:
+    """A config may change how a run trains, never what it trains: `model` and `router` must be
+    those of the run root's run.yaml, if it has one."""
+    root = RunRoot(config.run_root)
     if root.exists(layout.RUN_CONFIG):
         previous = config_from_yaml(root.read_bytes(layout.RUN_CONFIG), root.path(layout.RUN_CONFIG))
         for section in _FIXED:
             if getattr(previous, section) != getattr(config, section):
                 raise ConfigError(f"{config.source}: {section} differs from the run in {root.path()} "
                                   f"(its run.yaml); use a new run_root to change it")
-    root.write_text(layout.RUN_CONFIG, dump_yaml(config))
-    if init_modules(root, config.model, config.model.grid):
-        log.info("initialised round 0: %d modules for %d paths", sum(config.model.grid), config.n_paths)
-    return root
 
 
 def prepare(config: Config) -> dict:
@@ -106,14 +113,6 @@ def evaluate_initial(config: Config) -> dict | None:
     return evaluate(config, 0)
 
 
-def begin_round(config: Config, round_index: int) -> list[str]:
-    """The round's path jobs, once the tracker shows the round as running."""
-    from pipeline.tracking.tracker import get_tracker
-
-    get_tracker(config).begin_round(round_index)
-    return list_paths(config)
-
-
 def rounds_to_train(config: Config, rounds: int | None = None) -> range:
     """The rounds a run trains: from the first uncommitted one up to `train.rounds`, at most `rounds`
     of them (a scheduled DAG run's `airflow.rounds_per_run`); empty once every round is committed."""
@@ -132,22 +131,6 @@ def register(config: Config, round_index: int, result: dict) -> str | None:
     from pipeline.tracking.tracker import get_tracker
 
     return get_tracker(config).register(round_index, result)
-
-
-def train_round(config: Config, round_index: int) -> dict:
-    """Train every path (parallel launches), merge, evaluate, register: one outer round."""
-    from pipeline.tracking.tracker import get_tracker
-
-    jobs, root = begin_round(config, round_index), RunRoot(config.run_root)
-    pending = [job for job in jobs if not root.is_committed(layout.path_dir(round_index, job))]
-    log.info("round %d: training %d of %d path jobs", round_index, len(pending), len(jobs))
-    for path_id, metrics in train_paths(config, round_index, jobs).items():
-        if metrics is not None:
-            get_tracker(config).log_path(round_index, path_id, metrics)
-    report = merge(config, round_index)
-    result = evaluate(config, round_index + 1)
-    version = register(config, round_index + 1, result)
-    return {"merge": report, "eval": result, "model_version": version}
 
 
 def list_islands(config: Config) -> list[str]:
@@ -208,6 +191,7 @@ def join_run(config: Config, name: str | None = None) -> dict:
     from pipeline.islands.task_queue import read_plan
 
     root = RunRoot(config.run_root)
+    check_same_run(config)
     until = read_plan(root)
     if until is None:
         raise InputError(f"{root.path()}: no run planned here yet (no queue/plan.json); start `dipaco run` first")

@@ -168,18 +168,24 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
     assert root.read_json("queue/islands/leaving.json")["state"] == "left"
     assert not queue.given_up(task)  # a release costs no attempt, even with max_attempts=1
 
-    stayer = _island(run_root, "stayer")  # takes the released task among the rest
-    output, _ = stayer.communicate(timeout=300)
-    assert stayer.returncode == 0, output[-2000:]
+    # Another island joins through the CLI, with a ZeRO stage of its own (the run's is 2).
+    stayer = subprocess.run([sys.executable, "-m", "pipeline.cli", "island", "--config", "configs/tiny.yaml",
+                             "--name", "stayer", "--set", f"run_root={run_root}", "--set", "model.vocab_size=256",
+                             "--set", "train.launcher=inprocess", "--set", "train.ds_config=ds_configs/zero3.json",
+                             "--set", "mlflow.enabled=false"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert stayer.returncode == 0, (stayer.stdout + stayer.stderr)[-2000:]
+    for job in stages.list_paths(config):
+        assert root.read_json(f"{layout.path_dir(0, job)}/metrics.json")["ds_config"]["zero_optimization"]["stage"] == 3
     assert root.is_committed(layout.round_dir(0)) and root.exists(layout.eval_file(1))
     assert root.read_json(f"{layout.round_dir(0)}/merge.json")["paths_left_out"] == []
     assert queue.attempts(task)[-1].record["island"] == "stayer"
 
 
-@pytest.mark.slow  # ~60 s: two deepspeed islands for a two-round run
-def test_two_deepspeed_islands_train_every_path_and_report_utilisation(run_root):
-    config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=30", "train.launcher=deepspeed",
-                         "train.islands=2", "train.parallel_paths=2")
+@pytest.mark.slow  # ~60 s: two deepspeed islands, 32 path tasks
+def test_two_deepspeed_islands_train_sixteen_paths_and_report_utilisation(run_root):
+    config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=10", "train.launcher=deepspeed",
+                         "train.islands=2", "train.parallel_paths=2", "model.grid=[4, 4]")  # 16 paths, 2 islands
     write_synthetic_shards(stages.init_run(config), config.model.grid)
     summary = stages.run(config)
     root = RunRoot(config.run_root)
@@ -196,5 +202,5 @@ def test_two_deepspeed_islands_train_every_path_and_report_utilisation(run_root)
     use = summary["utilisation"]
     assert use["islands"] == 2 and use["round"] == 1 and 0 < use["utilisation"] <= 1
     assert use["task_overhead_seconds"] > 0
-    metrics = root.read_json(f"{layout.path_dir(1, 'p1-1')}/metrics.json")
+    metrics = root.read_json(f"{layout.path_dir(1, 'p3-3')}/metrics.json")
     assert metrics["started_at"] < metrics["finished_at"] <= root.marker(layout.round_dir(1))["committed_at"]

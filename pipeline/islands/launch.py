@@ -1,11 +1,10 @@
-"""Start path trainers: one `deepspeed` launch per path, retried, several paths at once.
-
-Each path is its own DeepSpeed job (its island), run as a subprocess so torch.distributed never
-starts inside the orchestrator (the CLI or an Airflow worker). A launch that fails or dies is
-retried up to `train.max_attempts`; after that the round commits without the path and the merge
-names it. Leftovers of a failed attempt are removed before the next, so no partial file is read.
-A launch that exits with status 2 hit a config or input error (pipeline.train.train_path.main): another
-attempt would fail the same way, so it is not retried and its own message is raised to the caller.
+"""Start trainers as `deepspeed` subprocesses, so torch.distributed never starts inside the
+orchestrator (the CLI or an Airflow worker): islands (IslandProcess: one launch for the whole run,
+pulling tasks) and one-shot path launches (train_path_job: `dipaco train-path`, one path for one
+round, retried up to `train.max_attempts`; leftovers of a failed attempt are removed before the
+next, so no partial file is read). A launch that exits with status 2 hit a config or input error
+(pipeline.train.train_path.main, pipeline.islands.island.main): another attempt would fail the same
+way, so it is not retried and its own message is raised to the caller.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.state import layout
@@ -194,11 +192,3 @@ def _forward_output(process: subprocess.Popen, path_id: str, tail: list[str]) ->
         del tail[:-40]
         if any(marker in line for marker in _FORWARD):
             log.info("[%s] %s", path_id, line.split("dipaco.train ")[-1])
-
-
-def train_paths(config, round_index: int, path_ids: list[str]) -> dict[str, dict | None]:
-    """Train the given paths, `train.parallel_paths` at a time; {path id: metrics or None}."""
-    workers = 1 if config.train.launcher == "inprocess" else config.train.parallel_paths
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = pool.map(lambda pid: (pid, train_path_job(config, round_index, pid)), path_ids)
-        return dict(results)

@@ -97,9 +97,6 @@ class Tracker:
     def log_prepare(self, manifest: dict) -> None:
         """The shard manifest, the router and shard sizes, after prepare committed."""
 
-    def begin_round(self, round_index: int) -> None:
-        """The round's paths are about to train (its run is shown running until its merge)."""
-
     def log_path(self, round_index: int, path_id: str, metrics: dict) -> None:
         """One path's training in a round, from its committed metrics.json."""
 
@@ -182,9 +179,6 @@ class MlflowTracker(Tracker):
                 self.root.get_dir(layout.ROUTER_DIR, tmp)
                 self.client.log_artifacts(parent, tmp, "router")
         self._end(run, finished)
-
-    def begin_round(self, round_index: int) -> None:
-        self.client.update_run(self._round(round_index), status="RUNNING")
 
     def log_path(self, round_index: int, path_id: str, metrics: dict) -> None:
         finished = metrics.get("finished_at") if _numeric(metrics.get("finished_at")) else time.time()
