@@ -152,6 +152,8 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
     leaving = _island(run_root, "leaving")
 
     def running_lease():
+        if leaving.poll() is not None:
+            raise AssertionError(f"the island exited ({leaving.returncode}): {leaving.stdout.read()[-2000:]}")
         for job in stages.list_paths(config):
             attempts = queue.attempts(Task.of("train", 0, job))
             if attempts and attempts[-1].record.get("island") == "leaving":
