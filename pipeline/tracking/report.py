@@ -36,7 +36,9 @@ def format_summary(summary: dict) -> str:
         overhead = use.get("task_overhead_seconds")
         lines.append(f"islands: {use['islands']}, compute utilisation {use['utilisation']:.2f} through round {use['round']} "
                      f"({use['inner_seconds']:.0f} s of inner loops / {use['islands']} x {use['wall_seconds']:.0f} s wall)"
-                     + (f", {overhead:.1f} s overhead per path task" if overhead is not None else ""))
+                     + (f", {overhead:.1f} s overhead per path task" if overhead is not None else "")
+                     + (" (load {task_load_seconds:.1f}, engine {task_engine_seconds:.1f}, commit {task_commit_seconds:.1f})"
+                        .format(**use) if "task_commit_seconds" in use else ""))
     if summary.get("model_version"):
         lines.append(f"registered model: models:/{summary['registered_model']}/{summary['model_version']} "
                      f"(alias champion: models:/{summary['registered_model']}@champion)")

@@ -45,11 +45,41 @@ def round_utilisation(config, round_index: int) -> dict | None:
         "inner_seconds": inner,
         "wall_seconds": wall,
         "task_overhead_seconds": sum(overheads) / len(overheads) if overheads else None,
+        **{f"task_{phase}_seconds": v for phase, v in (overhead_breakdown(config, round_index) or {}).items()},
     }
 
 
 def island_count(root: RunRoot) -> int:
     return sum(1 for name in root.listdir(ISLANDS) if name.endswith(".json"))
+
+
+def overhead_breakdown(config, round_index: int) -> dict[str, float] | None:
+    """Mean seconds per train task of round r besides its inner loop, by phase: `load` (process
+    group check, shard, modules, model), `engine` (ZeRO engine and inner-state load) and `commit`
+    (checkpoint, weights, metrics, marker; with the claim: the lease's time minus the others)."""
+    root = RunRoot(config.run_root)
+    phases: dict[str, list[float]] = {"load": [], "engine": [], "commit": []}
+    for job in all_job_ids(config.model.grid, config.train.workers_per_path):
+        rel = layout.path_dir(round_index, job)
+        lease = _done_lease(root, f"train.r{round_index}.{job}")
+        if not root.is_committed(rel) or lease is None:
+            continue
+        metrics = root.read_json(f"{rel}/metrics.json")
+        setup = metrics.get("setup_seconds")
+        if not isinstance(setup, dict):
+            continue
+        phases["load"].append(float(setup["load"]))
+        phases["engine"].append(float(setup["engine"]))
+        phases["commit"].append(float(lease["seconds"]) - float(metrics["seconds"]) - float(setup["load"]) - float(setup["engine"]))
+    return {k: sum(v) / len(v) for k, v in phases.items()} if phases["load"] else None
+
+
+def _done_lease(root: RunRoot, task: str) -> dict | None:
+    for attempt in reversed(root.listdir(f"{LEASES}/{task}")):
+        record = root.read_json(f"{LEASES}/{task}/{attempt}")
+        if record.get("state") == "done":
+            return record
+    return None
 
 
 def task_overheads(root: RunRoot, round_index: int) -> list[float]:

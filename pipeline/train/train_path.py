@@ -67,6 +67,7 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
     except ValueError as exc:
         raise ConfigError(f"--path: {exc}") from None
     # Input first, the process group after: a missing or unreadable shard fails the job in seconds.
+    began = time.perf_counter()
     docs = read_path_documents(root, shard_path)[worker::workers]  # worker k: its iid part
     rank, world = init_distributed()
     train, shape = config.train, ModelShape.from_config(config.model)
@@ -81,10 +82,14 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
     model = build_path_model(shape, merged, seed=train.seed)
     start_state = {k: v.detach().clone() for k, v in model.named_parameters()}
     ds_config = load_ds_config(train, shape, world)
+    loaded = time.perf_counter()
     engine = wrap_with_zero(model, adamw_for(model, train), ds_config)
     try:
         resumed_from = resume_inner_state(engine, root, round_index, path_id, start_state)
+        built = time.perf_counter()
         metrics = run_inner_loop(engine, stream, config, round_index, rank, world)
+        # What a task spends besides its inner loop (the island's lease adds the commit after it).
+        metrics["setup_seconds"] = {"load": loaded - began, "engine": built - loaded}
         metrics.update(
             round=round_index, path=path_id, shard_path=shard_path, worker=worker, modules=[[lvl, k] for lvl, k in enumerate(modules)],
             world_size=world, ds_config=ds_config, resumed_inner_state_from=resumed_from,
