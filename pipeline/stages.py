@@ -18,6 +18,7 @@ from pipeline.core.config import Config, config_from_yaml, dump_yaml
 from pipeline.core.errors import ConfigError, CorruptStateError, InputError, IslandError
 from pipeline.evaluation.evaluate import evaluate_round
 from pipeline.islands.launch import train_path_job
+from pipeline.islands.task_queue import ISLANDS
 from pipeline.state.lock import run_lock
 from pipeline.outer.merge import merge_round
 from pipeline.state.module_store import init_modules
@@ -164,6 +165,8 @@ def run_island(config: Config, island: str, ds_config: str | None = None) -> dic
     except BaseException:
         process.stop()
         raise
+    if returncode != 0 and island_left(config, island):
+        return {"island": island, "returncode": returncode, "left": True}
     if returncode != 0:
         island_failed(config, island, returncode, process.tail)
     return {"island": island, "returncode": returncode}
@@ -195,6 +198,14 @@ def join_run(config: Config, name: str | None = None) -> dict:
     until = read_plan(root)
     if until is None:
         raise InputError(f"{root.path()}: no run planned here yet (no queue/plan.json); start `dipaco run` first")
+    import signal
+    import threading
+
+    def leave(signum, frame):  # SIGTERM to `dipaco island`: the island releases its task and leaves
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, leave)
     return run_island(config, name or f"{socket.gethostname()}-{os.getpid()}", ds_config=config.train.ds_config)
 
 
@@ -237,6 +248,7 @@ def train_on_islands(config: Config, todo: range) -> None:
     an island that crashed (its task's lease is failed and another island may take it)."""
     from pipeline.islands.island import Island
     from pipeline.islands.launch import IslandProcess
+    from pipeline.islands.task_queue import TaskQueue
 
     if config.train.launcher == "inprocess":  # tests and debugging: one one-rank island, here
         Island(config, "island-0").run()
@@ -245,6 +257,7 @@ def train_on_islands(config: Config, todo: range) -> None:
         return
     islands = {name: IslandProcess(config, name) for name in list_islands(config)}
     restarts = {name: 0 for name in islands}
+    left: set[str] = set()  # islands that left on SIGTERM: not started again
     pending = list(todo)
     try:
         while pending:
@@ -253,20 +266,23 @@ def train_on_islands(config: Config, todo: range) -> None:
                 continue
             for name, process in list(islands.items()):
                 returncode = process.poll()
-                if returncode is None or returncode == 0:
+                if returncode is None or returncode == 0 or name in left:
                     continue
                 process.wait()
+                if island_left(config, name):  # it released its task and left, as asked
+                    log.info("%s left the run (SIGTERM); the other islands go on", name)
+                    left.add(name)
+                    continue
                 restarts[name] += 1
                 if returncode == 2 or restarts[name] > config.train.max_attempts:
                     del islands[name]
                     island_failed(config, name, returncode, process.tail)
                 log.warning("%s exited with status %s; starting it again (%d/%d)", name, returncode,
                             restarts[name], config.train.max_attempts)
-                from pipeline.islands.task_queue import TaskQueue
-
                 TaskQueue(RunRoot(config.run_root), config).fail_running(name, f"island exited with status {returncode}")
                 islands[name] = IslandProcess(config, name)
-            if all(p.poll() == 0 for p in islands.values()) and not round_finished(config, pending[0]):
+            if all(p.poll() is not None and (p.poll() == 0 or n in left) for n, p in islands.items()) \
+                    and not round_finished(config, pending[0]):
                 raise IslandError(f"every island left before round {pending[0]} finished; start one with "
                                   f"`dipaco island --config ...` or rerun `dipaco run` to resume")
             time.sleep(ISLAND_POLL_S)
@@ -276,6 +292,12 @@ def train_on_islands(config: Config, todo: range) -> None:
                 process.wait(timeout=60 if not pending else 0.1)
             except Exception:
                 process.stop()
+
+
+def island_left(config: Config, name: str) -> bool:
+    """The island's record says it left on SIGTERM (pipeline.islands.island)."""
+    root, rel = RunRoot(config.run_root), f"{ISLANDS}/{name}.json"
+    return root.exists(rel) and root.read_json(rel).get("state") == "left"
 
 
 def run(config: Config, rounds: int | None = None) -> dict:
