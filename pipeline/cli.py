@@ -44,7 +44,7 @@ COMMANDS = {
         "Run train.inner_steps steps of one path on its shard, starting from the modules of round R, and "
         "commit it under rounds/round=R/paths/path=ID. A launch that crashes is retried up to "
         "train.max_attempts times; a config or input error is reported at once and not retried.",
-        ["dipaco train-path --config configs/demo.yaml --round 0 --path p0-1"],
+        ["dipaco train-path --config configs/demo.yaml --round 0 --path p1-0"],
     ),
     "merge": (
         "outer merge of one round: writes the next round's modules",
@@ -124,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("--round", type=round_number, required=True, metavar="R",
                      help="the round to train: its paths start from round R's modules")
     sub.add_argument("--path", required=True, metavar="ID",
-                     help="path id, one module index per level: p0-1 on the demo's 2x2 grid (p<k0>-<k1>-...; "
-                          "p0-1.w1 for DiLoCo worker 1 when train.workers_per_path > 1)")
+                     help="path id, one module index per level: p1-0 on the demo's [2, 1] grid (p<k0>-<k1>-...; "
+                          "p1-0.w1 for DiLoCo worker 1 when train.workers_per_path > 1)")
     command("merge", rounds=True).add_argument(
         "--round", type=round_number, required=True, metavar="R",
         help="the round whose trained paths are merged into the modules of round R+1")
