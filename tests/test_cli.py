@@ -200,7 +200,7 @@ def test_help_describes_each_command_with_examples_and_a_version():
         page = dipaco([command, "--help"]).stdout
         assert f"dipaco {command} --config" in page and "examples" in page, command
     train = dipaco(["train-path", "--help"]).stdout
-    assert "--path p0-1" in train and "round R's modules" in train
+    assert "--path p1-0" in train and "round R's modules" in train
     assert "modules round R starts from" in dipaco(["eval", "--help"]).stdout
 
 

@@ -187,8 +187,7 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
 @pytest.mark.slow  # ~60 s: two deepspeed islands, 32 path tasks
 def test_two_deepspeed_islands_train_sixteen_paths_and_report_utilisation(run_root):
     config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=10", "train.launcher=deepspeed",
-                         "train.islands=2", "train.parallel_paths=2", "model.grid=[4, 4]",  # 16 paths, 2 islands
-                         "mlflow.enabled=true")
+                         "train.islands=2", "train.parallel_paths=2", "model.grid=[4, 4]")  # 16 paths, 2 islands
     write_synthetic_shards(stages.init_run(config), config.model.grid)
     summary = stages.run(config)
     root = RunRoot(config.run_root)
@@ -205,16 +204,25 @@ def test_two_deepspeed_islands_train_sixteen_paths_and_report_utilisation(run_ro
     use = summary["utilisation"]
     assert use["islands"] == 2 and use["round"] == 1 and 0 < use["utilisation"] <= 1
     assert use["task_overhead_seconds"] > 0 and use["task_engine_seconds"] > 0 and use["task_commit_seconds"] > 0
-    assert use["task_load_seconds"] + use["task_engine_seconds"] + use["task_commit_seconds"] == pytest.approx(
-        use["task_overhead_seconds"], rel=0.5)  # of round 1 only, against the mean over both rounds
 
-    import mlflow
-
-    from pipeline.tracking.uris import tracking_uri
-
-    client = mlflow.MlflowClient(tracking_uri(config))
-    parent = root.read_json("tracking.json")["parent_run_id"]
-    logged = {m.step: m.value for m in client.get_metric_history(parent, "utilisation")}
-    assert sorted(logged) == [0, 1] and logged[1] == pytest.approx(use["utilisation"])
     metrics = root.read_json(f"{layout.path_dir(1, 'p3-3')}/metrics.json")
     assert metrics["started_at"] < metrics["finished_at"] <= root.marker(layout.round_dir(1))["committed_at"]
+
+
+def test_utilisation_is_logged_to_mlflow_by_round_and_printed(run_root):
+    import mlflow
+
+    from pipeline.tracking.report import format_summary
+    from pipeline.tracking.uris import tracking_uri
+
+    config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=3", "mlflow.enabled=true",
+                         "model.vocab_size=50257")  # the real prepare: GPT-2 ids
+    summary = stages.run(config)  # prepares tests/data/c4 with Beam, trains on one in-process island
+    use = summary["utilisation"]
+    assert use["round"] == 1 and use["islands"] == 1 and 0 < use["utilisation"] <= 1
+    assert f"compute utilisation {use['utilisation']:.2f} through round 1" in format_summary(summary)
+    client = mlflow.MlflowClient(tracking_uri(config))
+    parent = RunRoot(config.run_root).read_json("tracking.json")["parent_run_id"]
+    logged = {m.step: m.value for m in client.get_metric_history(parent, "utilisation")}
+    assert sorted(logged) == [0, 1] and logged[1] == pytest.approx(use["utilisation"])
+    assert client.get_metric_history(parent, "islands_task_overhead_seconds")

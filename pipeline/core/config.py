@@ -225,7 +225,10 @@ def parse_yaml(text: str | bytes, where: str) -> Any:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{where}: not valid YAML{at}: {one_line(exc.problem or exc.context or '', SHOWN_CHARS)}") from None
+        problem = exc.problem or exc.context or ""
+        if "maximum nesting depth" in problem:  # libyaml >= 0.2.6 (PyYAML 6.0.4) stops at 1000 levels itself
+            problem = f"nests deeper than {MAX_YAML_DEPTH} levels"
+        raise ConfigError(f"{where}: not valid YAML{at}: {one_line(problem, SHOWN_CHARS)}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: not valid YAML ({one_line(str(exc), SHOWN_CHARS)})") from None
     except (ValueError, OverflowError, RecursionError) as exc:  # a 5000-digit int, a 13th month

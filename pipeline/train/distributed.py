@@ -31,8 +31,12 @@ def set_runtime_env() -> None:
 CPU_MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296:glibc.malloc.top_pad=268435456"
 
 
+# Set by a process that made itself a one-rank job: a child that inherits it with the variables
+# above (a subprocess started with this environment, an Airflow worker's task) is not a launched
+# rank and takes a port of its own, instead of colliding with the store this process listens on.
+ONE_RANK_MARK = "DIPACO_ONE_RANK_JOB"
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                   "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
+                   "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", ONE_RANK_MARK)
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -56,10 +60,13 @@ def init_distributed() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        one_rank = "RANK" not in os.environ
+        inherited = os.environ.get(ONE_RANK_MARK) == "1"
+        one_rank = "RANK" not in os.environ or inherited
         if one_rank:  # not launched: become a one-rank job
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            os.environ[ONE_RANK_MARK] = "1"
+            if inherited or "MASTER_PORT" not in os.environ:
+                os.environ["MASTER_PORT"] = str(free_port())
         # DeepSpeed's CPU accelerator answers device_count() from LOCAL_SIZE, which its launcher
         # sets; without it, it runs `numactl --hardware` in a subprocess on every call, and ZeRO-3
         # calls it once per gradient bucket: ~35 process starts per optimizer step (8 ms on the
