@@ -226,3 +226,16 @@ def test_utilisation_is_logged_to_mlflow_by_round_and_printed(run_root):
     logged = {m.step: m.value for m in client.get_metric_history(parent, "utilisation")}
     assert sorted(logged) == [0, 1] and logged[1] == pytest.approx(use["utilisation"])
     assert client.get_metric_history(parent, "islands_task_overhead_seconds")
+
+
+def test_an_input_error_on_a_deepspeed_island_reaches_dipaco_run_in_one_line_without_retries(run_root):
+    from pipeline.core.errors import InputError
+
+    config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=2", "train.launcher=deepspeed", "train.islands=1")
+    write_synthetic_shards(stages.init_run(config), config.model.grid,
+                           docs_per_path={"p0-0": 0, "p0-1": 8, "p1-0": 8, "p1-1": 8})
+    with pytest.raises(InputError, match=r"island-0: .*shards/path=p0-0: too few tokens for one row"):
+        stages.run(config)
+    queue = TaskQueue(RunRoot(config.run_root), config)
+    attempts = queue.attempts(Task.of("train", 0, "p0-0"))
+    assert len(attempts) == 1 and attempts[0].record["state"] == "failed" and attempts[0].record["input_error"]

@@ -189,21 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--island", required=True)
     parser.add_argument("--ds-config", default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s")
-    from pipeline.train.distributed import close_distributed
+    from pipeline.train.distributed import run_rank
 
-    island = None
-    try:
+    def body() -> None:
         island = Island(island_config(args.run_root, args.ds_config), args.island)
         signal.signal(signal.SIGTERM, island.on_sigterm)
         island.run()
-        return 0
-    except DipacoError as exc:
-        print(f"dipaco island: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        close_distributed()
+
+    return run_rank("island", body)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@ in-process run (tests, debugging, the warm-up) gets the single-rank equivalent h
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -87,6 +89,24 @@ def init_distributed() -> tuple[int, int]:
                 os.environ["MASTER_PORT"] = str(free_port())
         unlink_shm_workspace(dist.get_rank(), dist.get_world_size())
     return dist.get_rank(), dist.get_world_size()
+
+
+def run_rank(command: str, body: Callable[[], None]) -> int:
+    """A launched rank's whole life: logs at INFO on rank 0 only, a config or input error as one
+    line `dipaco <command>: ...` on stderr and exit status 2 (the launcher's caller does not retry
+    it), and the process group closed before the process exits."""
+    from pipeline.core.errors import DipacoError
+
+    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
+    try:
+        body()
+        return 0
+    except DipacoError as exc:
+        print(f"dipaco {command}: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        close_distributed()
 
 
 def close_distributed() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from models.modular import ModelShape, build_path_model
 from pipeline.state import layout
 from pipeline.core.config import Config, config_from_yaml
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
-from pipeline.train.distributed import close_distributed, init_distributed
+from pipeline.train.distributed import init_distributed, run_rank
 from pipeline.core.errors import ConfigError, DipacoError, InputError
 from pipeline.state.module_store import load_path_modules
 from pipeline.state.shards import read_path_documents
@@ -221,19 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--path", required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s")
-    try:
+
+    def body() -> None:
         root = RunRoot(args.run_root)
         config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG), root.path(layout.RUN_CONFIG))
         metrics = train_path(config, args.round, args.path)
         log.info("path %s round %d: %d tokens, %.0f tokens/s", args.path, args.round, metrics["tokens"], metrics["tokens_per_s"])
-        return 0
-    except DipacoError as exc:
-        print(f"dipaco train-path: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        close_distributed()
+
+    return run_rank("train-path", body)
 
 
 if __name__ == "__main__":
