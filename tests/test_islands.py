@@ -239,3 +239,16 @@ def test_an_input_error_on_a_deepspeed_island_reaches_dipaco_run_in_one_line_wit
     queue = TaskQueue(RunRoot(config.run_root), config)
     attempts = queue.attempts(Task.of("train", 0, "p0-0"))
     assert len(attempts) == 1 and attempts[0].record["state"] == "failed" and attempts[0].record["input_error"]
+
+
+@pytest.mark.slow  # ~35 s: one island of two gloo ranks
+def test_an_island_of_two_ranks_trains_every_task_with_both(run_root):
+    config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=3", "train.launcher=deepspeed",
+                         "train.islands=1", "train.procs_per_path=2")
+    write_synthetic_shards(stages.init_run(config), config.model.grid)
+    summary = stages.run(config)  # rank 0 broadcasts each task; both ranks train, rank 0 merges
+    root = RunRoot(config.run_root)
+    assert summary["rounds_committed"] == 1 and sorted(summary["eval"]) == [0, 1]
+    for job in stages.list_paths(config):
+        assert root.read_json(f"{layout.path_dir(0, job)}/metrics.json")["world_size"] == 2
+    assert root.read_json("queue/islands/island-0.json")["world_size"] == 2
