@@ -117,10 +117,17 @@ class TaskQueue:
         self.jobs = all_job_ids(self.grid, config.train.workers_per_path)
         self.lease_seconds = float(config.train.lease_seconds)
         self.max_attempts = config.train.max_attempts
+        # Fixed by the config: worked out once, not on every poll of ready().
+        self.job_modules = {job: path_modules(parse_job_id(job, self.grid, config.train.workers_per_path)[1])
+                            for job in self.jobs}
+        self.jobs_through = {key: [j for j in self.jobs if key in self.job_modules[j]] for key in all_modules(self.grid)}
+        self._eval_paths: list[str] | None = None
 
     # -- leases --------------------------------------------------------------------------------
     def attempts(self, task: Task) -> list[Attempt]:
-        rel = f"{LEASES}/{task.name}"
+        return self._attempts_in(f"{LEASES}/{task.name}")
+
+    def _attempts_in(self, rel: str) -> list[Attempt]:
         found = []
         for name in self.root.listdir(rel):
             match = _ATTEMPT.fullmatch(name)
@@ -134,8 +141,10 @@ class TaskQueue:
 
     def given_up(self, task: Task, now: float | None = None) -> bool:
         """Every allowed attempt failed or expired: the round goes on without this task."""
-        now = time.time() if now is None else now
-        return sum(a.counts_as_failed(self.lease_seconds, now) for a in self.attempts(task)) >= self.max_attempts
+        return self._failures(self.attempts(task), time.time() if now is None else now) >= self.max_attempts
+
+    def _failures(self, attempts: list[Attempt], now: float) -> int:
+        return sum(a.counts_as_failed(self.lease_seconds, now) for a in attempts)
 
     def claim(self, task: Task, island: str) -> "Lease | None":
         """The next attempt of `task` for `island`, or None when it is held, done or given up."""
@@ -147,8 +156,7 @@ class TaskQueue:
                 return None
             if last.record.get("state") == "done":
                 return None
-        failed = sum(a.counts_as_failed(self.lease_seconds, now) for a in attempts)
-        if task.kind == "train" and failed >= self.max_attempts:
+        if task.kind == "train" and self._failures(attempts, now) >= self.max_attempts:
             return None
         number = attempts[-1].number + 1 if attempts else 1
         record = {"task": task.to_json(), "island": island, "host": socket.gethostname(), "pid": os.getpid(),
@@ -191,17 +199,11 @@ class TaskQueue:
         """Mark `island`'s running attempts failed at once (its process is known to be gone), so
         another island need not wait out the lease."""
         for name in self.root.listdir(LEASES):
-            rel = f"{LEASES}/{name}"
-            numbers = [int(m.group(1)) for n in self.root.listdir(rel) if (m := _ATTEMPT.fullmatch(n))]
-            if not numbers:
-                continue
-            last = f"{rel}/attempt-{max(numbers)}.json"
-            try:
-                record = self.root.read_json(last)
-            except CorruptStateError:
-                continue
-            if record.get("island") == island and record.get("state") == "running":
-                self.root.write_json(last, {**record, "state": "failed", "error": reason, "finished_at": time.time()})
+            attempts = self._attempts_in(f"{LEASES}/{name}")
+            last = attempts[-1] if attempts else None
+            if last and last.record.get("island") == island and last.record.get("state") == "running":
+                self.root.write_json(f"{LEASES}/{name}/attempt-{last.number}.json",
+                                     {**last.record, "state": "failed", "error": reason, "finished_at": time.time()})
 
     # -- readiness -----------------------------------------------------------------------------
     def modules_ready(self, round_index: int, keys: list[ModuleKey]) -> bool:
@@ -219,27 +221,18 @@ class TaskQueue:
         for r in range(until_round):
             if self.root.is_committed(layout.round_dir(r)):
                 continue
-            staged = {key: self.root.is_committed(layout.merged_module_dir(r, key)) for key in all_modules(self.grid)}
-            settled = {}
-            for job in self.jobs:
-                modules = path_modules(parse_job_id(job, self.grid, self.config.train.workers_per_path)[1])
-                if self.root.is_committed(layout.path_dir(r, job)):
-                    settled[job] = True
-                    continue
-                settled[job] = self.given_up(Task.of("train", r, job))
-                if not settled[job] and self.modules_ready(r, modules):
-                    tasks.append(Task.of("train", r, job))
-            for key, done in staged.items():
-                through = [j for j in self.jobs if key in path_modules(parse_job_id(j, self.grid, self.config.train.workers_per_path)[1])]
-                if not done and all(settled[j] for j in through):
-                    tasks.append(Task.of("merge", r, module_target(key)))
+            staged = {key: self.root.is_committed(layout.merged_module_dir(r, key)) for key in self.jobs_through}
+            settled = {job: self.job_settled(r, job) for job in self.jobs}
+            tasks += [Task.of("train", r, job) for job in self.jobs
+                      if not settled[job] and self.modules_ready(r, self.job_modules[job])]
+            tasks += [Task.of("merge", r, module_target(key)) for key, done in staged.items()
+                      if not done and all(settled[j] for j in self.jobs_through[key])]
             if all(staged.values()):
                 tasks.append(Task.of("commit", r))
         for r in range(1, until_round + 1):
             if self.root.exists(layout.eval_file(r)):
                 continue
-            paths = self.eval_paths()
-            missing = [p for p in paths if not self.root.exists(layout.eval_part(r, p))]
+            missing = [p for p in self.eval_paths() if not self.root.exists(layout.eval_part(r, p))]
             for path_id in missing:
                 if self.modules_ready(r, path_modules(parse_job_id(path_id, self.grid, 1)[1])):
                     tasks.append(Task.of("eval", r, path_id))
@@ -250,7 +243,9 @@ class TaskQueue:
     def eval_paths(self) -> list[str]:
         from pipeline.state.shards import shard_parts
 
-        return [p for p in all_path_ids(self.grid) if shard_parts(self.root, p, split="validation")]
+        if self._eval_paths is None:  # the committed validation shards never change
+            self._eval_paths = [p for p in all_path_ids(self.grid) if shard_parts(self.root, p, split="validation")]
+        return self._eval_paths
 
     def finished(self, until_round: int) -> bool:
         """Every round of the plan committed and evaluated: islands may leave."""
