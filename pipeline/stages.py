@@ -181,7 +181,7 @@ def island_failed(config: Config, island: str, returncode: int, tail: list[str])
     queue = TaskQueue(RunRoot(config.run_root), config)
     queue.fail_running(island, f"island exited with status {returncode}: {tail[-1] if tail else ''}"[:2000])
     if returncode == INPUT_ERROR_EXIT:
-        raise InputError(f"{island}: {trainer_message([line.replace('dipaco island: ', 'dipaco train-path: ') for line in tail])}")
+        raise InputError(f"{island}: {trainer_message(tail)}")
     raise IslandError(f"{island} exited with status {returncode}: {tail[-1] if tail else 'no output'}")
 
 
@@ -191,6 +191,9 @@ def join_run(config: Config, name: str | None = None) -> dict:
     import os
     import socket
 
+    import signal
+    import threading
+
     from pipeline.islands.task_queue import read_plan
 
     root = RunRoot(config.run_root)
@@ -198,8 +201,6 @@ def join_run(config: Config, name: str | None = None) -> dict:
     until = read_plan(root)
     if until is None:
         raise InputError(f"{root.path()}: no run planned here yet (no queue/plan.json); start `dipaco run` first")
-    import signal
-    import threading
 
     def leave(signum, frame):  # SIGTERM to `dipaco island`: the island releases its task and leaves
         raise SystemExit(128 + signum)
@@ -246,12 +247,11 @@ ISLAND_POLL_S = 0.5
 def train_on_islands(config: Config, todo: range) -> None:
     """Start `train.islands` islands, report and register each round as it finishes, and restart
     an island that crashed (its task's lease is failed and another island may take it)."""
-    from pipeline.islands.island import Island
-    from pipeline.islands.launch import IslandProcess
+    from pipeline.islands.launch import INPUT_ERROR_EXIT, IslandProcess
     from pipeline.islands.task_queue import TaskQueue
 
     if config.train.launcher == "inprocess":  # tests and debugging: one one-rank island, here
-        Island(config, "island-0").run()
+        run_island(config, list_islands(config)[0])
         for r in todo:
             report_round(config, r)
         return
@@ -274,7 +274,7 @@ def train_on_islands(config: Config, todo: range) -> None:
                     left.add(name)
                     continue
                 restarts[name] += 1
-                if returncode == 2 or restarts[name] > config.train.max_attempts:
+                if returncode == INPUT_ERROR_EXIT or restarts[name] > config.train.max_attempts:
                     del islands[name]
                     island_failed(config, name, returncode, process.tail)
                 log.warning("%s exited with status %s; starting it again (%d/%d)", name, returncode,

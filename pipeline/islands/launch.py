@@ -28,18 +28,21 @@ log = logging.getLogger("dipaco.launch")
 _FORWARD = ("dipaco.", "Error", "error", "Traceback", "Killed")
 INPUT_ERROR_EXIT = 2  # a trainer's exit status for a config or input error: retrying cannot help
 _TRAINER_PREFIX = "dipaco train-path: "  # how a trainer rank reports such an error on stderr
+_RANK_PREFIXES = (_TRAINER_PREFIX, "dipaco island: ")  # pipeline.train.distributed.run_rank, both entries
 
 
 def launcher_command(run_root: str, round_index: int, path_id: str, train, port: int) -> list[str]:
     """The `deepspeed` launcher command for one path's island: `procs_per_path` ranks on each of
     `num_nodes` nodes (the hosts of `hostfile`, or this machine)."""
+    return _deepspeed(train, port, "pipeline.train.train_path",
+                      ["--run-root", run_root, "--round", str(round_index), "--path", path_id])
+
+
+def _deepspeed(train, port: int, module: str, args: list[str]) -> list[str]:
     launcher = Path(sys.executable).with_name("deepspeed")
     hosts = ["--hostfile", train.hostfile] if train.hostfile else []
-    return [
-        str(launcher), *hosts, "--num_nodes", str(train.num_nodes), "--num_gpus", str(train.procs_per_path),
-        "--master_port", str(port), "--no_local_rank", "--module", "pipeline.train.train_path",
-        "--run-root", run_root, "--round", str(round_index), "--path", path_id,
-    ]
+    return [str(launcher), *hosts, "--num_nodes", str(train.num_nodes), "--num_gpus", str(train.procs_per_path),
+            "--master_port", str(port), "--no_local_rank", "--module", module, *args]
 
 
 def rank_threads(train, islands: bool = False) -> int:
@@ -57,25 +60,18 @@ def island_count(train) -> int:
 def island_command(run_root: str, island: str, train, port: int, ds_config: str | None = None) -> list[str]:
     """The `deepspeed` launcher command of one island: it lives for the whole run and pulls tasks
     (pipeline.islands.island); the same ranks and hosts as a one-shot path launch."""
-    launcher = Path(sys.executable).with_name("deepspeed")
-    hosts = ["--hostfile", train.hostfile] if train.hostfile else []
-    return [
-        str(launcher), *hosts, "--num_nodes", str(train.num_nodes), "--num_gpus", str(train.procs_per_path),
-        "--master_port", str(port), "--no_local_rank", "--module", "pipeline.islands.island",
-        "--run-root", run_root, "--island", island, *(["--ds-config", ds_config] if ds_config else []),
-    ]
+    return _deepspeed(train, port, "pipeline.islands.island",
+                      ["--run-root", run_root, "--island", island, *(["--ds-config", ds_config] if ds_config else [])])
 
 
-class IslandProcess:
-    """A running island launch, its output forwarded with its name, a tail kept for failures."""
+class Launch:
+    """A running `deepspeed` launch in its own session, its output forwarded under `name`, a tail
+    kept for failure reports."""
 
-    def __init__(self, config, name: str, ds_config: str | None = None):
+    def __init__(self, command: list[str], name: str, threads: int):
         set_runtime_env()
-        env = child_env({"OMP_NUM_THREADS": str(rank_threads(config.train, islands=True)), "PYTHONUNBUFFERED": "1"})
-        root = RunRoot(config.run_root)
-        run_root = root.path() if root.is_local else root.url  # absolute: ranks may start elsewhere
-        command = island_command(run_root, name, config.train, free_port(), ds_config)
-        log.info("start %s: %s", name, " ".join(command))
+        env = child_env({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
+        log.info("launch %s: %s", name, " ".join(command))
         self.name, self.tail = name, []
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)
@@ -102,6 +98,19 @@ class IslandProcess:
             self.process.wait()
         except ProcessLookupError:
             pass
+
+
+def _run_root_url(config) -> str:
+    root = RunRoot(config.run_root)
+    return root.path() if root.is_local else root.url  # absolute: ranks may start elsewhere
+
+
+class IslandProcess(Launch):
+    """A running island (pipeline.islands.island) of this config's ranks and hosts."""
+
+    def __init__(self, config, name: str, ds_config: str | None = None):
+        command = island_command(_run_root_url(config), name, config.train, free_port(), ds_config)
+        super().__init__(command, name, rank_threads(config.train, islands=True))
 
 
 def train_path_job(config, round_index: int, path_id: str) -> dict | None:
@@ -159,27 +168,17 @@ def _run_attempt(config, round_index: int, path_id: str) -> tuple[int, list[str]
         except Exception as exc:  # an in-process attempt fails like a launch would: recorded, retried
             log.exception("path %s failed in process", path_id)
             return 1, [f"{type(exc).__name__}: {exc}"]
-    set_runtime_env()
-    env = child_env({"OMP_NUM_THREADS": str(rank_threads(config.train)), "PYTHONUNBUFFERED": "1"})
-    root = RunRoot(config.run_root)
-    run_root = root.path() if root.is_local else root.url  # absolute: ranks may start elsewhere
-    command = launcher_command(run_root, round_index, path_id, config.train, free_port())
-    log.info("launch %s: %s", path_id, " ".join(command))
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    tail: list[str] = []
-    reader = threading.Thread(target=_forward_output, args=(process, path_id, tail), daemon=True)
-    reader.start()
-    returncode = process.wait()
-    reader.join()
-    return returncode, tail[-20:]
+    command = launcher_command(_run_root_url(config), round_index, path_id, config.train, free_port())
+    launch = Launch(command, path_id, rank_threads(config.train))
+    return launch.wait(), launch.tail[-20:]
 
 
 def trainer_message(tail: list[str]) -> str:
     """The trainer's own one-line error from a launch's output (the last line if it wrote none)."""
     for line in reversed(tail):
-        if _TRAINER_PREFIX in line:
-            return line.split(_TRAINER_PREFIX, 1)[1].strip()
+        for prefix in _RANK_PREFIXES:
+            if prefix in line:
+                return line.split(prefix, 1)[1].strip()
     return tail[-1] if tail else "the trainer exited with a config or input error"
 
 
