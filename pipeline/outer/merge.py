@@ -27,7 +27,6 @@ from pipeline.state.module_store import (
     check_state,
     commit_states,
     decode,
-    encode,
     level_shapes,
     outer_state_keys,
     read_module,
@@ -112,7 +111,7 @@ def merge_round(config, round_index: int) -> dict:
     committed, left_out = committed_paths(root, config, round_index)
     modules_of = {pid: path_modules(_modules_of(pid, config)) for pid in committed}
     next_round = round_index + 1
-    info = {"round": next_round, "grid": list(grid), "merged_from_round": round_index}
+    info = merged_info(config, round_index)
     rel_before, rel_momentum = layout.modules_dir(round_index), layout.outer_state_dir(round_index)
     rel_modules, rel_outer = layout.modules_dir(next_round), layout.outer_state_dir(next_round)
 
@@ -184,6 +183,12 @@ def commit_round(root: RunRoot, config, round_index: int, committed: dict[str, i
     return report
 
 
+def merged_info(config, round_index: int) -> dict:
+    """What every module file a merge of round r writes records of it (in its safetensors metadata
+    and the directory's marker): the same for a whole-round and a per-module merge."""
+    return {"round": round_index + 1, "grid": list(config.model.grid), "merged_from_round": round_index}
+
+
 def update_module(outer: OuterOptimizer, config, before: ModuleState, momentum: ModuleState | None,
                   afters: list[ModuleState], tokens: list[int]) -> tuple[ModuleState, ModuleState | None, float | None]:
     """One module's outer step: (new parameters, new momentum, outer-gradient norm); a module no
@@ -245,12 +250,11 @@ def merge_module(config, round_index: int, key: ModuleKey) -> dict:
         afters = [read_path_levels(root, shape, round_index, pid)[key.level] for pid in through]
         new, buffers, grad_norm = update_module(outer_optimizer(config), config, before, momentum, afters,
                                                 [committed[p] for p in through])
-    info = {"round": round_index + 1, "grid": list(config.model.grid), "merged_from_round": round_index}
-    meta = {"level": str(key.level), "module": str(key.index), **{k: str(v) for k, v in info.items()}}
-    root.write_bytes(f"{rel}/{layout.MERGED_MODULE}", encode(new, meta))
+    info = merged_info(config, round_index)
+    write_state(root, rel, key, new, info, layout.MERGED_MODULE)
     files = [layout.MERGED_MODULE]
     if buffers:
-        root.write_bytes(f"{rel}/{layout.MERGED_MOMENTUM}", encode(buffers, meta))
+        write_state(root, rel, key, buffers, info, layout.MERGED_MOMENTUM)
         files.append(layout.MERGED_MOMENTUM)
     return root.commit(rel, files=files, info={
         "round": round_index, "module": [key.level, key.index], "paths": through, "grad_norm": grad_norm,
@@ -267,7 +271,7 @@ def finish_round(config, round_index: int) -> dict:
         return root.read_json(f"{rel_round}/merge.json")
     keys = all_modules(config.model.grid)
     markers = {key: root.marker(layout.merged_module_dir(round_index, key)) for key in keys}
-    info = {"round": round_index + 1, "grid": list(config.model.grid), "merged_from_round": round_index}
+    info = merged_info(config, round_index)
     rel_modules, rel_outer = layout.modules_dir(round_index + 1), layout.outer_state_dir(round_index + 1)
     momentum_keys = [key for key in keys if layout.MERGED_MOMENTUM in markers[key]["files"]]
 

@@ -83,10 +83,12 @@ def _views(buffer: bytearray) -> ModuleState | None:
     return state
 
 
-def write_state(root: RunRoot, rel_dir: str, key: ModuleKey, state: ModuleState, info: dict) -> None:
-    """One module's safetensors file (atomic); the directory counts once commit_states runs."""
+def write_state(root: RunRoot, rel_dir: str, key: ModuleKey, state: ModuleState, info: dict,
+                name: str | None = None) -> None:
+    """One module's safetensors file (atomic; `name` defaults to its place in a modules/ directory);
+    the directory counts once it is committed."""
     meta = {"level": str(key.level), "module": str(key.index), **{k: str(v) for k, v in info.items()}}
-    root.write_bytes(posixpath.join(rel_dir, layout.module_file(key)), encode(state, meta))
+    root.write_bytes(posixpath.join(rel_dir, name or layout.module_file(key)), encode(state, meta))
 
 
 def commit_states(root: RunRoot, rel_dir: str, keys: list[ModuleKey], info: dict) -> None:
