@@ -15,7 +15,7 @@ from __future__ import annotations
 from models.grid import all_job_ids
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
-from pipeline.islands.task_queue import ISLANDS, LEASES
+from pipeline.islands.task_queue import ISLANDS, LEASES, Task
 
 
 def round_utilisation(config, round_index: int) -> dict | None:
@@ -36,9 +36,9 @@ def round_utilisation(config, round_index: int) -> dict | None:
     if not starts:
         return None
     end = float(root.marker(layout.round_dir(round_index))["committed_at"])
-    islands = island_count(root) or config.train.islands or config.train.parallel_paths
+    islands = islands_recorded(root) or config.train.islands or config.train.parallel_paths
     wall = end - min(starts)
-    overheads = task_overheads(root, round_index)
+    overheads = task_overheads(config, round_index)
     return {
         "utilisation": inner / (islands * wall) if wall > 0 else None,
         "islands": islands,
@@ -49,7 +49,7 @@ def round_utilisation(config, round_index: int) -> dict | None:
     }
 
 
-def island_count(root: RunRoot) -> int:
+def islands_recorded(root: RunRoot) -> int:
     return sum(1 for name in root.listdir(ISLANDS) if name.endswith(".json"))
 
 
@@ -61,7 +61,7 @@ def overhead_breakdown(config, round_index: int) -> dict[str, float] | None:
     phases: dict[str, list[float]] = {"load": [], "engine": [], "commit": []}
     for job in all_job_ids(config.model.grid, config.train.workers_per_path):
         rel = layout.path_dir(round_index, job)
-        lease = _done_lease(root, f"train.r{round_index}.{job}")
+        lease = _done_lease(root, Task.of("train", round_index, job).name)
         if not root.is_committed(rel) or lease is None:
             continue
         metrics = root.read_json(f"{rel}/metrics.json")
@@ -82,17 +82,13 @@ def _done_lease(root: RunRoot, task: str) -> dict | None:
     return None
 
 
-def task_overheads(root: RunRoot, round_index: int) -> list[float]:
+def task_overheads(config, round_index: int) -> list[float]:
     """Per train task of rounds <= r: its lease's seconds (claim to done) minus its inner loop:
     claim, shard and module loading, engine build, checkpoint and commit."""
-    found = []
-    for name in root.listdir(LEASES):
-        if not name.startswith("train.r"):
-            continue
-        if int(name.split(".")[1][1:]) > round_index:
-            continue
-        for attempt in root.listdir(f"{LEASES}/{name}"):
-            record = root.read_json(f"{LEASES}/{name}/{attempt}")
-            if record.get("state") == "done" and isinstance(record.get("inner_seconds"), (int, float)):
-                found.append(float(record["seconds"]) - float(record["inner_seconds"]))
+    root, found = RunRoot(config.run_root), []
+    for r in range(round_index + 1):
+        for job in all_job_ids(config.model.grid, config.train.workers_per_path):
+            lease = _done_lease(root, Task.of("train", r, job).name)
+            if lease is not None and isinstance(lease.get("inner_seconds"), (int, float)):
+                found.append(float(lease["seconds"]) - float(lease["inner_seconds"]))
     return found
