@@ -97,6 +97,7 @@ class TrainConfig:
     max_attempts: int = 2  # launches per path and round before the round commits without it
     seed: int = 0
     launcher: str = "deepspeed"  # deepspeed | inprocess (tests and debugging only)
+    lr_decay_steps: int | None = None  # the lr decays over the run's last N steps; null: all after warmup
 
 
 @dataclass
@@ -433,6 +434,7 @@ def validate(config: Config) -> None:
     need(t.lr > 0, "train.lr", "must be positive")
     need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be within [0, 1]")
     need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+    need(t.lr_decay_steps is None or t.lr_decay_steps >= 1, "train.lr_decay_steps", "must be >= 1 (or null: every step after warmup)")
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "must be two numbers in [0, 1)")
     need(t.procs_per_path >= 1, "train.procs_per_path", "must be >= 1")
     need(t.workers_per_path >= 1, "train.workers_per_path", "must be >= 1")

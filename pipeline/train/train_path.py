@@ -36,10 +36,17 @@ CKPT = "ds_checkpoint"
 
 
 def lr_at(step: int, total_steps: int, train) -> float:
-    """Linear warmup, then cosine decay to lr * min_lr_ratio over the whole run (all rounds)."""
+    """Linear warmup, constant lr, then cosine decay to lr * min_lr_ratio over the run's last
+    `train.lr_decay_steps` steps (all rounds; null: every step after warmup, a plain cosine).
+
+    A short decay at the end (warmup-stable-decay) lets a run far from convergence keep its full lr
+    while it learns and still anneal: on the demo, a cosine over all 600 steps of a path gave up
+    learning early, a constant lr never annealed (README, tuning table)."""
     if step < train.warmup_steps:
         return train.lr * (step + 1) / train.warmup_steps
-    progress = min(1.0, (step - train.warmup_steps) / max(1, total_steps - train.warmup_steps))
+    after_warmup = max(1, total_steps - train.warmup_steps)
+    decay = after_warmup if train.lr_decay_steps is None else min(train.lr_decay_steps, after_warmup)
+    progress = min(1.0, max(0, step - (total_steps - decay)) / max(1, decay))
     floor = train.lr * train.min_lr_ratio
     return floor + 0.5 * (train.lr - floor) * (1 + math.cos(math.pi * progress))
 
