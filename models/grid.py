@@ -1,7 +1,9 @@
 """The module grid: which modules exist, which paths run through them, and how paths are named.
 
 A grid `[4, 2]` has 4 modules at level 0 and 2 at level 1; a path picks one module per level,
-so there are 8 paths, named `p<k_0>-<k_1>` (DESIGN.md). Path ids arrive from configs, shard
+so there are 8 paths, named `p<k_0>-<k_1>` (DESIGN.md). With `model.path_specific_blocks` > 0
+each path also owns a private module, `ModuleKey(len(grid), <the path's index in all_paths>)`:
+one level past the grid, one module per path (the `private` arguments below). Path ids arrive from configs, shard
 directory names and CLI arguments, so parsing them is also where untrusted names are checked.
 """
 
@@ -50,16 +52,43 @@ def all_path_ids(grid: list[int]) -> list[str]:
     return [path_id(p) for p in all_paths(grid)]
 
 
-def all_modules(grid: list[int]) -> list[ModuleKey]:
-    return [ModuleKey(level, k) for level, n in enumerate(grid) for k in range(n)]
+def path_index(modules: tuple[int, ...], grid: list[int]) -> int:
+    """A path's place in all_paths (level 0 slowest): (1, 0) of [2, 3] -> 3."""
+    index = 0
+    for k, n in zip(modules, grid):
+        index = index * n + k
+    return index
 
 
-def path_modules(modules: tuple[int, ...]) -> list[ModuleKey]:
-    return [ModuleKey(level, k) for level, k in enumerate(modules)]
+def private_module(modules: tuple[int, ...], grid: list[int]) -> ModuleKey:
+    """A path's own module (its path-specific blocks): one level past the grid, indexed by path."""
+    return ModuleKey(len(grid), path_index(modules, grid))
+
+
+def is_private(module: ModuleKey, grid: list[int]) -> bool:
+    return module.level == len(grid)
+
+
+def all_modules(grid: list[int], private: bool = False) -> list[ModuleKey]:
+    """Every module of the run: the grid's, then (private) each path's own, in path order."""
+    shared = [ModuleKey(level, k) for level, n in enumerate(grid) for k in range(n)]
+    return shared + ([ModuleKey(len(grid), i) for i in range(n_paths(grid))] if private else [])
+
+
+def path_modules(modules: tuple[int, ...], grid: list[int] | None = None, private: bool = False) -> list[ModuleKey]:
+    """A path's modules, one per level; with `private` (which needs the grid) its own module last."""
+    shared = [ModuleKey(level, k) for level, k in enumerate(modules)]
+    if not private:
+        return shared
+    if grid is None:
+        raise ValueError("a path's private module is indexed by its place in the grid: pass the grid")
+    return shared + [private_module(modules, grid)]
 
 
 def paths_through(module: ModuleKey, grid: list[int]) -> list[tuple[int, ...]]:
-    """The paths that share a module: prod(grid) / grid[level] of them."""
+    """The paths that share a module: prod(grid) / grid[level] of them (a private module: its one)."""
+    if is_private(module, grid):
+        return [all_paths(grid)[module.index]]
     return [p for p in all_paths(grid) if p[module.level] == module.index]
 
 

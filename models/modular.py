@@ -1,7 +1,9 @@
 """A path is a standard `LlamaForCausalLM`; a module is the slice of its state dict one level owns.
 
 Level l owns a run of consecutive decoder blocks; level 0 also owns the token embedding and the
-last level the final norm and LM head (DESIGN.md, vocabulary). Splitting and assembling is an
+last level the final norm and LM head (DESIGN.md, vocabulary). With `model.path_specific_blocks`
+N > 0 a path also has a private module: N blocks after the grid's, before the final norm (DiPaCo's
+path-specific parameters), held as one more level, `n_levels`, past the grid's. Splitting and assembling is an
 explicit key map, so a path assembled from modules gives exactly the logits of the path it came
 from, and `save_pretrained`, `generate` and MLflow's transformers flavour work on it unchanged.
 """
@@ -41,6 +43,7 @@ class ModelShape:
     vocab_size: int
     max_positions: int
     tokenizer: str = "gpt2"  # gpt2 | bpe: where <|endoftext|> sits in the vocabulary
+    path_blocks: int = 0  # model.path_specific_blocks: the path's own blocks, after the grid's
 
     @property
     def eos_id(self) -> int:
@@ -59,6 +62,7 @@ class ModelShape:
             vocab_size=model_config.vocab_size,
             max_positions=model_config.seq_len,
             tokenizer=model_config.tokenizer,
+            path_blocks=model_config.path_specific_blocks,
         )
 
     @property
@@ -69,23 +73,34 @@ class ModelShape:
 
     @property
     def n_levels(self) -> int:
+        """The grid's levels (shared modules); the last of them owns the final norm and head."""
         return len(self.blocks_per_level)
 
+    @property
+    def module_blocks(self) -> tuple[int, ...]:
+        """Blocks per module of a path, in order: the grid's levels, then the private level if any."""
+        return self.blocks_per_level + ((self.path_blocks,) if self.path_blocks else ())
+
+    @property
+    def n_module_levels(self) -> int:
+        """Modules per path: one per grid level, plus its private module when path_blocks > 0."""
+        return len(self.module_blocks)
+
     def first_block(self, level: int) -> int:
-        return sum(self.blocks_per_level[:level])
+        return sum(self.module_blocks[:level])
 
     def level_of_block(self, block: int) -> int:
-        for level in range(self.n_levels):
+        for level in range(self.n_module_levels):
             if block < self.first_block(level + 1):
                 return level
-        raise KeyError(f"block {block} is beyond the {sum(self.blocks_per_level)} blocks of the path")
+        raise KeyError(f"block {block} is beyond the {sum(self.module_blocks)} blocks of the path")
 
     def llama_config(self) -> LlamaConfig:
         return LlamaConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
-            num_hidden_layers=sum(self.blocks_per_level),
+            num_hidden_layers=sum(self.module_blocks),
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_heads,
             max_position_embeddings=self.max_positions,
@@ -123,14 +138,14 @@ def to_hf_key(shape: ModelShape, level: int, local_key: str) -> str:
     if local_key == "lm_head.weight" and level == shape.n_levels - 1:
         return HEAD
     match = _BLOCK_KEY.match(local_key)
-    if not match or int(match.group(1)) >= shape.blocks_per_level[level]:
+    if not match or not 0 <= level < shape.n_module_levels or int(match.group(1)) >= shape.module_blocks[level]:
         raise KeyError(f"{local_key!r} is not a key of a level-{level} module")
     return f"model.layers.{shape.first_block(level) + int(match.group(1))}.{match.group(2)}"
 
 
 def split_path_state(shape: ModelShape, state: dict[str, torch.Tensor]) -> list[ModuleState]:
-    """A path's state dict -> one module state per level."""
-    modules: list[ModuleState] = [{} for _ in range(shape.n_levels)]
+    """A path's state dict -> one module state per level (its private module last, if any)."""
+    modules: list[ModuleState] = [{} for _ in range(shape.n_module_levels)]
     for hf_key, tensor in state.items():
         level, local_key = to_module_key(shape, hf_key)
         modules[level][local_key] = tensor
@@ -139,8 +154,8 @@ def split_path_state(shape: ModelShape, state: dict[str, torch.Tensor]) -> list[
 
 def assemble_path_state(shape: ModelShape, modules: list[ModuleState]) -> dict[str, torch.Tensor]:
     """One module state per level -> a path's Hugging Face state dict."""
-    if len(modules) != shape.n_levels:
-        raise ValueError(f"a path needs {shape.n_levels} modules, got {len(modules)}")
+    if len(modules) != shape.n_module_levels:
+        raise ValueError(f"a path needs {shape.n_module_levels} modules, got {len(modules)}")
     return {to_hf_key(shape, level, k): t for level, module in enumerate(modules) for k, t in module.items()}
 
 
@@ -162,5 +177,5 @@ def path_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 def initial_level_states(shape: ModelShape, seed: int) -> list[ModuleState]:
     """Round-0 weights, one state per level: every module of a level starts from the same tensors,
-    so every path starts from the same shared model (DESIGN.md, module store)."""
+    so every path starts from the same shared model (DESIGN.md, module store); private modules too."""
     return split_path_state(shape, path_state(build_path_model(shape, seed=seed)))

@@ -71,6 +71,7 @@ class ModelConfig:
     #                          second with a small head: 8,192 ids ran 4.2x the steps of GPT-2's 50,257)
     tokenizer_sample_docs: int = 10000  # bpe: training documents (a seeded sample) it is trained on
     init_seed: int = 0  # round 0 modules: every path starts from the same shared weights
+    path_specific_blocks: int = 0  # DiPaCo: blocks per path after the grid's, its own (never averaged)
 
 
 @dataclass
@@ -411,6 +412,9 @@ def validate(config: Config) -> None:
         f"has {len(m.blocks_per_level)} levels but model.grid has {len(m.grid)}",
     )
     need(all(b >= 1 for b in m.blocks_per_level), "model.blocks_per_level", "entries must be >= 1")
+    need(m.path_specific_blocks >= 0, "model.path_specific_blocks", f"must be >= 0, got {m.path_specific_blocks}")
+    need(m.path_specific_blocks == 0 or t.workers_per_path == 1, "model.path_specific_blocks",
+         "needs train.workers_per_path = 1 (a path's private blocks carry over its one trained copy, never averaged)")
     need(m.hidden_size > 0 and m.num_heads > 0, "model.hidden_size", "and model.num_heads must be positive")
     need(m.hidden_size % m.num_heads == 0, "model.num_heads", f"must divide model.hidden_size ({m.hidden_size})")
     need(m.seq_len > config.router.prefix_tokens, "model.seq_len", "must exceed router.prefix_tokens")

@@ -118,9 +118,12 @@ class TaskQueue:
         self.lease_seconds = float(config.train.lease_seconds)
         self.max_attempts = config.train.max_attempts
         # Fixed by the config: worked out once, not on every poll of ready().
-        self.job_modules = {job: path_modules(parse_job_id(job, self.grid, config.train.workers_per_path)[1])
-                            for job in self.jobs}
-        self.jobs_through = {key: [j for j in self.jobs if key in self.job_modules[j]] for key in all_modules(self.grid)}
+        # A path's private module (model.path_specific_blocks) is one of its modules like any other.
+        self.private = config.model.path_specific_blocks > 0
+        self.job_modules = {job: path_modules(parse_job_id(job, self.grid, config.train.workers_per_path)[1],
+                                              self.grid, self.private) for job in self.jobs}
+        self.jobs_through = {key: [j for j in self.jobs if key in self.job_modules[j]]
+                             for key in all_modules(self.grid, self.private)}
         self._eval_paths: list[str] | None = None
 
     # -- leases --------------------------------------------------------------------------------
@@ -234,7 +237,7 @@ class TaskQueue:
                 continue
             missing = [p for p in self.eval_paths() if not self.root.exists(layout.eval_part(r, p))]
             for path_id in missing:
-                if self.modules_ready(r, path_modules(parse_job_id(path_id, self.grid, 1)[1])):
+                if self.modules_ready(r, path_modules(parse_job_id(path_id, self.grid, 1)[1], self.grid, self.private)):
                     tasks.append(Task.of("eval", r, path_id))
             if not missing and self.root.is_committed(layout.round_dir(r - 1)):
                 tasks.append(Task.of("evalsum", r))

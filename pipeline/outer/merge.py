@@ -6,6 +6,10 @@ committed; the outer gradient g_m = sum_p alpha_p * delta_p with alpha_p the pat
 tokens (or uniform); optionally g_m *= sqrt(paths through m); then a stock
 torch.optim.SGD(nesterov=True) step with the module's persisted momentum buffer. A module that
 no path finished keeps its parameters and its buffer.
+
+A path's private module (`model.path_specific_blocks`, DiPaCo's path-specific parameters) takes
+no outer step: its new value is its path's trained weights, carried over losslessly; a path that
+did not finish leaves it as it was.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from models.grid import ModuleKey, all_job_ids, all_modules, parse_job_id, path_modules
+from models.grid import ModuleKey, all_job_ids, all_modules, is_private, parse_job_id, path_modules
 from models.modular import ModelShape, ModuleState, split_path_state
 from pipeline.state import layout
 from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
@@ -107,9 +111,9 @@ def merge_round(config, round_index: int) -> dict:
         return root.read_json(f"{rel_round}/merge.json")
     start = time.perf_counter()
     grid, shape = config.model.grid, ModelShape.from_config(config.model)
-    keys = all_modules(grid)
+    keys = all_modules(grid, private=shape.path_blocks > 0)
     committed, left_out = committed_paths(root, config, round_index)
-    modules_of = {pid: path_modules(_modules_of(pid, config)) for pid in committed}
+    modules_of = {pid: path_modules(_modules_of(pid, config), grid, private=shape.path_blocks > 0) for pid in committed}
     next_round = round_index + 1
     info = merged_info(config, round_index)
     rel_before, rel_momentum = layout.modules_dir(round_index), layout.outer_state_dir(round_index)
@@ -137,7 +141,8 @@ def merge_round(config, round_index: int) -> dict:
             sizes[key] = module_bytes(before)
             through = merged_paths[str(key)]
             afters = [path_f[pid].result()[key.level] for pid in through]
-            new, buffers, grad_norm = update_module(outer, config, before, momentum, afters, [committed[p] for p in through])
+            new, buffers, grad_norm = update_module(outer, config, before, momentum, afters, [committed[p] for p in through],
+                                                    private=is_private(key, grid))
             if grad_norm is None:  # no path through this module finished: it kept its parameters
                 untouched.append(str(key))
             else:
@@ -159,6 +164,7 @@ def commit_round(root: RunRoot, config, round_index: int, committed: dict[str, i
                  merged_paths: dict[str, list[str]], grad_norms: dict[str, float], untouched: list[str],
                  sizes: dict[ModuleKey, int], seconds: float) -> dict:
     """merge.json and the round's `_SUCCESS`, written last: the round counts from here."""
+    # Shared modules only: a path's private module stays on its island, nothing is sent for it.
     modules_of = {pid: path_modules(_modules_of(pid, config)) for pid in committed}
     path_bytes = {pid: sum(sizes[k] for k in modules_of[pid]) for pid in committed}
     bytes_outer = 2 * sum(path_bytes.values())  # each island sends its outer gradient, receives its modules
@@ -190,16 +196,27 @@ def merged_info(config, round_index: int) -> dict:
 
 
 def update_module(outer: OuterOptimizer, config, before: ModuleState, momentum: ModuleState | None,
-                  afters: list[ModuleState], tokens: list[int]) -> tuple[ModuleState, ModuleState | None, float | None]:
+                  afters: list[ModuleState], tokens: list[int],
+                  private: bool = False) -> tuple[ModuleState, ModuleState | None, float | None]:
     """One module's outer step: (new parameters, new momentum, outer-gradient norm); a module no
     path finished keeps its parameters and momentum (norm None). The whole-round merge and the
     per-module merge of islands both call this, so their files are bitwise the same."""
     if not afters:
         return before, momentum, None
+    if private:
+        return carry_over(before, afters)
     weights = [float(t) if config.outer.weighting == "tokens" else 1.0 for t in tokens]
     grad = outer.outer_gradient(before, afters, weights)
     new, buffers = outer.outer_step(before, grad, momentum)
     return new, buffers, math.hypot(*(float(torch.linalg.vector_norm(g)) for g in grad.values()))
+
+
+def carry_over(before: ModuleState, afters: list[ModuleState]) -> tuple[ModuleState, None, float]:
+    """A private module's merge: exactly its one path's trained weights (DiPaCo's path-specific
+    parameters are never averaged), no momentum; the norm reported is how far the path moved it."""
+    (after,) = afters  # one path, one worker (config validation)
+    new = {k: after[k].to(before[k].dtype) for k in before}
+    return new, None, math.hypot(*(float(torch.linalg.vector_norm(before[k].float() - new[k].float())) for k in before))
 
 
 def read_path_levels(root: RunRoot, shape: ModelShape, round_index: int, path_id: str) -> list[ModuleState]:
@@ -243,13 +260,14 @@ def merge_module(config, round_index: int, key: ModuleKey) -> dict:
     start = time.perf_counter()
     shape = ModelShape.from_config(config.model)
     committed, _ = committed_paths(root, config, round_index)
-    through = [pid for pid in committed if key in path_modules(_modules_of(pid, config))]
+    grid = config.model.grid
+    through = [pid for pid in committed if key in path_modules(_modules_of(pid, config), grid, private=is_private(key, grid))]
     with one_torch_thread():
         before = read_module(root, round_index, key, shape)
         momentum = read_momentum(root, round_index, key, shape)
         afters = [read_path_levels(root, shape, round_index, pid)[key.level] for pid in through]
         new, buffers, grad_norm = update_module(outer_optimizer(config), config, before, momentum, afters,
-                                                [committed[p] for p in through])
+                                                [committed[p] for p in through], private=is_private(key, grid))
     info = merged_info(config, round_index)
     write_state(root, rel, key, new, info, layout.MERGED_MODULE)
     files = [layout.MERGED_MODULE]
@@ -269,7 +287,7 @@ def finish_round(config, round_index: int) -> dict:
     rel_round = layout.round_dir(round_index)
     if root.is_committed(rel_round):
         return root.read_json(f"{rel_round}/merge.json")
-    keys = all_modules(config.model.grid)
+    keys = all_modules(config.model.grid, private=config.model.path_specific_blocks > 0)
     markers = {key: root.marker(layout.merged_module_dir(round_index, key)) for key in keys}
     info = merged_info(config, round_index)
     rel_modules, rel_outer = layout.modules_dir(round_index + 1), layout.outer_state_dir(round_index + 1)

@@ -33,7 +33,8 @@ def modules_dir(round_index: int) -> str:
 
 
 def module_file(module: ModuleKey) -> str:
-    """A module's file name inside modules_dir."""
+    """A module's file name inside modules_dir; a path's private blocks (model.path_specific_blocks)
+    are level=<number of grid levels>/module=<the path's index in the grid's path order>."""
     return f"level={module.level}/module={module.index}.safetensors"
 
 

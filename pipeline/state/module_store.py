@@ -1,7 +1,8 @@
 """Module parameters and outer-optimizer state per round, as safetensors under the run root.
 
 `rounds/round=<r>/modules/level=<l>/module=<k>.safetensors` holds a module at the start of
-round r; the directory's `_SUCCESS` records each file's checksum and the module map, so every
+round r (with `model.path_specific_blocks`, level=<len(grid)>/module=<path index> holds a path's
+private blocks: models/grid.py); the directory's `_SUCCESS` records each file's checksum and the module map, so every
 load is verified and a corrupted file is refused by name (never unpickled: safetensors is data).
 """
 
@@ -138,7 +139,8 @@ def init_modules(root: RunRoot, model_config, grid: list[int]) -> bool:
         return False
     shape = ModelShape.from_config(model_config)
     levels = initial_level_states(shape, seed=model_config.init_seed)
-    states = {key: {k: v.clone() for k, v in levels[key.level].items()} for key in all_modules(grid)}
+    keys = all_modules(grid, private=shape.path_blocks > 0)
+    states = {key: {k: v.clone() for k, v in levels[key.level].items()} for key in keys}
     write_states(root, layout.modules_dir(0), states, {"round": 0, "grid": list(grid), "seed": model_config.init_seed})
     return True
 
@@ -172,8 +174,10 @@ def load_modules(root: RunRoot, round_index: int, keys: list[ModuleKey],
 
 
 def load_path_modules(root: RunRoot, round_index: int, modules: tuple[int, ...],
-                      shape: ModelShape | None = None) -> list[ModuleState]:
-    keys = path_modules(modules)
+                      shape: ModelShape | None = None, grid: list[int] | None = None) -> list[ModuleState]:
+    """A path's modules in level order; its private module last when the shape has path blocks
+    (the grid then names which one: it is indexed by the path's place in the grid)."""
+    keys = path_modules(modules, grid, private=shape is not None and shape.path_blocks > 0)
     loaded = load_modules(root, round_index, keys, shape)
     return [loaded[key] for key in keys]
 
@@ -182,7 +186,7 @@ def load_path_model(root: RunRoot, config, round_index: int, path_id: str) -> to
     """The LlamaForCausalLM of one path at the start of a round (for evaluation and inference)."""
     modules = parse_path_id(path_id, config.model.grid)
     shape = ModelShape.from_config(config.model)
-    return build_path_model(shape, load_path_modules(root, round_index, modules, shape))
+    return build_path_model(shape, load_path_modules(root, round_index, modules, shape, config.model.grid))
 
 
 def outer_state_keys(root: RunRoot, round_index: int, keys: list[ModuleKey]) -> list[ModuleKey]:

@@ -490,7 +490,7 @@ class MlflowTracker(Tracker):
     def _model_description(self) -> str:
         """What every version of the registered model is: grid, tokenizer, routing, how to call it."""
         m, r, t = self.config.model, self.config.router, self.config.train
-        return (f"DiPaCo: a {m.grid} grid of modules ({self.config.n_paths} paths of {sum(m.blocks_per_level)} "
+        return (f"DiPaCo: a {m.grid} grid of modules ({self.config.n_paths} paths of {sum(m.blocks_per_level) + m.path_specific_blocks} "
                 f"Llama blocks, hidden size {m.hidden_size}, seq_len {m.seq_len}), tokenizer {m.tokenizer} "
                 f"(vocabulary {m.vocab_size}). Each input text is routed by its first {r.prefix_tokens} tokens "
                 f"({r.embedder} router) to one path, whose model generates the continuation. Trained for "

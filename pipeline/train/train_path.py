@@ -84,7 +84,7 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
         raise InputError(f"{root.path(layout.shard_dir(shard_path))}: too few tokens for one row of {config.model.seq_len + 1}")
     stream = RowStream(rows, seed=train.seed + worker)
 
-    merged = load_path_modules(root, round_index, modules, shape)
+    merged = load_path_modules(root, round_index, modules, shape, config.model.grid)
     model = build_path_model(shape, merged, seed=train.seed)
     start_state = {k: v.detach().clone() for k, v in model.named_parameters()}
     ds_config = load_ds_config(train, shape, world)
