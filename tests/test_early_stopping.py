@@ -71,13 +71,14 @@ def test_combine_paths_writes_best_json_only_with_early_stopping(tmp_path):
 
 
 LAST = 2
-PENALISED = ("p0-0", "p1-0")  # made worse at the last round, so their best round is an earlier one
+PENALISED = "p0-0"  # made worse at the last round, so its best round is an earlier one
 
 
 def test_a_run_registers_the_early_stopped_model_as_champion(tmp_path, monkeypatch):
-    """A real in-process run (Beam prepare, islands, merges, MLflow on SQLite): the last round's
-    scores of two paths are made worse, so they keep an earlier round while paths sharing their
-    modules keep later ones; the champion's bundle holds, per path, its best round's modules."""
+    """A real in-process run (Beam prepare, islands, merges, MLflow on SQLite) on a [2, 1] grid, whose
+    paths p0-0 and p1-0 share their level-1 module: p0-0's last-round score is made worse, so it
+    keeps an earlier round while p1-0 keeps the last one, and the champion's bundle holds each
+    path's modules of its own round (the shared module at two rounds)."""
     import mlflow
     from mlflow.tracking import MlflowClient
     from test_registry import real_text_config, write_c4
@@ -90,7 +91,7 @@ def test_a_run_registers_the_early_stopped_model_as_champion(tmp_path, monkeypat
 
     def penalised(config, round_index, path_id):
         result = real(config, round_index, path_id)
-        if result and round_index == LAST and path_id in PENALISED:
+        if result and round_index == LAST and path_id == PENALISED:
             nll = result["nll"] + 3.0 * result["tokens"]  # perplexity x e^3
             result = {**result, "nll": nll, "perplexity": math.exp(nll / result["tokens"]),
                       "bits_per_byte": evaluate.bits_per_byte(nll, result["bytes"])}
@@ -98,7 +99,8 @@ def test_a_run_registers_the_early_stopped_model_as_champion(tmp_path, monkeypat
 
     monkeypatch.setattr(evaluate, "evaluate_path", penalised)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    config = real_text_config(tmp_path / "run", write_c4(tmp_path / "c4"), f"train.rounds={LAST}", "train.inner_steps=2",
+    config = real_text_config(tmp_path / "run", write_c4(tmp_path / "c4"), "model.grid=[2, 1]", f"train.rounds={LAST}",
+                              "train.inner_steps=2",
                               "eval.early_stopping=true", "mlflow.experiment=test-early-stopping",
                               "mlflow.registered_model=dipaco-es")
     summary = stages.run(config)
@@ -110,7 +112,7 @@ def test_a_run_registers_the_early_stopped_model_as_champion(tmp_path, monkeypat
     for pid, entry in best["paths"].items():
         assert entry["perplexity"] == min(evals[r]["paths"][pid]["perplexity"] for r in evals)
     rounds = {pid: entry["round"] for pid, entry in best["paths"].items()}
-    assert any(pid in rounds for pid in PENALISED) and all(rounds[p] < LAST for p in PENALISED if p in rounds)
+    assert rounds[PENALISED] < LAST and rounds["p1-0"] == LAST  # p1-0 improved (the run is seeded)
 
     client = MlflowClient(tracking_uri=tracking_uri(config), registry_uri=tracking_uri(config))
     champion = client.get_model_version_by_alias("dipaco-es", "champion")

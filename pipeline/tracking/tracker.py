@@ -517,7 +517,7 @@ class MlflowTracker(Tracker):
                          {"dipaco.round": str(round_index)}, description=f"{what}, registered as a version of {name}.")
         if run is None:  # logged once, registration lost: find the run again
             run = self._find(key, round_run).info.run_id
-        if path_rounds:  # fresh run: params are immutable, and each choice of rounds has its own run
+        if path_rounds:  # the chosen round per path, as params of the registering run
             self._log_params(run, {f"early_stopping.round.{metric_name(p)}": str(r) for p, r in path_rounds.items()})
             self._log_metrics(run, {f"early_stopped_{k}": [(round_index, float(result[k]))]
                                     for k in ("perplexity", "bits_per_byte") if _numeric(result.get(k))})
