@@ -70,6 +70,14 @@ def test_combine_paths_writes_best_json_only_with_early_stopping(tmp_path):
     assert best["paths"]["p0-0"]["round"] == 0 and best["perplexity"] == pytest.approx(40.0)
 
 
+def test_a_bad_value_is_refused_naming_the_key_and_file(tmp_path):
+    from pipeline.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tiny.yaml: eval.early_stopping must be bool"):
+        tiny_config(tmp_path / "run", "eval.early_stopping=maybe")
+    assert tiny_config(tmp_path / "run").eval.early_stopping is False  # off by default
+
+
 LAST = 2
 PENALISED = "p0-0"  # made worse at the last round, so its best round is an earlier one
 
