@@ -238,7 +238,22 @@ def report_round(config: Config, round_index: int) -> dict:
         log.info("round %d: utilisation %.2f over %d islands (mean overhead %.1f s per task)", round_index,
                  figures["utilisation"] or 0, figures["islands"], figures["task_overhead_seconds"] or 0)
     version = register(config, round_index + 1, result)
-    return {"merge": report, "eval": result, "model_version": version, "utilisation": figures}
+    best = early_stop(config, round_index + 1) if config.eval.early_stopping else None
+    return {"merge": report, "eval": result, "model_version": version, "utilisation": figures, "early_stopping": best}
+
+
+def early_stop(config: Config, round_index: int) -> dict:
+    """eval.early_stopping once round r's modules are evaluated: eval/best.json rewritten from every
+    eval file (an island may have written it from an older listing), and the early-stopped model
+    over rounds <= r logged and registered as the champion. Rerunnable: logged and registered once."""
+    from pipeline.evaluation.early_stopping import best_up_to, write_best
+    from pipeline.tracking.tracker import get_tracker
+
+    root, tracker = RunRoot(config.run_root), get_tracker(config)
+    write_best(root)
+    best = best_up_to(root, round_index)
+    tracker.log_early_stopping(round_index, best)
+    return {**best, "model_version": tracker.register_early_stopped(round_index, best)}
 
 
 ISLAND_POLL_S = 0.5
@@ -344,6 +359,10 @@ def summarize(config: Config) -> dict:
     figures = round_utilisation(config, last) if last >= 0 else None
     if figures:
         summary["utilisation"] = {"round": last, **figures}
+    if config.eval.early_stopping and rounds:
+        from pipeline.evaluation.early_stopping import best_up_to
+
+        summary["early_stopping"] = best_up_to(root)
     if config.mlflow.enabled:
         summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
                        model_version=get_tracker(config).newest_version())

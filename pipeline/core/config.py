@@ -115,6 +115,7 @@ class EvalConfig:
     max_docs: int | None = None  # cap on held-out documents scored per path
     batch_size: int = 8
     sample_prompt: str | None = None  # `dipaco run` ends by showing the champion's continuation of it
+    early_stopping: bool = False  # each path keeps its round of lowest validation perplexity (eval/best.json, champion)
 
 
 @dataclass

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from models.grid import all_path_ids
 from models.modular import EOS_TOKEN_ID, eos_token_id
 from preprocessing.tokenizer import load_tokenizer, token_byte_lengths
+from pipeline.evaluation.early_stopping import write_best
 from pipeline.state import layout
 from pipeline.state.module_store import load_path_model
 from pipeline.state.shards import read_path_documents, shard_parts
@@ -115,6 +116,8 @@ def combine_paths(config, round_index: int, parts: dict[str, dict | None]) -> di
         "paths": paths,
     }
     root.write_json(layout.eval_file(round_index), result)
+    if config.eval.early_stopping:
+        write_best(root)  # after each round's evaluation: each path's best round so far
     if total_tokens:
         log.info("round %d: routed perplexity %.2f, %.3f bits per byte over %d tokens (%d bytes)",
                  round_index, result["perplexity"], result["bits_per_byte"] or float("nan"), total_tokens, total_bytes)

@@ -7,6 +7,18 @@ and returns each continuation as text, generated as a user of `transformers` exp
 is logged "from code" (a tiny script naming `DipacoModel`), so nothing is pickled; its one artifact
 is a miniature run root (run.yaml, router/, the run's trained tokenizer/, the round's modules,
 each with its `_SUCCESS` checksums) that the pipeline's own loaders read back unchanged.
+
+With `eval.early_stopping` the champion is the early-stopped model: each path assembled from the
+modules of its own best round (pipeline.evaluation.early_stopping). Two paths sharing a module may
+want different rounds of it, so the bundle keeps modules by round, as the run root does, and
+`bundle.json` says which round each path reads:
+
+    bundle.json                                  {"round": R, "path_rounds": {"p0-1": 2, ...}, ...}
+    rounds/round=<r>/modules/level=<l>/module=<k>.safetensors   only the modules some path reads
+                                                 from round r (a byte copy of the run's), _SUCCESS
+
+A path without an entry (no held-out documents to choose by) reads round R. Without early
+stopping there is no `path_rounds` and every path reads round R, as before.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ from typing import Any
 
 import mlflow
 
+from models.grid import all_path_ids, parse_path_id, path_modules
 from pipeline.state import layout
 from pipeline.core.bounds import load_json
 from pipeline.core.config import parse_yaml, read_config_text, resolve_ds_config
@@ -72,6 +85,7 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
         if type(info.get("round")) is not int:
             raise CorruptStateError(f"{bundle / BUNDLE_INFO}: round must be a round number")
         self.round_index = info["round"]
+        self.path_rounds = _path_rounds(info, bundle / BUNDLE_INFO)
         self.router = Router.load(self.root)
         self.tokenizer = load_tokenizer(self.root, self.config.model.tokenizer)
         self._models: dict[str, Any] = {}
@@ -108,9 +122,18 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
         if path_id not in self._models:
             from pipeline.state.module_store import load_path_model
 
-            model = load_path_model(self.root, self.config, self.round_index, path_id)
+            round_index = self.path_rounds.get(path_id, self.round_index)  # early stopping: its own round
+            model = load_path_model(self.root, self.config, round_index, path_id)
             self._models[path_id] = model.eval()
         return self._models[path_id]
+
+
+def _path_rounds(info: dict, where: Path) -> dict[str, int]:
+    """bundle.json's {path: round} (early stopping), checked; {} when the bundle has none."""
+    rounds = info.get("path_rounds") or {}
+    if not isinstance(rounds, dict) or not all(isinstance(p, str) and type(r) is int and r >= 0 for p, r in rounds.items()):
+        raise CorruptStateError(f"{where}: path_rounds must map path ids to round numbers")
+    return rounds
 
 
 def champion_continuation(config, prompt: str) -> str:
@@ -146,11 +169,13 @@ def _texts(model_input) -> list[str]:
     return [str(t) for t in list(model_input)]
 
 
-def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml: str) -> Path:
-    """A miniature run root: run.yaml, router/, rounds/round=r/modules/, each with its _SUCCESS."""
+def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml: str,
+                 path_rounds: dict[str, int] | None = None) -> Path:
+    """A miniature run root: run.yaml, router/, rounds/round=r/modules/, each with its _SUCCESS;
+    with `path_rounds` (early stopping), each path's modules of its own round instead."""
     target.mkdir(parents=True, exist_ok=True)
     (target / layout.RUN_CONFIG).write_text(run_yaml)
-    bundled = [layout.ROUTER_DIR, layout.modules_dir(round_index)]
+    bundled = [layout.ROUTER_DIR] + ([] if path_rounds else [layout.modules_dir(round_index)])
     if config.model.tokenizer != "gpt2":
         bundled.append(layout.TOKENIZER_DIR)  # the run's trained tokenizer travels with its model
     for rel in bundled:
@@ -158,16 +183,41 @@ def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml
         root.get_dir(rel, target / rel)
         (target / rel / SUCCESS).write_bytes(root.read_bytes(posixpath.join(rel, SUCCESS)))
         RunRoot(str(target)).verify(rel)  # what is shipped is what was committed
+    if path_rounds:
+        path_rounds = bundle_path_rounds(config, round_index, path_rounds)
+        bundle_path_modules(root, RunRoot(str(target)), config, path_rounds)
     shutil.copyfile(resolve_ds_config(config.train.ds_config), target / BUNDLE_DS_CONFIG)
     info = {"round": round_index, "grid": list(config.model.grid), "tokenizer": config.model.tokenizer,
-            "source_run_root": redact(root.url)}
+            "source_run_root": redact(root.url), **({"path_rounds": path_rounds} if path_rounds else {})}
     (target / BUNDLE_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return target
 
 
-def log_pyfunc(root: RunRoot, config, round_index: int, tmp: Path, run_yaml: str, name: str):
-    """Log the round's model into the active run and register it as a version of `name`."""
-    bundle = build_bundle(root, config, round_index, tmp / "bundle", run_yaml)
+def bundle_path_rounds(config, round_index: int, path_rounds: dict[str, int]) -> dict[str, int]:
+    """Every path's round: its chosen one, else (no held-out documents to choose by) round_index."""
+    return {pid: path_rounds.get(pid, round_index) for pid in all_path_ids(config.model.grid)}
+
+
+def bundle_path_modules(root: RunRoot, bundle: RunRoot, config, path_rounds: dict[str, int]) -> None:
+    """Into the bundle, by round, the modules each path reads from its round: each file read
+    through its checksum in the run root, written unchanged, committed in the bundle."""
+    wanted: dict[int, set] = {}
+    for pid, r in path_rounds.items():
+        wanted.setdefault(r, set()).update(path_modules(parse_path_id(pid, config.model.grid)))
+    for r, keys in sorted(wanted.items()):
+        rel = layout.modules_dir(r)
+        names = sorted(layout.module_file(key) for key in keys)
+        for name in names:
+            bundle.write_bytes(posixpath.join(rel, name), bytes(root.read_committed(rel, name)))
+        bundle.commit(rel, info={"round": r, "early_stopping": True}, files=names)
+        bundle.verify(rel)
+
+
+def log_pyfunc(root: RunRoot, config, round_index: int, tmp: Path, run_yaml: str, name: str,
+               path_rounds: dict[str, int] | None = None):
+    """Log the round's model (with `path_rounds`: the early-stopped one) into the active run and
+    register it as a version of `name`."""
+    bundle = build_bundle(root, config, round_index, tmp / "bundle", run_yaml, path_rounds)
     code = tmp / "dipaco_model.py"
     code.write_text(_MODEL_CODE)
     return mlflow.pyfunc.log_model(
@@ -181,7 +231,8 @@ def log_pyfunc(root: RunRoot, config, round_index: int, tmp: Path, run_yaml: str
         input_example=INPUT_EXAMPLE,
         pip_requirements=_requirements(),  # explicit: inference would load the model in a subprocess
         registered_model_name=name,
-        metadata={"dipaco_round": round_index, "grid": list(config.model.grid)},
+        metadata={"dipaco_round": round_index, "grid": list(config.model.grid),
+                  **({"dipaco_path_rounds": path_rounds} if path_rounds else {})},
     )
 
 

@@ -39,6 +39,9 @@ def format_summary(summary: dict) -> str:
                      + (f", {overhead:.1f} s overhead per path task" if overhead is not None else "")
                      + (" (load {task_load_seconds:.1f}, engine {task_engine_seconds:.1f}, commit {task_commit_seconds:.1f})"
                         .format(**use) if "task_commit_seconds" in use else ""))
+    best = summary.get("early_stopping")
+    if best and best.get("perplexity") is not None:
+        lines.append(early_stopping_line(best))
     if summary.get("model_version"):
         lines.append(f"registered model: models:/{summary['registered_model']}/{summary['model_version']} "
                      f"(alias champion: models:/{summary['registered_model']}@champion)")
@@ -51,6 +54,13 @@ def format_summary(summary: dict) -> str:
     if planned is not None and committed == planned:
         lines.append(f"every round of train.rounds={planned} is committed: raise train.rounds to train further")
     return "\n".join(lines)
+
+
+def early_stopping_line(best: dict) -> str:
+    """eval.early_stopping: the early-stopped model's figures and the round each path keeps."""
+    rounds = " ".join(f"{pid}={entry['round']}" for pid, entry in sorted(best.get("paths", {}).items()))
+    return (f"early-stopped model (each path's round of lowest validation perplexity): perplexity "
+            f"{_num(best.get('perplexity'), 2)}, {_num(best.get('bits_per_byte'), 3)} bits/byte; rounds {rounds}")
 
 
 def mlflow_command() -> str:

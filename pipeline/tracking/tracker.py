@@ -54,6 +54,8 @@ KEY, RUN_KEY = "mlflow.dipaco.key", "mlflow.dipaco.run_key"  # bookkeeping, hidd
 PARENT_TAG = "mlflow.parentRunId"
 DESCRIPTION_TAG = "mlflow.note.content"  # the run page's description
 EVAL_SERIES = {"bytes": "eval_bytes"}  # eval result key -> metric name on the parent and round runs
+EARLY_STOPPED = "dipaco.early_stopped"  # on a version holding the early-stopped model (eval.early_stopping)
+PATH_ROUNDS = "dipaco.path_rounds_sha"  # which rounds it assembles its paths from, hashed (a tag is short)
 _BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
 
 
@@ -115,6 +117,13 @@ class Tracker:
 
     def register(self, round_index: int, result: dict) -> str | None:
         """Register round_index's modules as a model version; returns the version or None."""
+        return None
+
+    def log_early_stopping(self, round_index: int, best: dict) -> None:
+        """The early-stopped model over rounds <= round_index: its figures and each path's round."""
+
+    def register_early_stopped(self, round_index: int, best: dict) -> str | None:
+        """Register the early-stopped model (each path from its best round) as the champion."""
         return None
 
     def finish(self, summary: dict) -> None:
@@ -306,6 +315,39 @@ class MlflowTracker(Tracker):
         log.info("MLflow: %s version %s holds round %d", name, version, round_index)
         return str(version)
 
+    def log_early_stopping(self, round_index: int, best: dict) -> None:
+        """On the parent, by round: `early_stopped_perplexity`, `early_stopped_bits_per_byte` and
+        `early_stopped_round/<path>`, and eval/best.json as an artifact. The perplexity, logged
+        last, is the mark that a rerun has nothing to add."""
+        parent = self._parent()
+        if not _numeric(best.get("perplexity")) or any(
+                m.step == round_index for m in self.client.get_metric_history(parent, "early_stopped_perplexity")):
+            return
+        series = {f"early_stopped_round/{metric_name(pid)}": [(round_index, float(entry["round"]))]
+                  for pid, entry in best.get("paths", {}).items()}
+        if _numeric(best.get("bits_per_byte")):
+            series["early_stopped_bits_per_byte"] = [(round_index, float(best["bits_per_byte"]))]
+        self._log_metrics(parent, series)
+        self.client.log_dict(parent, redact_data(best), "eval/best.json")
+        self._log_metrics(parent, {"early_stopped_perplexity": [(round_index, float(best["perplexity"]))]})
+
+    def register_early_stopped(self, round_index: int, best: dict) -> str | None:
+        """A version whose bundle assembles each path from its best round (registry.build_bundle),
+        registered once per choice of rounds; `champion` then points at it."""
+        from pipeline.evaluation.early_stopping import path_rounds
+        from pipeline.tracking import registry
+
+        if not _numeric(best.get("perplexity")):
+            return None
+        name = self.config.mlflow.registered_model
+        rounds = registry.bundle_path_rounds(self.config, round_index, path_rounds(best))
+        existing = self._versions(name, {RUN_KEY: self.key, EARLY_STOPPED: "true", PATH_ROUNDS: rounds_tag(rounds)})
+        version = str(existing[0].version) if existing else self._register_new(name, round_index, best, registry, rounds)
+        self._set_champion(name)
+        log.info("MLflow: %s version %s holds the early-stopped model (rounds %s)", name, version,
+                 " ".join(f"{p}={r}" for p, r in rounds.items()))
+        return version
+
     def newest_version(self) -> str | None:
         versions = self._versions(self.config.mlflow.registered_model, {RUN_KEY: self.key})
         return str(versions[-1].version) if versions else None
@@ -462,27 +504,40 @@ class MlflowTracker(Tracker):
         query = f"name = '{name}'" + "".join(f" and tags.`{k}` = '{v}'" for k, v in tags.items())
         return sorted(self.client.search_model_versions(query), key=lambda v: int(v.version))
 
-    def _register_new(self, name: str, round_index: int, result: dict, registry) -> str:
+    def _register_new(self, name: str, round_index: int, result: dict, registry,
+                      path_rounds: dict[str, int] | None = None) -> str:
+        """Round round_index's modules as a new version or, with `path_rounds`, the early-stopped
+        model (each path from its own round) as of round round_index."""
         parent, round_run = self._parent(), self._round(round_index)
-        key = f"round={round_index}/register"
-        run = self._leaf("register", key, f"round {round_index} · register", round_run, {"dipaco.round": str(round_index)},
-                         description=f"The modules round {round_index} starts from, registered as a version of {name}.")
+        early = "-early-stopped" if path_rounds else ""
+        key = f"round={round_index}/register{early}"
+        what = (f"The early-stopped model as of round {round_index} (each path from its best round)" if path_rounds
+                else f"The modules round {round_index} starts from")
+        run = self._leaf("register", key, f"round {round_index} · register{early.replace('-', ' ')}", round_run,
+                         {"dipaco.round": str(round_index)}, description=f"{what}, registered as a version of {name}.")
         if run is None:  # logged once, registration lost: find the run again
             run = self._find(key, round_run).info.run_id
+        if path_rounds:  # the chosen round per path, as params of the registering run
+            self._log_params(run, {f"early_stopping.round.{metric_name(p)}": str(r) for p, r in path_rounds.items()})
+            self._log_metrics(run, {f"early_stopped_{k}": [(round_index, float(result[k]))]
+                                    for k in ("perplexity", "bits_per_byte") if _numeric(result.get(k))})
         mlflow = self._mlflow
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_registry_uri(self.uri)
         with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=run):
-            info = registry.log_pyfunc(self.root, self.config, round_index, Path(tmp), self._run_yaml(), name)
+            info = registry.log_pyfunc(self.root, self.config, round_index, Path(tmp), self._run_yaml(), name, path_rounds)
         version = str(info.registered_model_version)
         tags = {
             RUN_KEY: self.key, "dipaco.round": str(round_index), "dipaco.run_root": redact(self.config.run_root),
             "dipaco.parent_run_id": parent, "perplexity": repr(float(result.get("perplexity", math.nan))),
             "eval_tokens": str(result.get("tokens", "")),
+            **({EARLY_STOPPED: "true", PATH_ROUNDS: rounds_tag(path_rounds)} if path_rounds else {}),
         }
         for key, value in tags.items():
             self.client.set_model_version_tag(name, version, key, value)
-        self.client.update_model_version(name, version, description=self._version_description(round_index, result))
+        description = (self._early_stopped_description(round_index, result, path_rounds) if path_rounds
+                       else self._version_description(round_index, result))
+        self.client.update_model_version(name, version, description=description)
         self.client.update_registered_model(name, description=self._model_description())
         self._end(run)
         return version
@@ -498,7 +553,10 @@ class MlflowTracker(Tracker):
                 f"{redact(self.config.run_root)}; each version holds the modules of one round. Aliases: "
                 f"{CHAMPION} (lowest routed perplexity), {NEWEST}. predict([text, ...], "
                 f"params={{'max_new_tokens': 32, 'temperature': 0.8, 'top_k': 40, 'seed': 0}}) -> [continuation, ...] "
-                f"(temperature 0: greedy).")
+                f"(temperature 0: greedy)." + (
+                    f" eval.early_stopping: versions tagged {EARLY_STOPPED}=true hold the early-stopped model (each "
+                    f"path from the round that gave its validation shard the lowest perplexity); {CHAMPION} is one "
+                    f"of them." if self.config.eval.early_stopping else ""))
 
     def _version_description(self, round_index: int, result: dict) -> str:
         """One version: which round's modules, after how much training, and how good."""
@@ -510,15 +568,27 @@ class MlflowTracker(Tracker):
                 f"outer rounds ({round_index * t.inner_steps} inner steps per path); {score}. Grid {m.grid}, "
                 f"tokenizer {m.tokenizer}, run root {redact(self.config.run_root)}.")
 
+    def _early_stopped_description(self, round_index: int, best: dict, path_rounds: dict[str, int]) -> str:
+        """The early-stopped version: which round each path comes from, and how good it is."""
+        m = self.config.model
+        rounds = ", ".join(f"{p}: round {r}" for p, r in path_rounds.items())
+        return (f"The early-stopped model as of round {round_index}: each path assembled from the modules of the "
+                f"round (0..{round_index}) that gave its own validation shard the lowest perplexity ({rounds}); "
+                f"routed perplexity {best['perplexity']:.2f} on {int(best.get('tokens') or 0):,} held-out tokens. "
+                f"Grid {m.grid}, tokenizer {m.tokenizer}, run root {redact(self.config.run_root)}.")
+
     def _set_champion(self, name: str) -> None:
-        """champion: the version with the lowest routed perplexity among all evaluated ones."""
+        """champion: the version with the lowest routed perplexity among all evaluated ones; with
+        eval.early_stopping, among the early-stopped ones once there is one (the newest on a tie:
+        it chose from the most rounds)."""
+        early = self._versions(name, {EARLY_STOPPED: "true"}) if self.config.eval.early_stopping else []
         scored = []
-        for version in self._versions(name, {}):
+        for version in early or self._versions(name, {}):
             value = float(version.tags.get("perplexity", "nan"))
             if math.isfinite(value):
-                scored.append((value, int(version.version)))
+                scored.append((value, -int(version.version) if early else int(version.version)))
         if scored:
-            self.client.set_registered_model_alias(name, CHAMPION, str(min(scored)[1]))
+            self.client.set_registered_model_alias(name, CHAMPION, str(abs(min(scored)[1])))
 
     # ---- what finish() plots ---------------------------------------------------------------
     def _runs_of_kind(self, kind: str) -> list:
@@ -560,6 +630,11 @@ class MlflowTracker(Tracker):
                 if name.startswith("outer_grad_norm/"):
                     norms.setdefault(name.split("/", 1)[1], {})[rnd] = value
         return norms
+
+
+def rounds_tag(path_rounds: dict[str, int]) -> str:
+    """A short, searchable name for one choice of rounds per path (a tag value has a length limit)."""
+    return hashlib.sha256(json.dumps(path_rounds, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _param(value: Any) -> str:
