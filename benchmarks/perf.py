@@ -249,7 +249,8 @@ def merge_vs_io(args: argparse.Namespace) -> dict:
 def bytes_ratio(merge: dict, config: Config) -> dict:
     """Outer bytes per round over data-parallel bytes for the same steps.
 
-    The merge report computes `bytes_data_parallel` as `bytes_outer * inner_steps`, so its ratio
+    The merge report computes `bytes_data_parallel` as 2 x the fp32 path bytes x inner_steps, which
+    with `outer.compression: none` (this benchmark) is `bytes_outer * inner_steps`, so its ratio
     is 1/H by construction; the independent figure counts a ring all-reduce of every path's
     gradient (2 x its parameter bytes per island) at every one of the H inner steps.
     """

@@ -2,8 +2,8 @@
 
     core        config, errors, bounds
     state       the run root: storage, layout (the contract between stages), lock, modules, shards
-    train       one path for one round on DeepSpeed ZeRO
-    outer       the DiLoCo outer merge (whole round, or module by module)
+    outer       the DiLoCo outer merge (whole round, or module by module), outer-gradient compression
+    train       one path for one round on DeepSpeed ZeRO (writes its outer gradient compressed)
     evaluation  routed perplexity and bits per byte
     islands     long-lived trainers pulling tasks from the run root's queue; one-shot launches
     tracking    MLflow tracker, registry and pyfunc, plots, utilisation, the run summary

@@ -108,6 +108,7 @@ class OuterConfig:
     nesterov: bool = True
     weighting: str = "tokens"  # tokens | uniform
     sqrt_paths_rescale: bool = False  # DiPaCo 2.7: rescale by sqrt(paths through the module)
+    compression: str = "none"  # none | bf16 | int8 | int4: outer gradients as islands send them (Streaming DiLoCo)
 
 
 @dataclass
@@ -194,6 +195,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "router.embedder": ("minilm", "model", "tfidf"),
     "model.tokenizer": ("gpt2", "bpe"),
     "outer.weighting": ("tokens", "uniform"),
+    "outer.compression": ("none", "bf16", "int8", "int4"),  # pipeline/outer/compression.py KINDS
     "train.launcher": ("deepspeed", "inprocess"),
 }
 _SET_RE = re.compile(r"^([A-Za-z_][\w.]*)=(.*)$", re.S)

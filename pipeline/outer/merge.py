@@ -7,9 +7,14 @@ tokens (or uniform); optionally g_m *= sqrt(paths through m); then a stock
 torch.optim.SGD(nesterov=True) step with the module's persisted momentum buffer. A module that
 no path finished keeps its parameters and its buffer.
 
+With outer.compression other than none, each path job wrote its delta_p compressed
+(pipeline/outer/compression.py) and the merge reads those instead of the trained weights:
+g_m = sum_p alpha_p * decode(delta_p), the same formula on what crossed the network.
+
 A path's private module (`model.path_specific_blocks`, DiPaCo's path-specific parameters) takes
-no outer step: its new value is its path's trained weights, carried over losslessly; a path that
-did not finish leaves it as it was.
+no outer step: its new value is its path's trained weights, read from its committed
+model.safetensors whatever the compression (it never leaves the island, so it stays lossless); a
+path that did not finish leaves it as it was.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 from models.grid import ModuleKey, all_job_ids, all_modules, is_private, parse_job_id, path_modules
 from models.modular import ModelShape, ModuleState, split_path_state
+from pipeline.outer import compression
 from pipeline.state import layout
 from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
 from pipeline.core.errors import CorruptStateError
@@ -64,9 +70,23 @@ class OuterOptimizer:
             for after, weight in zip(afters, weights):
                 mean_after.add_(after[key].float(), alpha=weight / total)
             grad[key] = tensor.float() - mean_after  # the pseudo-gradient
+        return self.rescaled(grad, len(afters))
+
+    def outer_gradient_from_deltas(self, deltas: list[ModuleState], weights: list[float]) -> ModuleState:
+        """g = sum_p alpha_p * delta_p from the paths' own (decoded) deltas: the outer gradient
+        when the islands send compressed deltas instead of their weights (outer.compression)."""
+        total = sum(weights)
+        grad = {}
+        for key, first in deltas[0].items():
+            grad[key] = torch.zeros_like(first, dtype=torch.float32)
+            for delta, weight in zip(deltas, weights):
+                grad[key].add_(delta[key].float(), alpha=weight / total)
+        return self.rescaled(grad, len(deltas))
+
+    def rescaled(self, grad: ModuleState, paths: int) -> ModuleState:
         if self.sqrt_paths_rescale:
             # Averaging n roughly independent deltas shrinks the norm by ~sqrt(n) (DiPaCo §2.7).
-            grad = {k: g * math.sqrt(len(afters)) for k, g in grad.items()}
+            grad = {k: g * math.sqrt(paths) for k, g in grad.items()}
         return grad
 
     def outer_step(self, before: ModuleState, grad: ModuleState, momentum: ModuleState | None) -> tuple[ModuleState, ModuleState]:
@@ -120,7 +140,7 @@ def merge_round(config, round_index: int) -> dict:
     rel_modules, rel_outer = layout.modules_dir(next_round), layout.outer_state_dir(next_round)
 
     def read_path(path_id: str) -> list[ModuleState]:
-        return read_path_levels(root, shape, round_index, path_id)
+        return read_path_inputs(root, config, shape, round_index, path_id, range(shape.n_module_levels))
 
     # One pool for the whole merge: every input is read and verified at once (file I/O and
     # checksums release the GIL), each module is computed as soon as its inputs are in, and its
@@ -140,8 +160,8 @@ def merge_round(config, round_index: int) -> dict:
             momentum = momentum_f[key].result() if key in momentum_f else None
             sizes[key] = module_bytes(before)
             through = merged_paths[str(key)]
-            afters = [path_f[pid].result()[key.level] for pid in through]
-            new, buffers, grad_norm = update_module(outer, config, before, momentum, afters, [committed[p] for p in through],
+            inputs = [path_f[pid].result()[key.level] for pid in through]  # trained modules or deltas
+            new, buffers, grad_norm = update_module(outer, config, before, momentum, inputs, [committed[p] for p in through],
                                                     private=is_private(key, grid))
             if grad_norm is None:  # no path through this module finished: it kept its parameters
                 untouched.append(str(key))
@@ -167,7 +187,11 @@ def commit_round(root: RunRoot, config, round_index: int, committed: dict[str, i
     # Shared modules only: a path's private module stays on its island, nothing is sent for it.
     modules_of = {pid: path_modules(_modules_of(pid, config)) for pid in committed}
     path_bytes = {pid: sum(sizes[k] for k in modules_of[pid]) for pid in committed}
-    bytes_outer = 2 * sum(path_bytes.values())  # each island sends its outer gradient, receives its modules
+    # Per island and round, twice what it sends (docs/design.md, communication): its outer
+    # gradient out and the averaged one back, as a ring all-reduce of it moves; uncompressed,
+    # the fp32 modules' bytes; compressed, the gradient files it wrote (scales and headers included).
+    sent = gradient_file_bytes(root, round_index, committed) if config.outer.compression != "none" else path_bytes
+    bytes_outer = 2 * sum(sent.values())
     report = {
         "round": round_index,
         "paths_merged": sorted(committed),
@@ -177,10 +201,13 @@ def commit_round(root: RunRoot, config, round_index: int, committed: dict[str, i
         "module_grad_norms": grad_norms,
         "tokens": {pid: int(t) for pid, t in committed.items()},
         "bytes_outer": bytes_outer,
-        # Data-parallel training of the same islands all-reduces gradients every inner step.
-        "bytes_data_parallel": bytes_outer * config.train.inner_steps,
+        # Data-parallel training of the same islands ring-all-reduces fp32 gradients every inner
+        # step: about 2 x the gradient's bytes per island and step.
+        "bytes_data_parallel": 2 * sum(path_bytes.values()) * config.train.inner_steps,
         "seconds": seconds,
     }
+    if config.outer.compression != "none":
+        report.update(compression=config.outer.compression, bytes_outer_uncompressed=2 * sum(path_bytes.values()))
     rel_round = layout.round_dir(round_index)
     root.write_json(f"{rel_round}/merge.json", report)
     root.commit(rel_round, info={"round": round_index, "next_round": round_index + 1}, files=["merge.json"])
@@ -196,17 +223,22 @@ def merged_info(config, round_index: int) -> dict:
 
 
 def update_module(outer: OuterOptimizer, config, before: ModuleState, momentum: ModuleState | None,
-                  afters: list[ModuleState], tokens: list[int],
+                  inputs: list[ModuleState], tokens: list[int],
                   private: bool = False) -> tuple[ModuleState, ModuleState | None, float | None]:
     """One module's outer step: (new parameters, new momentum, outer-gradient norm); a module no
-    path finished keeps its parameters and momentum (norm None). The whole-round merge and the
-    per-module merge of islands both call this, so their files are bitwise the same."""
-    if not afters:
+    path finished keeps its parameters and momentum (norm None). `inputs` are the paths' trained
+    modules, or their decoded deltas with outer.compression (read_path_inputs; a private module's
+    input is always its trained weights, carried over). The whole-round
+    merge and the per-module merge of islands both call this, so their files are bitwise the same."""
+    if not inputs:
         return before, momentum, None
     if private:
-        return carry_over(before, afters)
+        return carry_over(before, inputs)
     weights = [float(t) if config.outer.weighting == "tokens" else 1.0 for t in tokens]
-    grad = outer.outer_gradient(before, afters, weights)
+    if config.outer.compression == "none":
+        grad = outer.outer_gradient(before, inputs, weights)
+    else:
+        grad = outer.outer_gradient_from_deltas(inputs, weights)
     new, buffers = outer.outer_step(before, grad, momentum)
     return new, buffers, math.hypot(*(float(torch.linalg.vector_norm(g)) for g in grad.values()))
 
@@ -229,6 +261,44 @@ def read_path_levels(root: RunRoot, shape: ModelShape, round_index: int, path_id
     except KeyError as exc:  # a tensor name that belongs to no module of this grid
         raise CorruptStateError(f"{where}: {one_line(str(exc.args[0] if exc.args else exc), SHOWN_CHARS)}") from None
     return [check_state(level, expected, where) for level, expected in zip(levels, level_shapes(shape))]
+
+
+def read_path_inputs(root: RunRoot, config, shape: ModelShape, round_index: int, path_id: str,
+                     levels) -> list[ModuleState]:
+    """What the merge reads of a committed path, one module state per level in `levels`: its
+    trained weights, or with outer.compression its decoded outer gradients; its private module
+    (the level past the grid's) always as trained weights: it is carried over, never averaged."""
+    compressed = config.outer.compression != "none"
+    trained = read_path_levels(root, shape, round_index, path_id) \
+        if not compressed or any(level >= shape.n_levels for level in levels) else None
+    return [read_outer_gradient(root, shape, round_index, path_id, level) if compressed and level < shape.n_levels
+            else trained[level] for level in levels]
+
+
+def read_outer_gradient(root: RunRoot, shape: ModelShape, round_index: int, path_id: str, level: int) -> ModuleState:
+    """A committed path's outer gradient at one level, decoded to fp32 and shape-checked; its
+    encoding is the one the path's `_SUCCESS` records (a lossless level says none)."""
+    rel, name = layout.path_dir(round_index, path_id), layout.outer_grad_file(level)
+    where = root.path(rel, name)
+    kind = (root.marker(rel).get("outer_grad") or {}).get(str(level))
+    if kind not in compression.KINDS:
+        raise CorruptStateError(f"{where}: no outer gradient recorded in its {SUCCESS} (outer.compression is on; "
+                                f"the path was trained without it: remove its directory to train it again)")
+    stored = decode(root.read_committed(rel, name, writable=True), where)
+    try:
+        grad = compression.decode(stored, kind)
+    except (ValueError, RuntimeError) as exc:
+        raise CorruptStateError(f"{where}: {one_line(str(exc), SHOWN_CHARS)}") from None
+    return check_state(grad, level_shapes(shape)[level], where)
+
+
+def gradient_file_bytes(root: RunRoot, round_index: int, committed: dict[str, int]) -> dict[str, int]:
+    """{path id: bytes of the outer-gradient files it wrote}, from each path's `_SUCCESS` record."""
+    sizes = {}
+    for path_id in committed:
+        files = root.marker(layout.path_dir(round_index, path_id))["files"]
+        sizes[path_id] = sum(record["bytes"] for name, record in files.items() if name.startswith("outer_grad/"))
+    return sizes
 
 
 def outer_optimizer(config) -> OuterOptimizer:
@@ -265,8 +335,8 @@ def merge_module(config, round_index: int, key: ModuleKey) -> dict:
     with one_torch_thread():
         before = read_module(root, round_index, key, shape)
         momentum = read_momentum(root, round_index, key, shape)
-        afters = [read_path_levels(root, shape, round_index, pid)[key.level] for pid in through]
-        new, buffers, grad_norm = update_module(outer_optimizer(config), config, before, momentum, afters,
+        inputs = [read_path_inputs(root, config, shape, round_index, pid, [key.level])[0] for pid in through]
+        new, buffers, grad_norm = update_module(outer_optimizer(config), config, before, momentum, inputs,
                                                 [committed[p] for p in through], private=is_private(key, grid))
     info = merged_info(config, round_index)
     write_state(root, rel, key, new, info, layout.MERGED_MODULE)

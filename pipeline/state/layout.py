@@ -76,3 +76,9 @@ def eval_part(round_index: int, path_id: str) -> str:
     """One path's evaluation of round r's modules (an island's eval task); eval/round=<r>.json
     combines them once every path is in."""
     return f"{EVAL_DIR}/parts/round={round_index}/path={path_id}.json"
+
+
+def outer_grad_file(level: int) -> str:
+    """A path's compressed outer gradient (start - end) of its module at one level, inside its
+    path_dir (outer.compression other than none): what the merge reads instead of its weights."""
+    return f"outer_grad/level={level}.safetensors"

@@ -20,13 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from models.grid import parse_job_id
-from models.modular import ModelShape, build_path_model
+from models.modular import ModelShape, ModuleState, build_path_model, split_path_state
+from pipeline.outer import compression
 from pipeline.state import layout
 from pipeline.core.config import Config, config_from_yaml
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import init_distributed, run_rank
 from pipeline.core.errors import ConfigError, DipacoError, InputError
-from pipeline.state.module_store import load_path_modules
+from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_documents
 from pipeline.state.storage import RunRoot
 from pipeline.train.zero import full_state, load_ds_config, release_engine, set_full_state, wrap_with_zero
@@ -101,7 +102,8 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
             world_size=world, ds_config=ds_config, resumed_inner_state_from=resumed_from,
             shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
         )
-        commit_path(engine, root, round_index, path_id, shape, metrics, rank)
+        commit_path(engine, root, round_index, path_id, shape, metrics, rank,
+                    start_state=start_state, compression_kind=config.outer.compression)
     finally:
         release_engine(engine)  # an in-process run trains path after path in one process
     return metrics
@@ -184,8 +186,14 @@ def latest_inner_state(root: RunRoot, round_index: int, path_id: str) -> int | N
     return None
 
 
-def commit_path(engine, root: RunRoot, round_index: int, path_id: str, shape: ModelShape, metrics: dict, rank: int) -> None:
-    """Write weights + inner state, then metrics, then `_SUCCESS` (rank 0 writes, all ranks gather)."""
+def commit_path(engine, root: RunRoot, round_index: int, path_id: str, shape: ModelShape, metrics: dict, rank: int,
+                start_state: dict[str, torch.Tensor] | None = None, compression_kind: str = "none") -> None:
+    """Write weights + inner state, then metrics, then `_SUCCESS` (rank 0 writes, all ranks gather).
+
+    With `compression_kind` other than none, also the outer gradient start - end of each level's
+    module, compressed: what the merge reads (the full-precision weights stay for the registry and
+    evaluation). A path's private module (model.path_specific_blocks) gets none: it never leaves
+    the island, and the merge carries its trained weights over losslessly."""
     import torch.distributed as dist
 
     rel = layout.path_dir(round_index, path_id)
@@ -204,11 +212,30 @@ def commit_path(engine, root: RunRoot, round_index: int, path_id: str, shape: Mo
             out = Path(scratch) / "model"
             model.save_pretrained(out)  # config.json + model.safetensors: loads anywhere
             root.put_dir(out, rel)
+            info = {"round": round_index, "path": path_id, "tokens": metrics["tokens"]}
+            grads = {} if compression_kind == "none" else write_outer_gradients(
+                root, rel, shape, start_state, state, compression_kind, info)
             root.write_json(f"{rel}/metrics.json", metrics)
-            root.commit(rel, info={"round": round_index, "path": path_id, "tokens": metrics["tokens"]},
-                        files=["config.json", "model.safetensors", "metrics.json"])
+            root.commit(rel, info={**info, **({"outer_grad": grads} if grads else {})},
+                        files=["config.json", "model.safetensors", "metrics.json",
+                               *(layout.outer_grad_file(int(level)) for level in grads)])
             prune_inner_state(root, round_index, path_id)
     dist.barrier()
+
+
+def write_outer_gradients(root: RunRoot, rel: str, shape: ModelShape, start: dict[str, torch.Tensor],
+                          end: dict[str, torch.Tensor], kind: str, info: dict) -> dict[str, str]:
+    """One file per grid level: encode(start - end) of the path's module there (its private module,
+    past the grid's levels, has none). Returns {level: encoding}, which the path's `_SUCCESS`
+    records for the merge."""
+    written = {}
+    levels = zip(split_path_state(shape, start)[: shape.n_levels], split_path_state(shape, end)[: shape.n_levels])
+    for level, (before, after) in enumerate(levels):
+        delta: ModuleState = {k: before[k].float() - after[k].float() for k in before}  # the outer gradient
+        meta = {**info, "level": level, "compression": kind}
+        root.write_bytes(f"{rel}/{layout.outer_grad_file(level)}", encode(compression.encode(delta, kind), meta))
+        written[str(level)] = kind
+    return written
 
 
 def prune_inner_state(root: RunRoot, round_index: int, path_id: str) -> None:
