@@ -75,3 +75,9 @@ def eval_part(round_index: int, path_id: str) -> str:
     """One path's evaluation of round r's modules (an island's eval task); eval/round=<r>.json
     combines them once every path is in."""
     return f"{EVAL_DIR}/parts/round={round_index}/path={path_id}.json"
+
+
+def eval_routes_dir(every: int) -> str:
+    """eval.reroute_every: the path of every N-token chunk of every held-out document, routed once
+    (the router never changes within a run) and read by every round's evaluation."""
+    return f"{EVAL_DIR}/reroute/every={every}"
