@@ -159,6 +159,20 @@ def test_islands_eval_parts_combine_to_the_single_process_result(prepared, monke
     assert single["reroute_every"] == EVERY
 
 
+def test_routes_committed_for_other_settings_are_routed_again(prepared):
+    config = with_reroute(prepared, EVERY)
+    root = RunRoot(prepared.run_root)
+    evaluate.chunk_routes(config, root)
+    config.eval.max_docs = 2
+    result = evaluate_round(config, 1)
+    routes = root.read_committed_json(layout.eval_routes_dir(EVERY), evaluate.ROUTES_FILE)
+    assert routes["max_docs"] == 2 and all(len(docs) <= 2 for docs in routes["paths"].values())
+    window, prefix = config.model.seq_len + 1, config.router.prefix_tokens
+    scored = sum(max(0, min(len(d), window) - prefix) for home in routes["paths"]
+                 for d in evaluate.held_out_documents(root, config, home))
+    assert sum(p["tokens"] for p in result["paths"].values()) == result["tokens"] == scored > 0
+
+
 def test_run_summary_names_the_chunk_length():
     from pipeline.tracking.report import format_summary
 

@@ -38,7 +38,7 @@ from pipeline.core.errors import CorruptStateError
 from pipeline.state import layout
 from pipeline.state.module_store import load_path_model
 from pipeline.state.shards import read_path_documents, shard_parts
-from pipeline.state.storage import RunRoot
+from pipeline.state.storage import SUCCESS, RunRoot
 
 log = logging.getLogger("dipaco.eval")
 ROUTES_FILE = "routes.json"
@@ -155,6 +155,7 @@ def chunk_routes(config, root: RunRoot) -> dict[str, list[list[str]]]:
         stored = root.read_committed_json(rel, ROUTES_FILE)
         if all(stored.get(k) == v for k, v in settings.items()):
             return _checked_routes(stored.get("paths"), config.model.grid, root.path(rel, ROUTES_FILE))
+        root.remove(f"{rel}/{SUCCESS}")  # routed for other settings: uncommitted before it is replaced
     routes = route_chunks(config, root, router)
     root.write_json(f"{rel}/{ROUTES_FILE}", {**settings, "paths": routes})
     root.commit(rel, info={"reroute_every": every, "chunks": sum(len(c) for docs in routes.values() for c in docs)})
