@@ -163,6 +163,15 @@ class Router:
         """Path id of each whole document text (evaluation and inference call this)."""
         return self.route_features(self.embed_prefixes(self.prefixes(list(texts))))
 
+    def route_tokens(self, token_runs: list[list[int]]) -> list[str]:
+        """Path id of each run of token ids (re-routing: the N tokens before a chunk), decoded with
+        the run's tokenizer and embedded and routed as a decoded prefix is."""
+        from preprocessing.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(self._root, self.header.get("tokenizer", "gpt2"))
+        texts = tokenizer.batch_decode([[int(t) for t in run] for run in token_runs])
+        return self.route_features(self.embed_prefixes(texts))
+
 
 def _is_int(value: Any, low: int = 0, high: int | None = None) -> bool:
     return type(value) is int and value >= low and (high is None or value <= high)

@@ -117,6 +117,7 @@ class EvalConfig:
     batch_size: int = 8
     sample_prompt: str | None = None  # `dipaco run` ends by showing the champion's continuation of it
     early_stopping: bool = False  # each path keeps its round of lowest validation perplexity (eval/best.json, champion)
+    reroute_every: int | None = None  # re-route every N scored tokens by the N before (DiPaCo: 64); null: route once by the prefix
 
 
 @dataclass
@@ -456,6 +457,8 @@ def validate(config: Config) -> None:
     need(o.lr > 0, "outer.lr", "must be positive")
     need(0 <= o.momentum < 1, "outer.momentum", "must be within [0, 1)")
     need(config.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")
+    need(config.eval.reroute_every is None or config.eval.reroute_every >= 1, "eval.reroute_every",
+         "must be >= 1 (or null: route once by the prefix)")
     need(config.airflow.rounds_per_run >= 1, "airflow.rounds_per_run", "must be >= 1")
     need(config.airflow.pool_slots >= 1, "airflow.pool_slots", "must be >= 1")
     need(config.airflow.retries >= 0, "airflow.retries", "must be >= 0")

@@ -11,6 +11,15 @@ Token perplexity cannot be compared across tokenizers (a 4k-id BPE cuts the same
 easier tokens than GPT-2's 50k), so every result also reports **bits per UTF-8 byte** over exactly
 the scored text: the summed negative log-likelihood in bits divided by the bytes the scored tokens
 stand for (`preprocessing.tokenizer.token_byte_lengths`).
+
+**Re-routing** (`eval.reroute_every: N`, DiPaCo's test-time routing of 64-token chunks): after the
+prefix a document is scored in chunks of N tokens. Chunk 0 is scored by the path its prefix routed
+it to (the shard it sits in); chunk k > 0 by the path the router picks for the text of the N tokens
+before it. Every token keeps the document's whole context within the window, so each path model
+scores the per-token NLL of the documents it has a chunk in and the chunks pick their path's
+tokens; the scored text, its bytes and tokens are those of routing once. The chunks' paths are
+routed once and committed under `eval/reroute/every=N/` (the router never changes within a run),
+so every round and every island's per-path task reads the same routes.
 """
 
 from __future__ import annotations
@@ -26,12 +35,14 @@ from models.grid import all_path_ids
 from models.modular import EOS_TOKEN_ID, eos_token_id
 from preprocessing.tokenizer import load_tokenizer, token_byte_lengths
 from pipeline.evaluation.early_stopping import write_best
+from pipeline.core.errors import CorruptStateError
 from pipeline.state import layout
 from pipeline.state.module_store import load_path_model
 from pipeline.state.shards import read_path_documents, shard_parts
-from pipeline.state.storage import RunRoot
+from pipeline.state.storage import SUCCESS, RunRoot
 
 log = logging.getLogger("dipaco.eval")
+ROUTES_FILE = "routes.json"
 
 
 @torch.no_grad()
@@ -42,20 +53,42 @@ def score_documents(model: torch.nn.Module, docs: list[np.ndarray], prefix: int,
     nll, count = 0.0, 0
     docs = scored_windows(docs, prefix, seq_len)
     for start in range(0, len(docs), batch_size):
-        batch = docs[start:start + batch_size]
-        width = max(len(d) for d in batch) - 1
-        inputs = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        targets = torch.full((len(batch), width), -100, dtype=torch.long)  # -100: not scored
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, doc in enumerate(batch):
-            tokens = torch.as_tensor(doc, dtype=torch.long)
-            n = len(tokens) - 1
-            inputs[row, :n], mask[row, :n] = tokens[:-1], 1
-            targets[row, prefix - 1:n] = tokens[prefix:]  # target j is token j+1: score tokens >= prefix
+        inputs, mask, targets = _batch(docs[start:start + batch_size], prefix, pad_id)
         logits = model(input_ids=inputs, attention_mask=mask).logits  # (B, T, V)
         nll += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum").item()
         count += int((targets != -100).sum())
     return nll, count
+
+
+@torch.no_grad()
+def token_nlls(model: torch.nn.Module, windows: list[np.ndarray], prefix: int, batch_size: int,
+               pad_id: int = EOS_TOKEN_ID) -> list[np.ndarray]:
+    """Per-token negative log-likelihood (nats, float64) of tokens prefix.. of each window (each
+    longer than the prefix): what re-routing picks its chunks' scores from."""
+    model.eval()
+    out = []
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start:start + batch_size]
+        inputs, mask, targets = _batch(batch, prefix, pad_id)
+        logits = model(input_ids=inputs, attention_mask=mask).logits  # (B, T, V)
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none")
+        nll = nll.view(targets.shape).double()  # (B, T); target j is token j+1
+        out += [nll[row, prefix - 1:len(window) - 1].numpy() for row, window in enumerate(batch)]
+    return out
+
+
+def _batch(batch: list[np.ndarray], prefix: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, attention mask, targets) of right-padded windows; targets -100 where not scored."""
+    width = max(len(d) for d in batch) - 1
+    inputs = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(batch), width), -100, dtype=torch.long)  # -100: not scored
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, doc in enumerate(batch):
+        tokens = torch.as_tensor(doc, dtype=torch.long)
+        n = len(tokens) - 1
+        inputs[row, :n], mask[row, :n] = tokens[:-1], 1
+        targets[row, prefix - 1:n] = tokens[prefix:]  # target j is token j+1: score tokens >= prefix
+    return inputs, mask, targets
 
 
 def scored_windows(docs: list[np.ndarray], prefix: int, seq_len: int) -> list[np.ndarray]:
@@ -76,11 +109,13 @@ def evaluate_path(config, round_index: int, path_id: str) -> dict | None:
     """One path's held-out score with the modules at the start of round r (an island's eval task):
     summed nats, tokens and bytes as well as the rates, so paths combine exactly; None when the
     path has no held-out document long enough to score."""
+    if config.eval.reroute_every is not None:
+        return evaluate_rerouted_path(config, round_index, path_id)
     root = RunRoot(config.run_root)
     prefix, seq_len, m = config.router.prefix_tokens, config.model.seq_len, config.model
     if not shard_parts(root, path_id, split="validation"):
         return None
-    docs = read_path_documents(root, path_id, split="validation")[: config.eval.max_docs]
+    docs = held_out_documents(root, config, path_id)
     model = load_path_model(root, config, round_index, path_id)
     nll, tokens = score_documents(model, docs, prefix, seq_len, config.eval.batch_size,
                                   pad_id=eos_token_id(m.vocab_size, m.tokenizer))
@@ -91,8 +126,110 @@ def evaluate_path(config, round_index: int, path_id: str) -> dict | None:
             "tokens": tokens, "bytes": n_bytes, "docs": len(docs), "nll": nll}
 
 
+def held_out_documents(root: RunRoot, config, path_id: str) -> list[np.ndarray]:
+    """The held-out documents a path's prefix routed to it, up to eval.max_docs, in a fixed order."""
+    return read_path_documents(root, path_id, split="validation")[: config.eval.max_docs]
+
+
 def _byte_lengths(root: RunRoot, tokenizer: str, vocab_size: int) -> np.ndarray:
     return token_byte_lengths(load_tokenizer(root, tokenizer), vocab_size)
+
+
+def chunk_spans(n_scored: int, every: int) -> list[tuple[int, int]]:
+    """[begin, end) offsets, into a window's scored tokens, of its chunks of `every` tokens."""
+    return [(begin, min(begin + every, n_scored)) for begin in range(0, n_scored, every)]
+
+
+def chunk_routes(config, root: RunRoot) -> dict[str, list[list[str]]]:
+    """{home path: [the path of each chunk of each held-out document]}, documents in
+    held_out_documents' order; read from eval/reroute/every=N/ when committed for this router and
+    these settings, else routed and committed (deterministic, so islands racing to commit it
+    write the same bytes)."""
+    from preprocessing.router import Router
+
+    every = config.eval.reroute_every
+    rel = layout.eval_routes_dir(every)
+    router = Router.load(root, config)
+    settings = {"reroute_every": every, "router": router.checksum, "prefix_tokens": config.router.prefix_tokens,
+                "seq_len": config.model.seq_len, "max_docs": config.eval.max_docs}
+    if root.is_committed(rel):
+        stored = root.read_committed_json(rel, ROUTES_FILE)
+        if all(stored.get(k) == v for k, v in settings.items()):
+            return _checked_routes(stored.get("paths"), config.model.grid, root.path(rel, ROUTES_FILE))
+        root.remove(f"{rel}/{SUCCESS}")  # routed for other settings: uncommitted before it is replaced
+    routes = route_chunks(config, root, router)
+    root.write_json(f"{rel}/{ROUTES_FILE}", {**settings, "paths": routes})
+    root.commit(rel, info={"reroute_every": every, "chunks": sum(len(c) for docs in routes.values() for c in docs)})
+    return routes
+
+
+def route_chunks(config, root: RunRoot, router) -> dict[str, list[list[str]]]:
+    """Chunk 0 of a document stays on its home path (its prefix's route, so route-once and
+    re-routing agree on it); chunk k > 0 goes where the router sends the N tokens before it."""
+    every, prefix, seq_len = config.eval.reroute_every, config.router.prefix_tokens, config.model.seq_len
+    routes: dict[str, list[list[str]]] = {}
+    pending: list[tuple[str, int, int]] = []  # (home, document, chunk) of each chunk to route
+    runs: list[np.ndarray] = []
+    for home in all_path_ids(config.model.grid):
+        if not shard_parts(root, home, split="validation"):
+            continue
+        routes[home] = []
+        for index, doc in enumerate(held_out_documents(root, config, home)):
+            window = doc[: seq_len + 1]
+            spans = chunk_spans(max(0, len(window) - prefix), every)
+            routes[home].append([home] * len(spans))
+            for k, (begin, _) in enumerate(spans[1:], start=1):
+                pending.append((home, index, k))
+                runs.append(window[prefix + begin - every: prefix + begin])
+    for (home, index, k), path_id in zip(pending, router.route_tokens(runs) if runs else []):
+        routes[home][index][k] = path_id
+    log.info("re-routing every %d tokens: %d held-out chunks routed, %d off their document's path", every,
+             sum(len(c) for docs in routes.values() for c in docs),
+             sum(p != home for home, docs in routes.items() for c in docs for p in c))
+    return routes
+
+
+def _checked_routes(paths, grid: list[int], where: str) -> dict[str, list[list[str]]]:
+    """A committed routes file as route_chunks writes it, or CorruptStateError naming the file."""
+    known = set(all_path_ids(grid))
+    if not (isinstance(paths, dict) and set(paths) <= known and all(
+            isinstance(docs, list) and all(isinstance(c, list) and all(p in known for p in c) for c in docs)
+            for docs in paths.values())):
+        raise CorruptStateError(f"{where}: paths must map path ids to lists of chunk path ids per document")
+    return paths
+
+
+def evaluate_rerouted_path(config, round_index: int, path_id: str) -> dict | None:
+    """One path's part of a re-routed evaluation: the chunks routed to it, over every held-out
+    document, each token scored with the document's whole context before it (within the window);
+    None when no chunk is routed to it."""
+    root = RunRoot(config.run_root)
+    prefix, seq_len, every, m = config.router.prefix_tokens, config.model.seq_len, config.eval.reroute_every, config.model
+    windows, picks = [], []  # the documents with a chunk here (cut after its last one), and those chunks
+    for home, doc_routes in chunk_routes(config, root).items():
+        docs = held_out_documents(root, config, home)
+        if len(docs) != len(doc_routes):
+            raise CorruptStateError(f"{root.path(layout.eval_routes_dir(every), ROUTES_FILE)}: {len(doc_routes)} documents "
+                                    f"routed for {home}, its held-out shard has {len(docs)}; delete the directory to re-route")
+        for doc, chunks in zip(docs, doc_routes):
+            window = doc[: seq_len + 1]
+            spans = [span for span, p in zip(chunk_spans(max(0, len(window) - prefix), every), chunks) if p == path_id]
+            if spans:
+                windows.append(window[: prefix + spans[-1][1]])
+                picks.append(spans)
+    if not windows:
+        return None
+    model = load_path_model(root, config, round_index, path_id)
+    nlls = token_nlls(model, windows, prefix, config.eval.batch_size, pad_id=eos_token_id(m.vocab_size, m.tokenizer))
+    byte_lengths = _byte_lengths(root, m.tokenizer, m.vocab_size)
+    nll, tokens, n_bytes = 0.0, 0, 0
+    for window, doc_nll, spans in zip(windows, nlls, picks):
+        for begin, end in spans:
+            nll += float(doc_nll[begin:end].sum())
+            tokens += end - begin
+            n_bytes += int(byte_lengths[np.asarray(window[prefix + begin: prefix + end], dtype=np.int64)].sum())
+    return {"perplexity": math.exp(nll / tokens), "bits_per_byte": bits_per_byte(nll, n_bytes),
+            "tokens": tokens, "bytes": n_bytes, "docs": len(windows), "nll": nll}
 
 
 def combine_paths(config, round_index: int, parts: dict[str, dict | None]) -> dict:
@@ -113,14 +250,16 @@ def combine_paths(config, round_index: int, parts: dict[str, dict | None]) -> di
         "tokens": total_tokens,
         "bytes": total_bytes,
         "tokenizer": config.model.tokenizer,
+        "reroute_every": config.eval.reroute_every,  # null: every document scored by its prefix's path
         "paths": paths,
     }
     root.write_json(layout.eval_file(round_index), result)
     if config.eval.early_stopping:
         write_best(root)  # after each round's evaluation: each path's best round so far
     if total_tokens:
-        log.info("round %d: routed perplexity %.2f, %.3f bits per byte over %d tokens (%d bytes)",
-                 round_index, result["perplexity"], result["bits_per_byte"] or float("nan"), total_tokens, total_bytes)
+        log.info("round %d: routed perplexity %.2f, %.3f bits per byte over %d tokens (%d bytes)%s",
+                 round_index, result["perplexity"], result["bits_per_byte"] or float("nan"), total_tokens, total_bytes,
+                 f", re-routed every {config.eval.reroute_every} tokens" if config.eval.reroute_every else "")
     return result
 
 

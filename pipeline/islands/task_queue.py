@@ -247,7 +247,8 @@ class TaskQueue:
         from pipeline.state.shards import shard_parts
 
         if self._eval_paths is None:  # the committed validation shards never change
-            self._eval_paths = [p for p in all_path_ids(self.grid) if shard_parts(self.root, p, split="validation")]
+            self._eval_paths = [p for p in all_path_ids(self.grid) if shard_parts(self.root, p, split="validation")
+                                or self.config.eval.reroute_every is not None]  # re-routed chunks reach any path
         return self._eval_paths
 
     def finished(self, until_round: int) -> bool:

@@ -82,3 +82,9 @@ def outer_grad_file(level: int) -> str:
     """A path's compressed outer gradient (start - end) of its module at one level, inside its
     path_dir (outer.compression other than none): what the merge reads instead of its weights."""
     return f"outer_grad/level={level}.safetensors"
+
+
+def eval_routes_dir(every: int) -> str:
+    """eval.reroute_every: the path of every N-token chunk of every held-out document, routed once
+    (the router never changes within a run) and read by every round's evaluation."""
+    return f"{EVAL_DIR}/reroute/every={every}"

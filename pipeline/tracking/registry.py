@@ -3,7 +3,10 @@
 `predict(["some text", ...], params={...})` routes each text by its prefix to a path (the same
 router the Beam job and evaluation use), assembles that path's LlamaForCausalLM from its modules
 and returns each continuation as text, generated as a user of `transformers` expects:
-`max_new_tokens`, `temperature` (0 = greedy), `top_k`, `seed`, stopping at end of text. The model
+`max_new_tokens`, `temperature` (0 = greedy), `top_k`, `seed`, stopping at end of text, and
+`reroute_every` (DiPaCo's test-time re-routing: every N generated tokens the text of the last N is
+routed again and generation continues with that path's model, the whole context kept; absent or
+null: the run's `eval.reroute_every`; 0: route once by the prompt). The model
 is logged "from code" (a tiny script naming `DipacoModel`), so nothing is pickled; its one artifact
 is a miniature run root (run.yaml, router/, the run's trained tokenizer/, the round's modules,
 each with its `_SUCCESS` checksums) that the pipeline's own loaders read back unchanged.
@@ -49,6 +52,8 @@ DEFAULT_NEW_TOKENS = 32
 # Generation defaults: sampled but reproducible (the same seed gives the same text); temperature 0
 # is greedy decoding, which a small model tends to spend on repeating itself.
 GENERATION_DEFAULTS = {"max_new_tokens": DEFAULT_NEW_TOKENS, "temperature": 0.8, "top_k": 40, "seed": 0}
+# Not in GENERATION_DEFAULTS: its default (None) is the run's eval.reroute_every, known once loaded.
+REROUTE_PARAM = "reroute_every"
 INPUT_EXAMPLE = (["The French Revolution was"], {"max_new_tokens": 8})  # (model input, params)
 _REPO = Path(__file__).resolve().parent.parent
 _CODE = ("pipeline", "models", "preprocessing")  # the code a loaded model needs, shipped with it
@@ -94,13 +99,16 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input, params=None):
         """Continuations (list[str]), one per input text; params: GENERATION_DEFAULTS' keys."""
         texts = _texts(model_input)
-        options = generation_options(params)
+        options = generation_options(params, self.config.eval.reroute_every)
         return [self.continue_text(text, path_id, **options)
                 for text, path_id in zip(texts, self.router.route_texts(texts))]
 
-    def continue_text(self, text: str, path_id: str, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> str:
-        """One continuation by one path; sampling draws from a generator of its own seed, so the
-        caller's torch RNG is left as it was and the same seed gives the same text."""
+    def continue_text(self, text: str, path_id: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
+                      reroute_every: int | None = None) -> str:
+        """One continuation, by the prompt's path or, re-routing, by the path of each N generated
+        tokens' predecessors; sampling draws from a generator of its own seed, so the caller's torch
+        RNG is left as it was and the same seed gives the same text (with N >= max_new_tokens, the
+        text of routing once)."""
         import torch
 
         eos = self.tokenizer.eos_token_id
@@ -108,15 +116,28 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
         # prompt's last tokens, leaving room for the continuation inside the trained window.
         room = max(1, self.config.model.seq_len - max_new_tokens)
         ids = ([eos] + self.tokenizer(text, add_special_tokens=False)["input_ids"])[-room:]
-        sampling = temperature > 0
+        step = reroute_every or max_new_tokens
+        context = torch.tensor([ids])  # (1, T): prompt, then everything generated so far
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(seed)
-            generated = self._model(path_id).generate(
-                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=sampling,
-                temperature=temperature if sampling else None, top_k=top_k if sampling and top_k > 0 else None,
-                top_p=None, pad_token_id=eos, eos_token_id=eos,
-            )
-        return self.tokenizer.decode(generated[0, len(ids):].tolist(), skip_special_tokens=True)
+            torch.manual_seed(seed)  # once: the chunks draw from one stream, as one generate call would
+            while (done := context.shape[1] - len(ids)) < max_new_tokens:
+                if done:  # the text of the last N tokens picks the next chunk's path
+                    path_id = self.router.route_tokens([context[0, -step:].tolist()])[0]
+                want = min(step, max_new_tokens - done)
+                before, context = context.shape[1], self._generate(path_id, context, want, temperature, top_k)
+                if context.shape[1] - before < want or context[0, -1].item() == eos:
+                    break  # end of text
+        return self.tokenizer.decode(context[0, len(ids):].tolist(), skip_special_tokens=True)
+
+    def _generate(self, path_id: str, context, new_tokens: int, temperature: float, top_k: int):
+        """`context` continued by up to `new_tokens` tokens of one path's model (stops at end of text)."""
+        eos = self.tokenizer.eos_token_id
+        sampling = temperature > 0
+        return self._model(path_id).generate(
+            context, max_new_tokens=new_tokens, do_sample=sampling,
+            temperature=temperature if sampling else None, top_k=top_k if sampling and top_k > 0 else None,
+            top_p=None, pad_token_id=eos, eos_token_id=eos,
+        )
 
     def _model(self, path_id: str):
         if path_id not in self._models:
@@ -149,13 +170,17 @@ def champion_continuation(config, prompt: str) -> str:
     return model.predict([prompt])[0]
 
 
-def generation_options(params: dict | None) -> dict[str, Any]:
-    """GENERATION_DEFAULTS updated by the caller's params, each coerced to its type."""
+def generation_options(params: dict | None, reroute_every: int | None = None) -> dict[str, Any]:
+    """GENERATION_DEFAULTS updated by the caller's params, each coerced to its type; reroute_every
+    is the caller's (0: route once) or else `reroute_every` (the run's eval.reroute_every)."""
     options = dict(GENERATION_DEFAULTS)
     for key, value in (params or {}).items():
         if key in options and value is not None:
             options[key] = type(GENERATION_DEFAULTS[key])(value)
-    if options["max_new_tokens"] < 1 or options["temperature"] < 0 or options["top_k"] < 0:
+    given = (params or {}).get(REROUTE_PARAM)
+    options[REROUTE_PARAM] = reroute_every if given is None else int(given) or None
+    if (options["max_new_tokens"] < 1 or options["temperature"] < 0 or options["top_k"] < 0
+            or (options[REROUTE_PARAM] or 0) < 0):
         raise ValueError(f"generation params out of range: {options}")
     return options
 
@@ -237,10 +262,14 @@ def log_pyfunc(root: RunRoot, config, round_index: int, tmp: Path, run_yaml: str
 
 
 def _signature():
-    """list[str] in, list[str] out, and the generation params a caller may set."""
+    """list[str] in, list[str] out, and the generation params a caller may set (reroute_every
+    with no default of its own: absent, the run's eval.reroute_every applies)."""
     from mlflow.models import infer_signature
+    from mlflow.types.schema import ParamSchema, ParamSpec
 
-    return infer_signature(["some text"], ["a continuation"], params=dict(GENERATION_DEFAULTS))
+    signature = infer_signature(["some text"], ["a continuation"], params=dict(GENERATION_DEFAULTS))
+    signature.params = ParamSchema([*signature.params.params, ParamSpec(REROUTE_PARAM, "long", None)])
+    return signature
 
 
 def _requirements() -> list[str]:

@@ -26,8 +26,10 @@ def format_summary(summary: dict) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     committed, planned = summary.get("rounds_committed"), summary.get("train_rounds")
     of = f" of train.rounds={planned}" if planned is not None else ""
+    rerouted = sorted({r["reroute_every"] for r in evals.values() if r.get("reroute_every")})
+    routing = f", re-routed every {'/'.join(map(str, rerouted))} tokens" if rerouted else ""
     lines = [f"dipaco run: {display_path(str(summary.get('run_root')))}: {committed} round(s){of} committed",
-             "held-out documents (tokens after the routing prefix), by the modules each round starts from "
+             f"held-out documents (tokens after the routing prefix{routing}), by the modules each round starts from "
              "(round 0: initial; round R+1: after round R's merge); overall perplexity and bits per byte, "
              "then bits per byte per path:"]
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
