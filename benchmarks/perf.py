@@ -5,7 +5,7 @@
   batches and steps, interleaved in one launched process (`benchmarks.perf_worker`), on the path
   `dipaco run` trains by default (its 2,048-token step); and model FLOP utilisation against an
   fp32 matmul measured in that process. Target >= 0.95x. Beside it, as a diagnostic, the quality
-  runs' toy path at a 512-token step, where DeepSpeed's fixed per-optimizer-step work (its flat
+  runs' path (hidden 128, 4 blocks) at a 768-token step, where DeepSpeed's fixed per-optimizer-step work (its flat
   gradient buffers, float64 norm, fp32 master copy) is a visible share of a step.
 - prepare: documents/s of the whole Beam job over the raw embedder on the same documents
   (`benchmarks.bench_prepare.bench_prepare`, another engineer's, called when present). Target >= 0.85x.
@@ -45,6 +45,7 @@ from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.bench.perf")
 OUT = Path("benchmarks/out/perf")
+MERGE_HIDDEN = 64
 
 
 # -- trainer throughput and MFU ------------------------------------------------------------------
@@ -101,7 +102,8 @@ def prepare_throughput(n_docs: int) -> dict | None:
 def merge_config(args: argparse.Namespace, run_root: Path) -> Config:
     return config_from_dict({
         "run_root": str(run_root),
-        "model": {"grid": [4, 4], "blocks_per_level": [1, 1], "hidden_size": args.hidden, "num_heads": 4,
+        # hidden 64 (GPT-2's vocab): the merge figure's 837 MB, as measured before the toy path grew
+        "model": {"grid": [4, 4], "blocks_per_level": [1, 1], "hidden_size": MERGE_HIDDEN, "num_heads": 4,
                   "seq_len": args.seq_len},
         "train": {"inner_steps": args.inner_steps, "launcher": "inprocess"},
         "mlflow": {"enabled": False},
@@ -275,8 +277,8 @@ def run_perf(args: argparse.Namespace) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     result: dict = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     # The figure: the default path at its default step (2,048 tokens). The diagnostic: the quality
-    # runs' toy path at a 512-token step, where DeepSpeed's fixed per-step work shows (see README).
-    toy = {"hidden": args.hidden, "heads": 4, "blocks": 2, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+    # runs' path at a 768-token step, where DeepSpeed's fixed per-step work shows (see README).
+    toy = {"hidden": args.hidden, "heads": 4, "blocks": 4, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
            "accum": 1}
     stages_ = [("merge", lambda: merge_vs_io(args)),
                ("trainer", lambda: trainer_throughput(args, "trainer", default_path_shape(), 1, args.trainer_reps,
@@ -294,17 +296,20 @@ def run_perf(args: argparse.Namespace) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hidden", type=int, default=64)
+    # The small-step diagnostic runs on the quality benchmark's path (hidden 128, 4 blocks, 768 tokens).
+    parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--trainer-reps", type=int, default=16,
+    parser.add_argument("--micro-batch", type=int, default=6)
+    # Shortened to leave the quality rows their 300 steps within `make bench`'s 45 minutes: 10 blocks
+    # (was 16) and 3,000 prepare documents (was 10,000, ~4 min of MiniLM in four measurements).
+    parser.add_argument("--trainer-reps", type=int, default=10,
                         help="timed one-step blocks per mode on the default path, interleaved in shuffled order")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block of the small-step diagnostic")
     parser.add_argument("--reps", type=int, default=12, help="timed blocks per mode of the small-step diagnostic")
     parser.add_argument("--procs", type=int, default=1, help="ranks of the trainer launch (the island)")
     parser.add_argument("--inner-steps", type=int, default=None, help="H (default: the quality benchmark's)")
     parser.add_argument("--merge-reps", type=int, default=5)
-    parser.add_argument("--prepare-docs", type=int, default=10000)
+    parser.add_argument("--prepare-docs", type=int, default=3000)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,10 @@
 """`make bench`: performance, then quality, in one run; one markdown table, PNG plots, MLflow.
 
-`python -m benchmarks.run [quality flags] [--skip-perf] [--skip-quality]` writes
+`python -m benchmarks.run [quality flags] [--skip-perf] [--skip-quality] [--quick]` writes
 `benchmarks/out/results.md` (+ `results.json`, `*.png`), logs everything to the MLflow experiment
 `dipaco-bench` at `sqlite:///benchmarks/out/mlflow.db`, and copies the table to
-`benchmarks/RESULTS.md` (the committed copy the README links to). Every figure is a ratio of two
+`benchmarks/RESULTS.md` (the committed copy the README links to; the quality targets table also
+goes into README.md between its `bench-targets` markers). Every figure is a ratio of two
 measurements taken in this one run on this machine, printed with its core count, because absolute
 numbers on a shared 2-core box mean little and ratios measured side by side do.
 """
@@ -27,6 +28,8 @@ from benchmarks import perf, quality
 log = logging.getLogger("dipaco.bench")
 OUT = Path("benchmarks/out")
 COMMITTED = Path("benchmarks/RESULTS.md")
+README = Path("README.md")
+README_MARKERS = ("<!-- bench-targets -->", "<!-- /bench-targets -->")
 TARGETS = {"trainer": 0.95, "prepare": 0.85, "merge": 1.5}
 
 
@@ -43,7 +46,7 @@ def ok(value: float, target: float, higher_is_better: bool = True) -> str:
 def trainer_run_label(key: str, args: dict) -> tuple[str, int]:
     """("default path (hidden 256, 4 blocks)", tokens per optimizer step) of one trainer measurement."""
     tokens = args.get("accum", 1) * args["micro_batch"] * args["seq_len"]
-    return f"{'default' if key == 'trainer' else 'toy'} path (hidden {args['hidden']}, {args['blocks']} blocks)", tokens
+    return f"{'default' if key == 'trainer' else 'quality'} path (hidden {args['hidden']}, {args['blocks']} blocks)", tokens
 
 
 def zero_cost_table(p: dict) -> list[str]:
@@ -128,41 +131,50 @@ def perf_table(p: dict) -> list[str]:
 
 
 def quality_table(q: dict) -> list[str]:
-    rows = ["| variant | grid | jobs/round | steps per path | tokens/step | routed ppl | bits/byte | vs dense | scored tokens | wall-clock s |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for v in q["variants"]:
-        bpb = "-" if v.get("bits_per_byte") is None else f"{v['bits_per_byte']:.3f}"
-        rows.append(f"| {v['name']} | {v['grid']} | {v['jobs']} | {v['steps_per_path']} | {v['tokens_per_step']} "
-                    f"| {v['perplexity']:.2f} | {bpb} | {100 * v['rel_to_dense']:+.1f}% | {v['eval_tokens']} | {v['seconds']['total']:.0f} |")
+    """One line per row: the mean over its seeds, their spread, and the difference to dense."""
+    rows = ["| row | grid | jobs/round | steps per path | non-embedding params per path | seeds | routed ppl "
+            "| bits/byte | spread over seeds (ppl) | vs dense | scored tokens | wall-clock s (one core) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    runs = {r["name"]: r for r in q["runs"]}
+    for r in q["rows"]:
+        grid = runs[r["name"]]["grid"] if r["name"] in runs else f"({r.get('of')}, eval only)"
+        spread = "-" if r["spread"] is None else f"{100 * r['spread']:.1f}% ({' / '.join(f'{v:.2f}' for v in r['values'])})"
+        vs = "-" if r.get("vs_dense") is None else f"{100 * r['vs_dense']:+.1f}%"
+        rows.append(f"| {r['name']} | {grid} | {r['jobs']} | {r['steps_per_path']} | {r['non_embedding_params'] / 1e6:.2f}M "
+                    f"| {r['seeds']} | {r['perplexity']:.2f} | {r['bits_per_byte']:.3f} | {spread} | {vs} "
+                    f"| {r['eval_tokens']:,} | {r['seconds']:.0f} |")
     return rows
 
 
-def shape_lines(q: dict) -> list[str]:
-    """The papers' two claims, checked on this run's numbers (no tuning: reported as measured).
+def targets_table(q: dict) -> list[str]:
+    """Issue 17's targets and issue 15's option goals, met or missed, with why from the curves."""
+    rows = ["| target | goal | measured | | larger than the seed spread? |", "|---|---|---|---|---|"]
+    notes = []
+    for t in quality.targets(q):
+        verdict = "(report)" if t["met"] is None else ("met" if t["met"] else "**missed**")
+        noise = "-" if t["beyond_noise"] is None else ("yes" if t["beyond_noise"] else "no: within noise")
+        rows.append(f"| {t['target']} | {t['goal']} | {t['measured']} | {verdict} | {noise} |")
+        why = quality.why_missed(q, t) if t["met"] is False else ""
+        if why:
+            notes.append(f"- {t['target']}: {why}.")
+    return [*rows, "", *notes] if notes else rows
 
-    DiPaCo against the dense model mixes two effects, the outer optimizer and routing; DiLoCo
-    with as many workers as DiPaCo has paths has the first and not the second, so the line
-    against it is what isolates routing."""
-    by_name = {v["name"]: v for v in q["variants"]}
-    m = q["args"]["workers"]
-    diloco, big = by_name.get(f"diloco_m{m}"), by_name.get(f"dense_x{m}")
-    lines = []
-    for v in q["variants"]:
-        if v["name"].startswith("dipaco_"):
-            verdict = "holds" if v["rel_to_dense"] < 0 else "does **not** hold"
-            line = (f"- DiPaCo {v['name'][7:]} vs dense of path size: {100 * v['rel_to_dense']:+.1f}% "
-                    f"(paper 2x4: -8.4%): 'better than dense' {verdict} here")
-            if diloco and v["jobs"] == diloco["jobs"]:
-                gap = v["perplexity"] / diloco["perplexity"] - 1
-                line += (f"; vs DiLoCo with as many workers ({diloco['name']}): {100 * gap:+.1f}%, so routing "
-                         + ("adds a gain of its own" if gap < -0.01 else "adds **no** measurable gain; the gain is the outer step's"))
-            lines.append(line + ".")
-    if diloco and big:
-        gap = diloco["perplexity"] / big["perplexity"] - 1
-        verdict = "within" if abs(gap) <= 0.02 else "**outside**"
-        lines.append(f"- DiLoCo M={m} vs dense trained {m}x the steps: {100 * gap:+.1f}% ({verdict} the paper's 2% at M=8); "
-                     f"vs dense of path size: {100 * diloco['rel_to_dense']:+.1f}%.")
-    return lines
+
+def quality_lines(q: dict, carried: str) -> list[str]:
+    a = q["args"]
+    return [f"## Quality (same held-out documents, tokens after the 32-token routing prefix{carried})", "",
+            f"Path: hidden {a['hidden']}, {a['blocks']} blocks, BPE {a['vocab']:,} ids, seq_len {a['seq_len']}, micro "
+            f"batch {a['micro_batch']} ({a['seq_len'] * a['micro_batch']:,} tokens per step); {a['rounds']} rounds x "
+            f"H={a['inner_steps']}; inner lr {a['lr']} (constant after {a['warmup']} warmup steps); outer lr "
+            f"{a['outer_lr']}, momentum {a['outer_momentum']}; router {a['embedder']} product k-means (balanced); "
+            f"every row one `{a['launcher']}` island of one core, {a['lanes']} rows at a time; "
+            f"{q['seconds']:.0f} s in all, of which prepares {q['prepare_seconds']:.0f} s. Same scored tokens in "
+            f"every row: {q['same_eval_tokens']}.", "", *quality_table(q), "",
+            "Targets (issue 17) and option goals (issue 15), options against `dipaco_2x2` seed 0:", "",
+            *targets_table(q), "",
+            "Paper shape (C4, 150M paths): DiPaCo 2x4 -8.4% ppl vs dense of path size and below DiLoCo M=8; DiLoCo "
+            "M=8 close to dense trained 8x the steps; DiPaCo 16x16 matches a 1.3B dense model (11.38 vs 11.41). "
+            "Curves (bits per byte against steps and wall-clock time): `quality_curves.png`; bars: `quality_ppl.png`.", ""]
 
 
 def render(result: dict, command: str) -> str:
@@ -179,17 +191,8 @@ def render(result: dict, command: str) -> str:
                   "threads overlap it and are not in it):", "",
                   "| function | s |", "|---|---|", *[f"| `{r['function']}` | {r['seconds']} |" for r in prof], ""]
     if "quality" in result:
-        q = result["quality"]
-        a = q["args"]
         when = result["quality"].get("carried_over_from")
-        carried = f"; carried over from the run of {when}" if when else ""
-        lines += [f"## Quality (same held-out documents, tokens after the 32-token routing prefix{carried})", "",
-                  f"Model per path: hidden {a['hidden']}, {a['blocks']} blocks, seq_len {a['seq_len']}, micro batch "
-                  f"{a['micro_batch']}; {a['rounds']} rounds x H={a['inner_steps']}; router {a['embedder']} product k-means "
-                  f"(balanced); inner lr {a['lr']}; trainer launched in process (ZeRO-2). Same scored tokens in every "
-                  f"variant: {q['same_eval_tokens']}.", "", *quality_table(q), "", *shape_lines(q), "",
-                  "Paper shape (C4, 150M paths): DiPaCo 2x4 -8.4% ppl vs dense of path size; DiLoCo M=8 within 2% of "
-                  "dense trained 8x the steps. Curves: `quality_curves.png`; bars: `quality_ppl.png`.", ""]
+        lines += quality_lines(result["quality"], f"; carried over from the run of {when}" if when else "")
     return "\n".join(lines)
 
 
@@ -248,14 +251,19 @@ def log_mlflow(result: dict, files: list[Path]) -> None:
         if p.get("prepare"):
             metrics["prepare_full_ratio"] = p["prepare"]["full_ratio"]
             metrics["prepare_route_ratio"] = p["prepare"]["route_ratio"]
-    for v in result.get("quality", {}).get("variants", []):
-        metrics[f"ppl_{v['name']}"] = v["perplexity"]
-        if v.get("bits_per_byte") is not None:
-            metrics[f"bpb_{v['name']}"] = v["bits_per_byte"]
-        metrics[f"rel_dense_{v['name']}"] = v["rel_to_dense"]
-        metrics[f"seconds_{v['name']}"] = v["seconds"]["total"]
-        for e in v["evals"]:
-            client.log_metric(rid, f"ppl_curve_{v['name']}", e["perplexity"], step=e["steps_per_path"])
+    q = result.get("quality", {})
+    for r in q.get("rows", []):
+        metrics[f"ppl_{r['name']}"] = r["perplexity"]
+        metrics[f"bpb_{r['name']}"] = r["bits_per_byte"]
+        if r.get("vs_dense") is not None:
+            metrics[f"rel_dense_{r['name']}"] = r["vs_dense"]
+        metrics[f"seconds_{r['name']}"] = r["seconds"]
+    for run in q.get("runs", []):
+        for e in run["evals"]:
+            client.log_metric(rid, f"bpb_curve_{run['run']}", e["bits_per_byte"], step=e["steps_per_path"])
+    for t in quality.targets(q) if q else []:
+        if t["met"] is not None:
+            metrics["target_met_" + "".join(c if c.isalnum() else "_" for c in t["target"])[:200]] = float(t["met"])
     for key, value in metrics.items():
         client.log_metric(rid, key, float(value))
     for file in files:
@@ -274,6 +282,8 @@ def publish(result: dict, command: str, out: Path = OUT, commit: bool = True, tr
     (out / "results.md").write_text(text)
     if commit:
         shutil.copyfile(out / "results.md", COMMITTED)
+        if "quality" in result:
+            update_readme(result)
     if not track:  # a re-render: the run is in MLflow already
         return text
     try:
@@ -283,10 +293,24 @@ def publish(result: dict, command: str, out: Path = OUT, commit: bool = True, tr
     return text
 
 
+def update_readme(result: dict, readme: Path = README) -> None:
+    """The quality targets, met or missed, between the README's two markers (the default run only)."""
+    text = readme.read_text()
+    begin, end = text.find(README_MARKERS[0]), text.find(README_MARKERS[1])
+    if begin < 0 or end < begin:
+        log.warning("%s has no %s ... %s markers; its targets table is not updated", readme, *README_MARKERS)
+        return
+    table = [f"Measured by `{result['command']}` on {result['date']} ({result['machine']}); "
+             f"every number in [benchmarks/RESULTS.md](benchmarks/RESULTS.md).", "", *targets_table(result["quality"])]
+    readme.write_text(text[: begin + len(README_MARKERS[0])] + "\n" + "\n".join(table) + "\n" + text[end:])
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     parser.add_argument("--skip-perf", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="smoke check: every quality row at tiny sizes in a few "
+                                                             "minutes, perf skipped, written to benchmarks/out/quick/")
     parser.add_argument("--render-only", action="store_true", help="re-render benchmarks/out/results.json")
     parser.add_argument("--tag", default="", help="write to benchmarks/out/TAG/ and leave RESULTS.md alone "
                                                   "(scaled-up or experimental runs beside the default one)")
@@ -301,9 +325,10 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     argv = sys.argv[1:] if argv is None else argv
     args, quality_argv = parse_args(argv)
-    args.inner_steps = args.inner_steps or quality.QualityArgs().inner_steps  # one H for merge, bytes, quality
-    shared = ["--hidden", str(args.hidden), "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch),
-              "--inner-steps", str(args.inner_steps)]  # the same model in the perf and quality halves
+    args.inner_steps = args.inner_steps or quality.QualityArgs().inner_steps  # the perf bytes figure's H
+    if args.quick:
+        args.tag, args.skip_perf = args.tag or "quick", True
+        quality_argv = ["--quick", *quality_argv]
     out = OUT / args.tag if args.tag else OUT
     if args.tag and not any(a.startswith("--out") for a in quality_argv):
         quality_argv += ["--out", str(out / "quality")]
@@ -323,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         result["perf"] = perf.run_perf(args)
         (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
     if not args.skip_quality:
-        result["quality"] = quality.run_quality(quality.parse_args(shared + quality_argv))
+        result["quality"] = quality.run_quality(quality.parse_args(quality_argv))
     result["seconds"] = time.perf_counter() - start
     result["machine"] = machine()
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
