@@ -39,9 +39,34 @@ def score_documents(model: torch.nn.Module, docs: list[np.ndarray], prefix: int,
     """(summed negative log-likelihood in nats, tokens scored) over the tokens after each prefix."""
     model.eval()
     nll, count = 0.0, 0
-    docs = scored_windows(docs, prefix, seq_len)
-    for start in range(0, len(docs), batch_size):
-        batch = docs[start:start + batch_size]
+    for logits, targets in _scored_batches(model, scored_windows(docs, prefix, seq_len), prefix, batch_size, pad_id):
+        nll += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum").item()
+        count += int((targets != -100).sum())
+    return nll, count
+
+
+@torch.no_grad()
+def document_losses(model: torch.nn.Module, docs: list[np.ndarray], prefix: int, seq_len: int, batch_size: int,
+                    pad_id: int = EOS_TOKEN_ID) -> np.ndarray:
+    """(n_docs,) summed nats over the tokens score_documents scores in each document; NaN for a
+    document with no token after its prefix (discriminative routing labels documents by this)."""
+    model.eval()
+    losses = np.full(len(docs), np.nan)
+    kept = [i for i, d in enumerate(docs) if len(d) > prefix]
+    windows = scored_windows(docs, prefix, seq_len)  # the documents of `kept`, in order
+    row = 0
+    for logits, targets in _scored_batches(model, windows, prefix, batch_size, pad_id):
+        per_token = F.cross_entropy(logits.transpose(1, 2).float(), targets, ignore_index=-100, reduction="none")  # (B, T)
+        for value in per_token.sum(1).tolist():
+            losses[kept[row]] = value
+            row += 1
+    return losses
+
+
+def _scored_batches(model: torch.nn.Module, windows: list[np.ndarray], prefix: int, batch_size: int, pad_id: int):
+    """(logits (B, T, V), targets (B, T)) per batch of windows; target -100 is not scored."""
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start:start + batch_size]
         width = max(len(d) for d in batch) - 1
         inputs = torch.full((len(batch), width), pad_id, dtype=torch.long)
         targets = torch.full((len(batch), width), -100, dtype=torch.long)  # -100: not scored
@@ -51,10 +76,7 @@ def score_documents(model: torch.nn.Module, docs: list[np.ndarray], prefix: int,
             n = len(tokens) - 1
             inputs[row, :n], mask[row, :n] = tokens[:-1], 1
             targets[row, prefix - 1:n] = tokens[prefix:]  # target j is token j+1: score tokens >= prefix
-        logits = model(input_ids=inputs, attention_mask=mask).logits  # (B, T, V)
-        nll += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum").item()
-        count += int((targets != -100).sum())
-    return nll, count
+        yield model(input_ids=inputs, attention_mask=mask).logits, targets  # (B, T, V), (B, T)
 
 
 def scored_windows(docs: list[np.ndarray], prefix: int, seq_len: int) -> list[np.ndarray]:
@@ -71,15 +93,17 @@ def bits_per_byte(nll_nats: float, n_bytes: int) -> float | None:
     return nll_nats / math.log(2) / n_bytes if n_bytes else None
 
 
-def evaluate_path(config, round_index: int, path_id: str) -> dict | None:
+def evaluate_path(config, round_index: int, path_id: str, shards: str | None = None) -> dict | None:
     """One path's held-out score with the modules at the start of round r (an island's eval task):
     summed nats, tokens and bytes as well as the rates, so paths combine exactly; None when the
-    path has no held-out document long enough to score."""
+    path has no held-out document long enough to score. The held-out documents are those routed
+    to the path by round r's routing (layout.routing), or by the one whose shards are `shards`."""
     root = RunRoot(config.run_root)
     prefix, seq_len, m = config.router.prefix_tokens, config.model.seq_len, config.model
-    if not shard_parts(root, path_id, split="validation"):
+    shards = shards or layout.routing(config.router.discriminative_after, round_index).shards
+    if not shard_parts(root, path_id, split="validation", shards=shards):
         return None
-    docs = read_path_documents(root, path_id, split="validation")[: config.eval.max_docs]
+    docs = read_path_documents(root, path_id, split="validation", shards=shards)[: config.eval.max_docs]
     model = load_path_model(root, config, round_index, path_id)
     nll, tokens = score_documents(model, docs, prefix, seq_len, config.eval.batch_size,
                                   pad_id=eos_token_id(m.vocab_size, m.tokenizer))

@@ -72,7 +72,9 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
         if type(info.get("round")) is not int:
             raise CorruptStateError(f"{bundle / BUNDLE_INFO}: round must be a round number")
         self.round_index = info["round"]
-        self.router = Router.load(self.root)
+        # The router the round's paths trained with (k-means, or re-routed: layout.routing).
+        self.router = Router.load(self.root, directory=layout.routing(self.config.router.discriminative_after,
+                                                                      self.round_index).router)
         self.tokenizer = load_tokenizer(self.root, self.config.model.tokenizer)
         self._models: dict[str, Any] = {}
 
@@ -147,10 +149,11 @@ def _texts(model_input) -> list[str]:
 
 
 def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml: str) -> Path:
-    """A miniature run root: run.yaml, router/, rounds/round=r/modules/, each with its _SUCCESS."""
+    """A miniature run root: run.yaml, the round's router (router/, or reroute/round=<R+1>/router/
+    after router.discriminative_after), rounds/round=r/modules/, each with its _SUCCESS."""
     target.mkdir(parents=True, exist_ok=True)
     (target / layout.RUN_CONFIG).write_text(run_yaml)
-    bundled = [layout.ROUTER_DIR, layout.modules_dir(round_index)]
+    bundled = [layout.routing(config.router.discriminative_after, round_index).router, layout.modules_dir(round_index)]
     if config.model.tokenizer != "gpt2":
         bundled.append(layout.TOKENIZER_DIR)  # the run's trained tokenizer travels with its model
     for rel in bundled:
