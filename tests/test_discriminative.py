@@ -3,17 +3,22 @@ tiny run that re-routes after round 0, trains round 1 on the new shards and resu
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import REPO, tiny_config
 from models.grid import all_path_ids
 from pipeline import stages
 from pipeline.core.errors import ConfigError, CorruptStateError
 from pipeline.islands.task_queue import TaskQueue
 from pipeline.state import layout
+from pipeline.state.shards import read_path_doc_ids
 from pipeline.state.storage import RunRoot
+from pipeline.tracking.registry import DipacoModel, build_bundle
+from pipeline.tracking.tracker import get_tracker
+from preprocessing.c4 import doc_id_for
 from preprocessing.discriminative import fit_classifier
 from preprocessing.router import DiscriminativeRouter, Router
 
@@ -94,7 +99,7 @@ def _stamps(run) -> dict[str, bytes]:
 def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(tmp_path):
     run = tmp_path / "run"
     config = tiny_config(run, "router.discriminative_after=0", "train.rounds=2", "train.inner_steps=2",
-                         "model.tokenizer=bpe", "model.vocab_size=512")
+                         "model.tokenizer=bpe", "model.vocab_size=512", "data.max_docs=48")
     stages.run(config, rounds=1)  # round 0, then the re-routing: the plan reaches round R
     root = RunRoot(config.run_root)
     new = layout.reroute_routing(1)
@@ -105,7 +110,7 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
     shutil.copytree(run, tmp_path / "copy")
     shutil.rmtree(tmp_path / "copy" / "reroute")
     copy = tiny_config(tmp_path / "copy", "router.discriminative_after=0", "train.rounds=2", "train.inner_steps=2",
-                       "model.tokenizer=bpe", "model.vocab_size=512")
+                       "model.tokenizer=bpe", "model.vocab_size=512", "data.max_docs=48")
     waiting = {t.name for t in TaskQueue(RunRoot(copy.run_root), copy).ready(2)}
     assert "reroute.r0" in waiting and not any(n.startswith("train.r1") for n in waiting)
     assert {f"train.r1.{p}" for p in all_path_ids([2, 2])} <= {t.name for t in TaskQueue(root, config).ready(2)}
@@ -133,9 +138,33 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
     assert report["perplexity_after"] == pytest.approx(summary["eval"][1]["perplexity"], rel=1e-9)  # new shards
     assert summary["reroute"] == report
 
+    # The registered model of a round after R routes with the new router, as the Beam job did.
+    bundle = build_bundle(root, config, 2, tmp_path / "bundle", (run / "run.yaml").read_text())
+    assert (bundle / new.router / "classifier.npy").exists() and not (bundle / "router").exists()
+    model = DipacoModel()
+    model.load_context(SimpleNamespace(artifacts={"run_root": str(bundle)}))
+    assert isinstance(model.router, DiscriminativeRouter) and model.router.checksum == router.checksum
+    routed = {d: p for p in all_path_ids([2, 2]) for d in read_path_doc_ids(root, p, "validation", new.shards)}
+    records = [json.loads(line) for line in next((REPO / "tests/data/c4/validation").glob("*.json")).open()]
+    records = [r for r in records if doc_id_for(r, r["text"]) in routed]
+    assert len(records) == len(routed) > 0
+    assert model.router.route_texts([r["text"] for r in records]) == [routed[doc_id_for(r, r["text"])] for r in records]
+
     stamps = _stamps(run)
     attempts = sorted(p.name for p in (run / "queue" / "leases" / "reroute.r0").iterdir())
     stages.run(config)  # nothing left to do
     assert stages.reroute(config, 0) == report
     assert _stamps(run) == stamps  # nothing recomputed once committed
     assert sorted(p.name for p in (run / "queue" / "leases" / "reroute.r0").iterdir()) == attempts == ["attempt-1.json"]
+
+
+def test_the_report_goes_to_mlflow_as_reroute_metrics(tmp_path):
+    config = tiny_config(tmp_path / "run", "router.discriminative_after=0", "mlflow.enabled=true")
+    report = {"after_round": 0, "round": 1, "accuracy": 0.75, "changed": 12, "perplexity_before": 9.5,
+              "perplexity_after": 9.25, "label_counts": {"p0-0": 3}}
+    tracker = get_tracker(config)
+    tracker.log_reroute(0, report)
+    metrics = tracker.client.get_run(tracker._parent()).data.metrics
+    assert {k: v for k, v in metrics.items() if k.startswith("reroute/")} == {
+        "reroute/accuracy": 0.75, "reroute/changed": 12.0, "reroute/perplexity_before": 9.5, "reroute/perplexity_after": 9.25}
+    assert [a.path for a in tracker.client.list_artifacts(tracker._parent(), "reroute/round=1")] == ["reroute/round=1/report.json"]
