@@ -52,7 +52,7 @@ class Task:
     round: int
     order: int
     kind: str
-    target: str = ""  # job id (train), path id (eval), "l<level>m<index>" (merge); reroute: the round R after which
+    target: str = ""  # job id (train), path id (eval), "l<level>m<index>" (merge); none for reroute (round = R)
 
     @property
     def name(self) -> str:
