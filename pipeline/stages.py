@@ -211,9 +211,28 @@ def join_run(config: Config, name: str | None = None) -> dict:
 
 
 def round_finished(config: Config, round_index: int) -> bool:
-    """Round r merged and the modules it produced evaluated: ready to log and register."""
+    """Round r merged and the modules it produced evaluated (and, after round
+    router.discriminative_after, re-routed): ready to log and register."""
     root = RunRoot(config.run_root)
-    return root.is_committed(layout.round_dir(round_index)) and root.exists(layout.eval_file(round_index + 1))
+    rerouted = round_index != config.router.discriminative_after or root.exists(layout.reroute_report(round_index + 1))
+    return root.is_committed(layout.round_dir(round_index)) and root.exists(layout.eval_file(round_index + 1)) and rerouted
+
+
+def reroute(config: Config, after_round: int) -> dict:
+    """`router.discriminative_after`: the discriminative router fitted after round R's merge and
+    the splits re-sharded with it (islands run this as their `reroute.r<R>` task); its report.
+    Committed pieces are reused, so a rerun recomputes nothing."""
+    from preprocessing.discriminative import reroute as run_reroute
+
+    return run_reroute(config, after_round)
+
+
+def read_reroute(config: Config) -> dict | None:
+    """The re-routing's report (reroute/round=<R+1>/report.json), once written."""
+    after, root = config.router.discriminative_after, RunRoot(config.run_root)
+    if after is None or not root.exists(layout.reroute_report(after + 1)):
+        return None
+    return root.read_json(layout.reroute_report(after + 1))
 
 
 def report_round(config: Config, round_index: int) -> dict:
@@ -230,6 +249,9 @@ def report_round(config: Config, round_index: int) -> dict:
             tracker.log_path(round_index, job, read_metrics(root, rel))
     report = root.read_json(f"{layout.round_dir(round_index)}/merge.json")
     tracker.log_merge(round_index, report)
+    rerouted = read_reroute(config) if round_index == config.router.discriminative_after else None
+    if rerouted:
+        tracker.log_reroute(round_index, rerouted)
     result = read_eval(root, round_index + 1)
     tracker.log_eval(round_index + 1, result)
     figures = round_utilisation(config, round_index)
@@ -239,7 +261,8 @@ def report_round(config: Config, round_index: int) -> dict:
                  figures["utilisation"] or 0, figures["islands"], figures["task_overhead_seconds"] or 0)
     version = register(config, round_index + 1, result)
     best = early_stop(config, round_index + 1) if config.eval.early_stopping else None
-    return {"merge": report, "eval": result, "model_version": version, "utilisation": figures, "early_stopping": best}
+    return {"merge": report, "eval": result, "model_version": version, "utilisation": figures, "reroute": rerouted,
+            "early_stopping": best}
 
 
 def early_stop(config: Config, round_index: int) -> dict:
@@ -363,6 +386,9 @@ def summarize(config: Config) -> dict:
         from pipeline.evaluation.early_stopping import best_up_to
 
         summary["early_stopping"] = best_up_to(root)
+    rerouted = read_reroute(config)
+    if rerouted:
+        summary["reroute"] = rerouted
     if config.mlflow.enabled:
         summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
                        model_version=get_tracker(config).newest_version())

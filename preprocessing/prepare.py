@@ -30,8 +30,6 @@ from preprocessing import c4
 from preprocessing.router import Router
 from preprocessing.tokenizer import commit_bpe, describe, encode, load_tokenizer, prefix_texts, train_bpe
 from preprocessing.transforms import (
-    WORK_DIR,
-    SUMMARY,
     AssignPath,
     EmbedPrefix,
     ReadC4,
@@ -41,6 +39,8 @@ from preprocessing.transforms import (
     TokenizeDocs,
     WriteRejected,
     WriteShards,
+    summary_file,
+    work_dir,
 )
 
 log = logging.getLogger(__name__)
@@ -240,29 +240,52 @@ def _check_router(router: Router, config: Config, root: RunRoot) -> None:
 
 
 # -- step 2: route and write ---------------------------------------------------------------------
-def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pipeline=None):
-    """The routing pipeline; returns the Beam result (for its metrics)."""
+def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pipeline=None,
+                    routing: layout.Routing = layout.KMEANS):
+    """The routing pipeline with the router committed in `routing.router`, writing under
+    `routing.shards`; returns the Beam result (for its metrics)."""
     import apache_beam as beam
 
     pipeline = test_pipeline or make_pipeline(config)
     handler = RouterEmbedderHandler(root.url, config.to_dict() if config.router.embedder == "model" else None,
-                                    worker_threads(config))
+                                    worker_threads(config), routing.router)
     read = pipeline | "ReadC4" >> ReadC4(plan, config.data.max_doc_bytes, config.router.batch_size)
     shard_stats = (
         read.batches
         | "SpreadDocs" >> beam.Reshuffle()  # batches of one file would otherwise all embed on one worker
         | "TokenizeDocs" >> TokenizeDocs(config.router.prefix_tokens, root.url, config.model.tokenizer)
         | "EmbedPrefix" >> EmbedPrefix(handler)
-        | "AssignPath" >> AssignPath(root.url, config.data.parts_per_path)
-        | "WriteShards" >> WriteShards(root.url)
+        | "AssignPath" >> AssignPath(root.url, config.data.parts_per_path, routing.router)
+        | "WriteShards" >> WriteShards(root.url, routing.shards)
     )
-    rejected_stats = read.rejected | "WriteRejected" >> WriteRejected(root.url, config.data.parts_per_path)
+    rejected_stats = read.rejected | "WriteRejected" >> WriteRejected(root.url, config.data.parts_per_path, routing.rejected)
     (   # the one sink every branch ends in (the DaskRunner computes only the last transform's graph)
         (shard_stats, rejected_stats, read.lines)
         | "MergeStats" >> beam.Flatten()
-        | "Summarize" >> Summarize(root.url)
+        | "Summarize" >> Summarize(root.url, summary_file(routing.shards))
     )
     return run_to_completion(pipeline)
+
+
+def write_shards(config: Config, root: RunRoot, plan, router: Router, test_pipeline=None,
+                 routing: layout.Routing = layout.KMEANS, started: float | None = None) -> dict:
+    """Route every document of the plan with `router` into `routing.shards`, write its manifest
+    and commit it last; returns the manifest. A crashed attempt's parts are removed first."""
+    start = time.time()
+    started = start if started is None else started
+    root.remove(routing.shards)  # a crashed attempt's parts: start clean, no document twice
+    with quiet_beam():
+        result = route_documents(config, root, plan, router, test_pipeline, routing)
+    log.info("prepare: routing pipeline done in %.1fs", time.time() - start)
+    summary = root.read_json(summary_file(routing.shards))
+    root.remove(work_dir(routing.shards))
+    manifest = build_manifest(summary, config, router, plan, root)
+    manifest["seconds"] = round(time.time() - started, 3)
+    root.write_json(routing.manifest, manifest)
+    root.commit(routing.shards, info={"routed": manifest["routed"], "rejected": manifest["rejected"],
+                                      "router_checksum": router.checksum})
+    log_summary(manifest, _counters(result))
+    return manifest
 
 
 def build_manifest(summary: dict, config: Config, router: Router, plan, root: RunRoot) -> dict[str, Any]:
@@ -300,7 +323,7 @@ def build_manifest(summary: dict, config: Config, router: Router, plan, root: Ru
         "splits": splits,
         "paths": paths,
         "grid": list(config.model.grid),
-        "router": {"checksum": router.checksum, "embedder": router.header["embedder"],
+        "router": {"checksum": router.checksum, "kind": router.kind, "embedder": router.header["embedder"],
                    "dim": router.header["dim"], "prefix_tokens": router.header["prefix_tokens"]},
         "router_checksum": router.checksum,
         "tokenizer": describe(root, config.model.tokenizer),
@@ -375,18 +398,7 @@ def run_prepare(config: Config, test_pipeline=None) -> dict:
     start = time.time()
     with quiet_beam():
         router = fit_router(config, root, plan)
-        root.remove(layout.SHARDS_DIR)  # a crashed attempt's parts: start clean, no document twice
-        result = route_documents(config, root, plan, router, test_pipeline)
-    log.info("prepare: routing pipeline done in %.1fs", time.time() - start)
-    summary = root.read_json(SUMMARY)
-    root.remove(WORK_DIR)
-    manifest = build_manifest(summary, config, router, plan, root)
-    manifest["seconds"] = round(time.time() - start, 3)
-    root.write_json(layout.MANIFEST, manifest)
-    root.commit(layout.SHARDS_DIR, info={"routed": manifest["routed"], "rejected": manifest["rejected"],
-                                          "router_checksum": router.checksum})
-    log_summary(manifest, _counters(result))
-    return manifest
+    return write_shards(config, root, plan, router, test_pipeline, started=start)  # seconds: the fit included
 
 
 def run(argv: list[str] | None = None, test_pipeline=None) -> dict:

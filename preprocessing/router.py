@@ -10,6 +10,13 @@ Artifact (`<run_root>/router/`, committed with `_SUCCESS`):
 
 Routing a text: its first `prefix_tokens` GPT-2 tokens, decoded, are embedded; the path is the
 cheapest `sum_l ||part_l - centroid_l||^2 + bias[path]` (preprocessing.kmeans).
+
+`router.json` says which kind of router it is: `"kind": "kmeans"` (the above; a header without
+"kind" reads as kmeans) or `"kind": "discriminative"` (`router.discriminative_after`: a linear
+classifier of the same features, preprocessing.discriminative), whose `classifier.npy` holds
+(n_paths, dim + 1) float64 rows [weights | intercept] and whose path is the cheapest
+`-(w_p . x + b_p) + bias[path]`. Either lives in a directory of its own (`router/`, or
+`reroute/round=<r>/router/`) with the embedder's files beside it, so each is self-contained.
 """
 
 from __future__ import annotations
@@ -32,20 +39,28 @@ from preprocessing import kmeans
 log = logging.getLogger(__name__)
 
 CENTROIDS = "centroids.npy"
+CLASSIFIER = "classifier.npy"
 HEADER = "router.json"
 FORMAT_VERSION = 1
+KINDS = ("kmeans", "discriminative")
 
 
 class Router:
     """Centroids per level plus path biases; embeds lazily (the assigner in Beam never needs to)."""
 
-    def __init__(self, header: dict[str, Any], centroids: list[np.ndarray], root: RunRoot | None = None, config=None):
+    def __init__(self, header: dict[str, Any], centroids: list[np.ndarray], root: RunRoot | None = None, config=None,
+                 directory: str = layout.ROUTER_DIR):
         self.header = header
         self.centroids = centroids  # per level: (grid[l], part_dim_l)
         self.bias = np.asarray(header["path_bias"], dtype=np.float64)
         self.path_ids: list[str] = list(header["path_ids"])
         self._root, self._config = root, config
+        self.directory = directory  # where it is committed: its embedder's files are there too
         self._embedder = None
+
+    @property
+    def kind(self) -> str:
+        return self.header.get("kind", "kmeans")
 
     # -- fitting ---------------------------------------------------------------------------------
     @classmethod
@@ -75,6 +90,7 @@ class Router:
             bias = kmeans.balance_biases(cost, cap, floor)
         header = {
             "format": FORMAT_VERSION,
+            "kind": "kmeans",
             "embedder": embedder,
             "dim": int(features.shape[1]),
             "prefix_tokens": prefix_tokens,
@@ -92,38 +108,51 @@ class Router:
         }
         return cls(header, centroids)
 
-    def save(self, root: RunRoot, embedder=None) -> dict:
-        """Write the artifact and commit `router/` (the marker last); returns the marker."""
+    def save(self, root: RunRoot, embedder=None, directory: str = layout.ROUTER_DIR) -> dict:
+        """Write the artifact and commit `directory` (the marker last); returns the marker."""
         full = np.zeros((sum(self.header["grid"]), self.header["dim"]))
         for (r0, r1), (c0, c1), c in zip(self.header["rows"], self.header["splits"], self.centroids):
             full[r0:r1, c0:c1] = c
+        return self._commit(root, embedder, directory, CENTROIDS, full)
+
+    def _commit(self, root: RunRoot, embedder, directory: str, name: str, array: np.ndarray) -> dict:
+        """The array, router.json and the embedder's files, then the marker."""
         buffer = io.BytesIO()
-        np.save(buffer, full, allow_pickle=False)
-        root.write_bytes(f"{layout.ROUTER_DIR}/{CENTROIDS}", buffer.getvalue())
-        root.write_json(f"{layout.ROUTER_DIR}/{HEADER}", self.header)
+        np.save(buffer, array, allow_pickle=False)
+        root.write_bytes(f"{directory}/{name}", buffer.getvalue())
+        root.write_json(f"{directory}/{HEADER}", self.header)
         if embedder is not None and hasattr(embedder, "save"):
-            embedder.save(root, layout.ROUTER_DIR)
-        return root.commit(layout.ROUTER_DIR, info={"embedder": self.header["embedder"], "grid": self.header["grid"]})
+            embedder.save(root, directory)
+        return root.commit(directory, info={"kind": self.kind, "embedder": self.header["embedder"], "grid": self.header["grid"]})
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
-    def load(cls, root: RunRoot, config=None) -> "Router":
-        """The committed router of a run root; every file checked against `router/_SUCCESS`, the
-        header checked field by field before anything indexes into it."""
-        if not root.is_committed(layout.ROUTER_DIR):
-            raise InputError(f"{root.path(layout.ROUTER_DIR)}: no committed router; run `dipaco prepare` first")
-        header = root.read_committed_json(layout.ROUTER_DIR, HEADER)
-        check_header(header, root.path(layout.ROUTER_DIR, HEADER))
-        full = load_npy(root.read_committed(layout.ROUTER_DIR, CENTROIDS), root.path(layout.ROUTER_DIR, CENTROIDS),
+    def load(cls, root: RunRoot, config=None, directory: str = layout.ROUTER_DIR) -> "Router":
+        """The router committed in `directory` (k-means or discriminative, as its router.json says);
+        every file checked against its `_SUCCESS`, the header checked field by field before
+        anything indexes into it."""
+        if not root.is_committed(directory):
+            what = "run `dipaco prepare` first" if directory == layout.ROUTER_DIR else "the re-routing has not committed yet"
+            raise InputError(f"{root.path(directory)}: no committed router; {what}")
+        header = root.read_committed_json(directory, HEADER)
+        check_header(header, root.path(directory, HEADER))
+        if header.get("kind") == "discriminative":
+            weights = load_npy(root.read_committed(directory, CLASSIFIER), root.path(directory, CLASSIFIER),
+                               shape=(len(header["path_ids"]), header["dim"] + 1))
+            return DiscriminativeRouter(header, weights, root=root, config=config, directory=directory)
+        full = load_npy(root.read_committed(directory, CENTROIDS), root.path(directory, CENTROIDS),
                         shape=(sum(header["grid"]), header["dim"]))
         centroids = [full[r0:r1, c0:c1] for (r0, r1), (c0, c1) in zip(header["rows"], header["splits"])]
-        return cls(header, centroids, root=root, config=config)
+        return Router(header, centroids, root=root, config=config, directory=directory)
+
+    def _arrays(self) -> list[np.ndarray]:
+        return self.centroids
 
     @property
     def checksum(self) -> str:
         """A fingerprint of what routes: header and centroids (the manifest records it)."""
         digest = hashlib.sha256(json.dumps(self.header, sort_keys=True).encode())
-        for c in self.centroids:
+        for c in self._arrays():
             digest.update(np.ascontiguousarray(c, dtype=np.float64).tobytes())
         return digest.hexdigest()
 
@@ -133,6 +162,9 @@ class Router:
         features = np.asarray(features, dtype=np.float64)
         if features.ndim != 2 or features.shape[1] != self.header["dim"]:
             raise ValueError(f"router expects (n, {self.header['dim']}) features, got {features.shape}")
+        return self._assign(features)
+
+    def _assign(self, features: np.ndarray) -> np.ndarray:
         return kmeans.assign(features, self.centroids, self.bias)
 
     def route_features(self, features: np.ndarray) -> list[str]:
@@ -148,9 +180,9 @@ class Router:
     @property
     def embedder(self):
         if self._embedder is None:
-            embedder = load_embedder(self.header, self._root, self._config)
+            embedder = load_embedder(self.header, self._root, self._config, directory=self.directory)
             if getattr(embedder, "dim", self.header["dim"]) != self.header["dim"]:
-                where = self._root.path(layout.ROUTER_DIR, HEADER) if self._root else HEADER
+                where = self._root.path(self.directory, HEADER) if self._root else HEADER
                 raise CorruptStateError(f"{where}: dim {self.header['dim']} but the {embedder.name} embedder "
                                         f"gives {embedder.dim}-dimensional features")
             self._embedder = embedder
@@ -171,6 +203,31 @@ class Router:
         tokenizer = load_tokenizer(self._root, self.header.get("tokenizer", "gpt2"))
         texts = tokenizer.batch_decode([[int(t) for t in run] for run in token_runs])
         return self.route_features(self.embed_prefixes(texts))
+
+
+class DiscriminativeRouter(Router):
+    """A linear classifier of the prefix embedding (`router.discriminative_after`): the path is the
+    cheapest `-(x @ W.T + b) + bias`, a pure function of the features, so the Beam job, evaluation
+    and the registered model route a document alike. Fitted by preprocessing.discriminative."""
+
+    def __init__(self, header: dict[str, Any], weights: np.ndarray, root: RunRoot | None = None, config=None,
+                 directory: str = layout.ROUTER_DIR):
+        super().__init__(header, [], root=root, config=config, directory=directory)
+        self.weights = np.asarray(weights, dtype=np.float64)  # (n_paths, dim + 1): [W | b]
+
+    def logits(self, features: np.ndarray) -> np.ndarray:
+        """(n, dim) -> (n, n_paths) class scores of the linear classifier (no balancing biases)."""
+        dim = self.header["dim"]
+        return np.asarray(features, dtype=np.float64) @ self.weights[:, :dim].T + self.weights[:, dim][None, :]
+
+    def _assign(self, features: np.ndarray) -> np.ndarray:
+        return (self.bias[None, :] - self.logits(features)).argmin(1)
+
+    def _arrays(self) -> list[np.ndarray]:
+        return [self.weights]
+
+    def save(self, root: RunRoot, embedder=None, directory: str = layout.ROUTER_DIR) -> dict:
+        return self._commit(root, embedder, directory, CLASSIFIER, self.weights)
 
 
 def _is_int(value: Any, low: int = 0, high: int | None = None) -> bool:
@@ -194,15 +251,17 @@ def check_header(header: dict[str, Any], where: str) -> None:
             raise CorruptStateError(f"{where}: {key} must be {what}, got {shown(header.get(key))}")
 
     need(header.get("format") == FORMAT_VERSION, "format", str(FORMAT_VERSION))
+    need(header.get("kind", "kmeans") in KINDS, "kind", " or ".join(KINDS))
     grid = header.get("grid")
     need(isinstance(grid, list) and 1 <= len(grid) <= MAX_LEVELS and all(_is_int(k, 1, MAX_PATHS) for k in grid)
          and int(np.prod(grid)) <= MAX_PATHS, "grid", f"a list of module counts with at most {MAX_PATHS} paths")
     need(_is_int(header.get("dim"), 1, 1 << 20), "dim", "a positive feature dimension")
     need(_is_int(header.get("prefix_tokens"), 1), "prefix_tokens", "a positive token count")
     need(isinstance(header.get("embedder"), str), "embedder", "a name")
-    need(_is_ranges(header.get("rows"), sum(grid), grid), "rows", "one [begin, end] range of grid[l] rows per level")
-    need(_is_ranges(header.get("splits"), header["dim"]) and len(header["splits"]) == len(grid), "splits",
-         "one non-empty [begin, end] column range per level")
+    if header.get("kind", "kmeans") == "kmeans":
+        need(_is_ranges(header.get("rows"), sum(grid), grid), "rows", "one [begin, end] range of grid[l] rows per level")
+        need(_is_ranges(header.get("splits"), header["dim"]) and len(header["splits"]) == len(grid), "splits",
+             "one non-empty [begin, end] column range per level")
     n_paths = int(np.prod(grid))
     ids = header.get("path_ids")
     need(isinstance(ids, list) and len(ids) == n_paths and all(isinstance(i, str) for i in ids), "path_ids",
@@ -220,8 +279,9 @@ def _rows(grid: list[int]) -> list[list[int]]:
     return [[offsets[i], offsets[i + 1]] for i in range(len(grid))]
 
 
-def load_embedder(header: dict[str, Any], root: RunRoot | None, config=None, batch_size: int = 64):
-    """The embedder a router was fitted with, rebuilt from its artifact."""
+def load_embedder(header: dict[str, Any], root: RunRoot | None, config=None, batch_size: int = 64,
+                  directory: str = layout.ROUTER_DIR):
+    """The embedder a router was fitted with, rebuilt from its artifact in `directory`."""
     from preprocessing import embedders
 
     name = header["embedder"]
@@ -230,7 +290,7 @@ def load_embedder(header: dict[str, Any], root: RunRoot | None, config=None, bat
     if root is None:
         raise InputError(f"the {name} embedder needs the run root its router was saved in")
     if name == "tfidf":
-        return embedders.TfidfEmbedder.load(root, layout.ROUTER_DIR)
+        return embedders.TfidfEmbedder.load(root, directory)
     if name == "model":
         if config is None:
             from pipeline.core.config import config_from_yaml
@@ -239,5 +299,5 @@ def load_embedder(header: dict[str, Any], root: RunRoot | None, config=None, bat
         try:
             return embedders.PathModelEmbedder.from_run(root, config, header["model_round"], header["model_path"])
         except ValueError as exc:  # a model_path that is no path of the grid
-            raise CorruptStateError(f"{root.path(layout.ROUTER_DIR, HEADER)}: {one_line(str(exc), SHOWN_CHARS)}") from None
-    raise CorruptStateError(f"{root.path(layout.ROUTER_DIR, HEADER)}: unknown embedder {shown(name)}")
+            raise CorruptStateError(f"{root.path(directory, HEADER)}: {one_line(str(exc), SHOWN_CHARS)}") from None
+    raise CorruptStateError(f"{root.path(directory, HEADER)}: unknown embedder {shown(name)}")

@@ -47,6 +47,15 @@ logging.getLogger("apache_beam.typehints.native_type_compatibility").setLevel(lo
 NAMESPACE = "dipaco.prepare"
 WORK_DIR = f"{layout.SHARDS_DIR}/_work"  # scratch of one attempt; removed before the commit
 SUMMARY = f"{WORK_DIR}/summary.json"
+
+
+def work_dir(shards: str) -> str:
+    """The scratch of one routing attempt under a shards dir (`shards/_work` for prepare's)."""
+    return f"{shards}/_work"
+
+
+def summary_file(shards: str) -> str:
+    return f"{work_dir(shards)}/summary.json"
 PROGRESS_EVERY_S = 10.0
 
 
@@ -174,9 +183,9 @@ class TokenizeDocs(beam.PTransform):
 class RouterEmbedderHandler(ModelHandler[str, PredictionResult, Any]):
     """Beam ML's view of the router's embedder: loaded once per worker, fed batches of prefixes."""
 
-    def __init__(self, root_url: str, config_dict: dict | None, threads: int | None):
+    def __init__(self, root_url: str, config_dict: dict | None, threads: int | None, router_dir: str = layout.ROUTER_DIR):
         super().__init__()
-        self.root_url, self.config_dict, self.threads = root_url, config_dict, threads
+        self.root_url, self.config_dict, self.threads, self.router_dir = root_url, config_dict, threads, router_dir
 
     def load_model(self):
         from preprocessing.router import Router
@@ -190,7 +199,7 @@ class RouterEmbedderHandler(ModelHandler[str, PredictionResult, Any]):
             from pipeline.core.config import config_from_dict
 
             config = config_from_dict(self.config_dict, "<prepare>")
-        embedder = Router.load(RunRoot(self.root_url), config).embedder
+        embedder = Router.load(RunRoot(self.root_url), config, directory=self.router_dir).embedder
         log.info("prepare worker: %s embedder loaded", embedder.name)
         return embedder
 
@@ -218,14 +227,15 @@ class EmbedPrefix(beam.PTransform):
 class _AssignFn(beam.DoFn):
     """(key, PredictionResult) -> ((split, path_id, bucket), (doc_id, input_ids))."""
 
-    def __init__(self, root_url: str, parts_per_path: int):
-        self.root_url, self.parts = root_url, parts_per_path
+    def __init__(self, root_url: str, parts_per_path: int, router_dir: str = layout.ROUTER_DIR):
+        self.root_url, self.parts, self.router_dir = root_url, parts_per_path, router_dir
         self.routed = Metrics.counter(NAMESPACE, "documents_routed")
 
     def setup(self) -> None:
         from preprocessing.router import Router
 
-        self.router = Router.load(RunRoot(self.root_url))  # centroids only; no embedder loaded here
+        # centroids (or classifier weights) only; no embedder loaded here
+        self.router = Router.load(RunRoot(self.root_url), directory=self.router_dir)
         self.progress = _Progress("documents routed")
 
     def process(self, element):
@@ -237,47 +247,48 @@ class _AssignFn(beam.DoFn):
 
 
 class AssignPath(beam.PTransform):
-    def __init__(self, root_url: str, parts_per_path: int):
+    def __init__(self, root_url: str, parts_per_path: int, router_dir: str = layout.ROUTER_DIR):
         super().__init__()
-        self.root_url, self.parts = root_url, parts_per_path
+        self.root_url, self.parts, self.router_dir = root_url, parts_per_path, router_dir
 
     def expand(self, embedded):
-        return embedded | "Route" >> beam.ParDo(_AssignFn(self.root_url, self.parts))
+        return embedded | "Route" >> beam.ParDo(_AssignFn(self.root_url, self.parts, self.router_dir))
 
 
 # -- WriteShards / WriteRejected -----------------------------------------------------------------
 class _WriteShardFn(beam.DoFn):
-    def __init__(self, root_url: str):
-        self.root_url = root_url
+    def __init__(self, root_url: str, shards: str = layout.SHARDS_DIR):
+        self.root_url, self.shards = root_url, shards
 
     def process(self, element) -> Iterator[tuple]:
         (split, path, bucket), rows = element
         rows = sorted(rows, key=lambda r: (r[0], r[1]))  # fixed order, whatever the bundling
         table = shard_table([r[0] for r in rows], [r[1] for r in rows])
-        write_shard_file(RunRoot(self.root_url), f"{layout.shard_dir(path, split)}/part-{bucket:05d}.parquet", table)
+        write_shard_file(RunRoot(self.root_url), f"{layout.shard_dir(path, split, self.shards)}/part-{bucket:05d}.parquet", table)
         yield ("shard", split, path, len(rows), sum(len(r[1]) for r in rows))
 
 
 class WriteShards(beam.PTransform):
     """Routed documents -> one Parquet part per (split, path, bucket); emits shard stats."""
 
-    def __init__(self, root_url: str):
+    def __init__(self, root_url: str, shards: str = layout.SHARDS_DIR):
         super().__init__()
-        self.root_url = root_url
+        self.root_url, self.shards = root_url, shards
 
     def expand(self, routed):
-        return routed | "GroupByShard" >> beam.GroupByKey() | "WriteParts" >> beam.ParDo(_WriteShardFn(self.root_url))
+        return (routed | "GroupByShard" >> beam.GroupByKey()
+                | "WriteParts" >> beam.ParDo(_WriteShardFn(self.root_url, self.shards)))
 
 
 class _WriteRejectedFn(beam.DoFn):
-    def __init__(self, root_url: str):
-        self.root_url = root_url
+    def __init__(self, root_url: str, rejected_dir: str = layout.REJECTED_DIR):
+        self.root_url, self.rejected_dir = root_url, rejected_dir
 
     def process(self, element) -> Iterator[tuple]:
         (split, bucket), records = element
         records = sorted(records, key=lambda r: (r.file, r.line))
         text = "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records)
-        RunRoot(self.root_url).write_text(f"{layout.REJECTED_DIR}/part-{split}-{bucket:05d}.jsonl", text)
+        RunRoot(self.root_url).write_text(f"{self.rejected_dir}/part-{split}-{bucket:05d}.jsonl", text)
         for reason, n in sorted(Counter(r.reason for r in records).items()):
             yield ("rejected", split, reason, n)
 
@@ -285,16 +296,16 @@ class _WriteRejectedFn(beam.DoFn):
 class WriteRejected(beam.PTransform):
     """Rejections -> shards/rejected/part-<split>-<bucket>.jsonl; emits counts by reason."""
 
-    def __init__(self, root_url: str, parts: int):
+    def __init__(self, root_url: str, parts: int, rejected_dir: str = layout.REJECTED_DIR):
         super().__init__()
-        self.root_url, self.parts = root_url, parts
+        self.root_url, self.parts, self.rejected_dir = root_url, parts, rejected_dir
 
     def expand(self, rejected):
         return (
             rejected
             | "KeyRejected" >> beam.Map(lambda r, n: ((r.split, stable_bucket(f"{r.file}:{r.line}", n)), r), self.parts)
             | "GroupRejected" >> beam.GroupByKey()
-            | "WriteRejectedParts" >> beam.ParDo(_WriteRejectedFn(self.root_url))
+            | "WriteRejectedParts" >> beam.ParDo(_WriteRejectedFn(self.root_url, self.rejected_dir))
         )
 
 
@@ -339,15 +350,15 @@ class SummaryFn(beam.CombineFn):
 class Summarize(beam.PTransform):
     """All stats -> one summary.json under the shards' scratch dir, for the driver's manifest."""
 
-    def __init__(self, root_url: str):
+    def __init__(self, root_url: str, summary: str = SUMMARY):
         super().__init__()
-        self.root_url = root_url
+        self.root_url, self.summary = root_url, summary
 
     def expand(self, stats):
         return (
             stats
             | "CombineStats" >> beam.CombineGlobally(SummaryFn()).without_defaults()  # never empty: lines
-            | "WriteSummary" >> beam.Map(lambda s, url: RunRoot(url).write_json(SUMMARY, s), self.root_url)
+            | "WriteSummary" >> beam.Map(lambda s, url, rel: RunRoot(url).write_json(rel, s), self.root_url, self.summary)
         )
 
 

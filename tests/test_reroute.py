@@ -149,10 +149,10 @@ def test_islands_eval_parts_combine_to_the_single_process_result(prepared, monke
     # every round reuses the committed routes: routing again would fail here
     monkeypatch.setattr(evaluate, "route_chunks", lambda *a: pytest.fail("chunks routed twice"))
     queue = TaskQueue(root, config)
-    assert queue.eval_paths() == all_path_ids(prepared.model.grid)  # a chunk may reach any path
+    assert queue.eval_paths(1) == all_path_ids(prepared.model.grid)  # a chunk may reach any path
     ready = {t.name for t in queue.ready(1)}
-    assert {f"eval.r1.{p}" for p in queue.eval_paths()} <= ready
-    for path_id in queue.eval_paths():
+    assert {f"eval.r1.{p}" for p in queue.eval_paths(1)} <= ready
+    for path_id in queue.eval_paths(1):
         run_task(config, Task.of("eval", 1, path_id), 0)
     run_task(config, Task.of("evalsum", 1), 0)
     assert root.read_json(layout.eval_file(1)) == single

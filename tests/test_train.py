@@ -1,6 +1,7 @@
 """The path trainer on a real DeepSpeed engine: agreement with plain PyTorch, ZeRO stages, launch,
 inner-state resume where the merged modules must win over the checkpoint's weights."""
 
+import math
 import os
 import subprocess
 import sys
@@ -342,3 +343,17 @@ def test_plots_of_a_run_where_no_module_was_merged_still_render(tmp_path):
         fig.savefig(tmp_path / f"{name}.png")
         plots.close(fig)
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_lr_decays_only_over_the_last_lr_decay_steps(tmp_path):
+    """train.lr_decay_steps: warmup, a constant lr, then a cosine to lr * min_lr_ratio over the run's
+    last N steps (warmup-stable-decay); null keeps the plain cosine over every step after warmup."""
+    train = tiny_config(tmp_path, "train.lr=0.01", "train.warmup_steps=2", "train.min_lr_ratio=0.0",
+                        "train.lr_decay_steps=4").train
+    lrs = [lr_at(step, 10, train) for step in range(10)]
+    assert lrs[:2] == [0.005, 0.01] and lrs[2:7] == [0.01] * 5  # warmup, then constant until step 6
+    assert lrs[6:] == pytest.approx([0.01, 0.01 * 0.5 * (1 + math.cos(math.pi / 4)), 0.005,
+                                     0.01 * 0.5 * (1 + math.cos(3 * math.pi / 4))])
+    plain = tiny_config(tmp_path, "train.lr=0.01", "train.warmup_steps=2", "train.min_lr_ratio=0.0").train
+    assert [lr_at(s, 10, plain) for s in range(2, 10)] == pytest.approx(
+        [0.005 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 10)])

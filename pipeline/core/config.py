@@ -56,6 +56,7 @@ class RouterConfig:
     tfidf_dim: int = 64  # tfidf embedder: truncated-SVD dimensions (c-BTM style)
     model_round: int = 0  # model embedder: the committed round whose path model embeds
     model_path: str | None = None  # model embedder: that path's id; default the first path
+    discriminative_after: int | None = None  # after round R's merge: re-route by lowest-loss path (DiPaCo 2.4.2)
 
 
 @dataclass
@@ -435,6 +436,9 @@ def validate(config: Config) -> None:
         except ValueError as exc:
             raise ConfigError(f"{src}: router.model_path: {one_line(str(exc), SHOWN_CHARS)}") from None
     need(config.router.sample_docs > 0, "router.sample_docs", "must be positive")
+    after = config.router.discriminative_after
+    need(after is None or 0 <= after < t.rounds - 1, "router.discriminative_after",
+         f"must be a round in [0, train.rounds - 1 = {t.rounds - 1}) so a later round trains on the new shards, got {after}")
     need(t.rounds >= 1, "train.rounds", "must be >= 1")
     need(t.inner_steps >= 1, "train.inner_steps", "must be >= 1")
     need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")

@@ -51,13 +51,35 @@ def score_documents(model: torch.nn.Module, docs: list[np.ndarray], prefix: int,
     """(summed negative log-likelihood in nats, tokens scored) over the tokens after each prefix."""
     model.eval()
     nll, count = 0.0, 0
-    docs = scored_windows(docs, prefix, seq_len)
-    for start in range(0, len(docs), batch_size):
-        inputs, mask, targets = _batch(docs[start:start + batch_size], prefix, pad_id)
-        logits = model(input_ids=inputs, attention_mask=mask).logits  # (B, T, V)
+    for logits, targets in _scored_batches(model, scored_windows(docs, prefix, seq_len), prefix, batch_size, pad_id):
         nll += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum").item()
         count += int((targets != -100).sum())
     return nll, count
+
+
+@torch.no_grad()
+def document_losses(model: torch.nn.Module, docs: list[np.ndarray], prefix: int, seq_len: int, batch_size: int,
+                    pad_id: int = EOS_TOKEN_ID) -> np.ndarray:
+    """(n_docs,) summed nats over the tokens score_documents scores in each document; NaN for a
+    document with no token after its prefix (discriminative routing labels documents by this)."""
+    model.eval()
+    losses = np.full(len(docs), np.nan)
+    kept = [i for i, d in enumerate(docs) if len(d) > prefix]
+    windows = scored_windows(docs, prefix, seq_len)  # the documents of `kept`, in order
+    row = 0
+    for logits, targets in _scored_batches(model, windows, prefix, batch_size, pad_id):
+        per_token = F.cross_entropy(logits.transpose(1, 2).float(), targets, ignore_index=-100, reduction="none")  # (B, T)
+        for value in per_token.sum(1).tolist():
+            losses[kept[row]] = value
+            row += 1
+    return losses
+
+
+def _scored_batches(model: torch.nn.Module, windows: list[np.ndarray], prefix: int, batch_size: int, pad_id: int):
+    """(logits (B, T, V), targets (B, T)) per batch of windows; target -100 is not scored."""
+    for start in range(0, len(windows), batch_size):
+        inputs, mask, targets = _batch(windows[start:start + batch_size], prefix, pad_id)
+        yield model(input_ids=inputs, attention_mask=mask).logits, targets  # (B, T, V), (B, T)
 
 
 @torch.no_grad()
@@ -67,12 +89,10 @@ def token_nlls(model: torch.nn.Module, windows: list[np.ndarray], prefix: int, b
     longer than the prefix): what re-routing picks its chunks' scores from."""
     model.eval()
     out = []
-    for start in range(0, len(windows), batch_size):
-        batch = windows[start:start + batch_size]
-        inputs, mask, targets = _batch(batch, prefix, pad_id)
-        logits = model(input_ids=inputs, attention_mask=mask).logits  # (B, T, V)
+    for index, (logits, targets) in enumerate(_scored_batches(model, windows, prefix, batch_size, pad_id)):
         nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none")
         nll = nll.view(targets.shape).double()  # (B, T); target j is token j+1
+        batch = windows[index * batch_size:(index + 1) * batch_size]
         out += [nll[row, prefix - 1:len(window) - 1].numpy() for row, window in enumerate(batch)]
     return out
 
@@ -105,17 +125,20 @@ def bits_per_byte(nll_nats: float, n_bytes: int) -> float | None:
     return nll_nats / math.log(2) / n_bytes if n_bytes else None
 
 
-def evaluate_path(config, round_index: int, path_id: str) -> dict | None:
+def evaluate_path(config, round_index: int, path_id: str, shards: str | None = None) -> dict | None:
     """One path's held-out score with the modules at the start of round r (an island's eval task):
     summed nats, tokens and bytes as well as the rates, so paths combine exactly; None when the
-    path has no held-out document long enough to score."""
-    if config.eval.reroute_every is not None:
+    path has no held-out document long enough to score. The held-out documents are those routed
+    to the path by round r's routing (layout.routing), or by the one whose shards are `shards`
+    (scored route-once); with eval.reroute_every, round r's routing re-routes their chunks."""
+    if config.eval.reroute_every is not None and shards is None:
         return evaluate_rerouted_path(config, round_index, path_id)
     root = RunRoot(config.run_root)
     prefix, seq_len, m = config.router.prefix_tokens, config.model.seq_len, config.model
-    if not shard_parts(root, path_id, split="validation"):
+    shards = shards or layout.routing(config.router.discriminative_after, round_index).shards
+    if not shard_parts(root, path_id, split="validation", shards=shards):
         return None
-    docs = held_out_documents(root, config, path_id)
+    docs = held_out_documents(root, config, path_id, shards)
     model = load_path_model(root, config, round_index, path_id)
     nll, tokens = score_documents(model, docs, prefix, seq_len, config.eval.batch_size,
                                   pad_id=eos_token_id(m.vocab_size, m.tokenizer))
@@ -126,9 +149,9 @@ def evaluate_path(config, round_index: int, path_id: str) -> dict | None:
             "tokens": tokens, "bytes": n_bytes, "docs": len(docs), "nll": nll}
 
 
-def held_out_documents(root: RunRoot, config, path_id: str) -> list[np.ndarray]:
-    """The held-out documents a path's prefix routed to it, up to eval.max_docs, in a fixed order."""
-    return read_path_documents(root, path_id, split="validation")[: config.eval.max_docs]
+def held_out_documents(root: RunRoot, config, path_id: str, shards: str = layout.SHARDS_DIR) -> list[np.ndarray]:
+    """The held-out documents a path's prefix routed to it (in `shards`), up to eval.max_docs, in a fixed order."""
+    return read_path_documents(root, path_id, split="validation", shards=shards)[: config.eval.max_docs]
 
 
 def _byte_lengths(root: RunRoot, tokenizer: str, vocab_size: int) -> np.ndarray:
@@ -140,7 +163,7 @@ def chunk_spans(n_scored: int, every: int) -> list[tuple[int, int]]:
     return [(begin, min(begin + every, n_scored)) for begin in range(0, n_scored, every)]
 
 
-def chunk_routes(config, root: RunRoot) -> dict[str, list[list[str]]]:
+def chunk_routes(config, root: RunRoot, routing: layout.Routing = layout.KMEANS) -> dict[str, list[list[str]]]:
     """{home path: [the path of each chunk of each held-out document]}, documents in
     held_out_documents' order; read from eval/reroute/every=N/ when committed for this router and
     these settings, else routed and committed (deterministic, so islands racing to commit it
@@ -148,8 +171,8 @@ def chunk_routes(config, root: RunRoot) -> dict[str, list[list[str]]]:
     from preprocessing.router import Router
 
     every = config.eval.reroute_every
-    rel = layout.eval_routes_dir(every)
-    router = Router.load(root, config)
+    rel = layout.eval_routes_dir(every, routing)
+    router = Router.load(root, config, directory=routing.router)
     settings = {"reroute_every": every, "router": router.checksum, "prefix_tokens": config.router.prefix_tokens,
                 "seq_len": config.model.seq_len, "max_docs": config.eval.max_docs}
     if root.is_committed(rel):
@@ -157,13 +180,13 @@ def chunk_routes(config, root: RunRoot) -> dict[str, list[list[str]]]:
         if all(stored.get(k) == v for k, v in settings.items()):
             return _checked_routes(stored.get("paths"), config.model.grid, root.path(rel, ROUTES_FILE))
         root.remove(f"{rel}/{SUCCESS}")  # routed for other settings: uncommitted before it is replaced
-    routes = route_chunks(config, root, router)
+    routes = route_chunks(config, root, router, routing.shards)
     root.write_json(f"{rel}/{ROUTES_FILE}", {**settings, "paths": routes})
     root.commit(rel, info={"reroute_every": every, "chunks": sum(len(c) for docs in routes.values() for c in docs)})
     return routes
 
 
-def route_chunks(config, root: RunRoot, router) -> dict[str, list[list[str]]]:
+def route_chunks(config, root: RunRoot, router, shards: str = layout.SHARDS_DIR) -> dict[str, list[list[str]]]:
     """Chunk 0 of a document stays on its home path (its prefix's route, so route-once and
     re-routing agree on it); chunk k > 0 goes where the router sends the N tokens before it."""
     every, prefix, seq_len = config.eval.reroute_every, config.router.prefix_tokens, config.model.seq_len
@@ -171,10 +194,10 @@ def route_chunks(config, root: RunRoot, router) -> dict[str, list[list[str]]]:
     pending: list[tuple[str, int, int]] = []  # (home, document, chunk) of each chunk to route
     runs: list[np.ndarray] = []
     for home in all_path_ids(config.model.grid):
-        if not shard_parts(root, home, split="validation"):
+        if not shard_parts(root, home, split="validation", shards=shards):
             continue
         routes[home] = []
-        for index, doc in enumerate(held_out_documents(root, config, home)):
+        for index, doc in enumerate(held_out_documents(root, config, home, shards)):
             window = doc[: seq_len + 1]
             spans = chunk_spans(max(0, len(window) - prefix), every)
             routes[home].append([home] * len(spans))
@@ -205,11 +228,12 @@ def evaluate_rerouted_path(config, round_index: int, path_id: str) -> dict | Non
     None when no chunk is routed to it."""
     root = RunRoot(config.run_root)
     prefix, seq_len, every, m = config.router.prefix_tokens, config.model.seq_len, config.eval.reroute_every, config.model
+    routing = layout.routing(config.router.discriminative_after, round_index)
     windows, picks = [], []  # the documents with a chunk here (cut after its last one), and those chunks
-    for home, doc_routes in chunk_routes(config, root).items():
-        docs = held_out_documents(root, config, home)
+    for home, doc_routes in chunk_routes(config, root, routing).items():
+        docs = held_out_documents(root, config, home, routing.shards)
         if len(docs) != len(doc_routes):
-            raise CorruptStateError(f"{root.path(layout.eval_routes_dir(every), ROUTES_FILE)}: {len(doc_routes)} documents "
+            raise CorruptStateError(f"{root.path(layout.eval_routes_dir(every, routing), ROUTES_FILE)}: {len(doc_routes)} documents "
                                     f"routed for {home}, its held-out shard has {len(docs)}; delete the directory to re-route")
         for doc, chunks in zip(docs, doc_routes):
             window = doc[: seq_len + 1]

@@ -8,7 +8,8 @@ DeepSpeed's first-start costs are paid once per run instead of once per (path, r
 claims a task (pipeline.islands.task_queue) and broadcasts it; every rank runs a train task (a fresh
 ZeRO engine per task, released after it, the path's modules and inner optimizer state loaded as
 for a one-shot launch); rank 0 alone runs the small ones (a module's merge, a round's commit,
-a path's evaluation and the round's evaluation file) while the others wait for the next task.
+a path's evaluation and the round's evaluation file, the re-routing of router.discriminative_after
+with its in-memory Beam job) while the others wait for the next task.
 
 An island leaves when the plan (`queue/plan.json`) is done. SIGTERM makes it release the task it
 holds (another island takes it at once, no attempt lost) and leave. A task that raises ends the
@@ -149,8 +150,13 @@ def run_task(config: Config, task: Task, rank: int) -> dict | None:
     elif task.kind == "evalsum":
         from pipeline.evaluation.evaluate import combine_paths
 
-        parts = {p: root.read_json(layout.eval_part(task.round, p)).get("result") for p in TaskQueue(root, config).eval_paths()}
+        parts = {p: root.read_json(layout.eval_part(task.round, p)).get("result")
+                 for p in TaskQueue(root, config).eval_paths(task.round)}
         combine_paths(config, task.round, parts)
+    elif task.kind == "reroute":
+        from preprocessing.discriminative import reroute
+
+        reroute(config, task.round)
     return None
 
 

@@ -42,7 +42,7 @@ LEASES = "queue/leases"
 ISLANDS = "queue/islands"
 _ATTEMPT = re.compile(r"attempt-(\d{1,6})\.json")
 # Claim order within a round: what unblocks other work first.
-KIND_ORDER = {"merge": 0, "commit": 1, "evalsum": 2, "train": 3, "eval": 4}
+KIND_ORDER = {"merge": 0, "commit": 1, "reroute": 2, "evalsum": 3, "train": 4, "eval": 5}
 
 
 @dataclass(frozen=True, order=True)
@@ -52,7 +52,7 @@ class Task:
     round: int
     order: int
     kind: str
-    target: str = ""  # job id (train), path id (eval), "l<level>m<index>" (merge)
+    target: str = ""  # job id (train), path id (eval), "l<level>m<index>" (merge); none for reroute (round = R)
 
     @property
     def name(self) -> str:
@@ -124,7 +124,9 @@ class TaskQueue:
                                               self.grid, self.private) for job in self.jobs}
         self.jobs_through = {key: [j for j in self.jobs if key in self.job_modules[j]]
                              for key in all_modules(self.grid, self.private)}
-        self._eval_paths: list[str] | None = None
+        self._eval_paths: dict[str, list[str]] = {}
+        self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
+        self._shards_ready: set[str] = set()
 
     # -- leases --------------------------------------------------------------------------------
     def attempts(self, task: Task) -> list[Attempt]:
@@ -218,24 +220,40 @@ class TaskQueue:
         """Committed, or given up after max_attempts."""
         return self.root.is_committed(layout.path_dir(round_index, job)) or self.given_up(Task.of("train", round_index, job))
 
+    def shards_ready(self, round_index: int) -> bool:
+        """The shards round r trains and is evaluated on are committed (the re-routed ones for
+        rounds after router.discriminative_after wait for the reroute task)."""
+        shards = layout.routing(self.after, round_index).shards
+        if shards not in self._shards_ready and self.root.is_committed(shards):
+            self._shards_ready.add(shards)  # committed shards never change
+        return shards in self._shards_ready
+
+    def reroute_pending(self, until_round: int) -> bool:
+        """The plan trains round R = router.discriminative_after and its re-routing is not done."""
+        return (self.after is not None and self.after < until_round
+                and not self.root.exists(layout.reroute_report(self.after + 1)))
+
     def ready(self, until_round: int) -> list[Task]:
         """Every task that can start now, in claim order (held ones included: claim() skips them)."""
         tasks: list[Task] = []
+        if self.reroute_pending(until_round) and self.root.is_committed(layout.round_dir(self.after)):
+            tasks.append(Task.of("reroute", self.after))
         for r in range(until_round):
             if self.root.is_committed(layout.round_dir(r)):
                 continue
             staged = {key: self.root.is_committed(layout.merged_module_dir(r, key)) for key in self.jobs_through}
             settled = {job: self.job_settled(r, job) for job in self.jobs}
+            shards_ready = self.shards_ready(r)
             tasks += [Task.of("train", r, job) for job in self.jobs
-                      if not settled[job] and self.modules_ready(r, self.job_modules[job])]
+                      if not settled[job] and shards_ready and self.modules_ready(r, self.job_modules[job])]
             tasks += [Task.of("merge", r, module_target(key)) for key, done in staged.items()
                       if not done and all(settled[j] for j in self.jobs_through[key])]
             if all(staged.values()):
                 tasks.append(Task.of("commit", r))
         for r in range(1, until_round + 1):
-            if self.root.exists(layout.eval_file(r)):
+            if self.root.exists(layout.eval_file(r)) or not self.shards_ready(r):
                 continue
-            missing = [p for p in self.eval_paths() if not self.root.exists(layout.eval_part(r, p))]
+            missing = [p for p in self.eval_paths(r) if not self.root.exists(layout.eval_part(r, p))]
             for path_id in missing:
                 if self.modules_ready(r, path_modules(parse_job_id(path_id, self.grid, 1)[1], self.grid, self.private)):
                     tasks.append(Task.of("eval", r, path_id))
@@ -243,18 +261,23 @@ class TaskQueue:
                 tasks.append(Task.of("evalsum", r))
         return sorted(tasks)
 
-    def eval_paths(self) -> list[str]:
+    def eval_paths(self, round_index: int) -> list[str]:
+        """The paths with held-out documents in the validation shards round r is evaluated on."""
         from pipeline.state.shards import shard_parts
 
-        if self._eval_paths is None:  # the committed validation shards never change
-            self._eval_paths = [p for p in all_path_ids(self.grid) if shard_parts(self.root, p, split="validation")
-                                or self.config.eval.reroute_every is not None]  # re-routed chunks reach any path
-        return self._eval_paths
+        shards = layout.routing(self.after, round_index).shards
+        if shards not in self._eval_paths:  # committed validation shards never change
+            self._eval_paths[shards] = [p for p in all_path_ids(self.grid)
+                                        if shard_parts(self.root, p, split="validation", shards=shards)
+                                        or self.config.eval.reroute_every is not None]  # re-routed chunks reach any path
+        return self._eval_paths[shards]
 
     def finished(self, until_round: int) -> bool:
-        """Every round of the plan committed and evaluated: islands may leave."""
+        """Every round of the plan committed and evaluated (and re-routed, if the plan reaches
+        router.discriminative_after): islands may leave."""
         return until_round == 0 or (self.root.is_committed(layout.round_dir(until_round - 1))
-                                    and self.root.exists(layout.eval_file(until_round)))
+                                    and self.root.exists(layout.eval_file(until_round))
+                                    and not self.reroute_pending(until_round))
 
     def next_claim(self, island: str, until_round: int) -> "Lease | None":
         for task in self.ready(until_round):

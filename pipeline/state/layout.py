@@ -6,6 +6,8 @@ layout lives in one place.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from models.grid import ModuleKey
 
 RUN_CONFIG = "run.yaml"
@@ -16,11 +18,54 @@ MANIFEST = "shards/manifest.json"
 REJECTED_DIR = "shards/rejected"
 EVAL_DIR = "eval"
 LOCK = ".lock"
+REROUTE_DIR = "reroute"  # router.discriminative_after: the re-routing committed after round R
 
 
-def shard_dir(path_id: str, split: str = "train") -> str:
+@dataclass(frozen=True)
+class Routing:
+    """One routing of the documents: the router that chose each path and the shards it wrote."""
+
+    router: str
+    shards: str
+
+    @property
+    def manifest(self) -> str:
+        return f"{self.shards}/manifest.json"
+
+    @property
+    def rejected(self) -> str:
+        return f"{self.shards}/rejected"
+
+
+KMEANS = Routing(ROUTER_DIR, SHARDS_DIR)  # what prepare fits and writes
+
+
+def reroute_dir(round_index: int) -> str:
+    """reroute/round=<R+1>: the discriminative router fitted after round R's merge, its shards and report."""
+    return f"{REROUTE_DIR}/round={round_index}"
+
+
+def reroute_routing(round_index: int) -> Routing:
+    return Routing(f"{reroute_dir(round_index)}/router", f"{reroute_dir(round_index)}/shards")
+
+
+def reroute_report(round_index: int) -> str:
+    return f"{reroute_dir(round_index)}/report.json"
+
+
+def routing(discriminative_after: int | None, round_index: int) -> Routing:
+    """The one answer to "which router and shards does round r use" (training round r, evaluating
+    the modules round r starts from, generating with them): the k-means routing up to round R =
+    `router.discriminative_after`, the discriminative one committed after round R's merge from
+    round R+1 on."""
+    if discriminative_after is None or round_index <= discriminative_after:
+        return KMEANS
+    return reroute_routing(discriminative_after + 1)
+
+
+def shard_dir(path_id: str, split: str = "train", shards: str = SHARDS_DIR) -> str:
     """shards/path=<id> for training, shards/validation/path=<id> for the held-out split."""
-    return f"shards/path={path_id}" if split == "train" else f"shards/{split}/path={path_id}"
+    return f"{shards}/path={path_id}" if split == "train" else f"{shards}/{split}/path={path_id}"
 
 
 def round_dir(round_index: int) -> str:
@@ -84,7 +129,9 @@ def outer_grad_file(level: int) -> str:
     return f"outer_grad/level={level}.safetensors"
 
 
-def eval_routes_dir(every: int) -> str:
+def eval_routes_dir(every: int, routing: Routing = KMEANS) -> str:
     """eval.reroute_every: the path of every N-token chunk of every held-out document, routed once
-    (the router never changes within a run) and read by every round's evaluation."""
-    return f"{EVAL_DIR}/reroute/every={every}"
+    per routing (k-means, or a discriminative router from round R+1 on: eval/reroute/every=N.round=R+1)
+    and read by every round's evaluation that uses it."""
+    suffix = "" if routing == KMEANS else "." + routing.router.split("/")[1]
+    return f"{EVAL_DIR}/reroute/every={every}{suffix}"

@@ -44,26 +44,46 @@ def write_shard_file(root: RunRoot, rel: str, table: pa.Table) -> None:
     root.write_bytes(rel, buffer.getvalue())
 
 
-def shard_parts(root: RunRoot, path_id: str, split: str = "train") -> list[str]:
-    """Names, relative to shards/, of a path's committed Parquet parts."""
-    prefix = layout.shard_dir(path_id, split)[len(layout.SHARDS_DIR) + 1:] + "/"
-    files = root.marker(layout.SHARDS_DIR)["files"]
+def shard_parts(root: RunRoot, path_id: str, split: str = "train", shards: str = layout.SHARDS_DIR) -> list[str]:
+    """Names, relative to `shards` (a Routing's shards dir), of a path's committed Parquet parts."""
+    prefix = layout.shard_dir(path_id, split, shards)[len(shards) + 1:] + "/"
+    files = root.marker(shards)["files"]
     return sorted(n for n in files if n.startswith(prefix) and n.endswith(".parquet"))
 
 
-def read_path_documents(root: RunRoot, path_id: str, split: str = "train") -> list[np.ndarray]:
+def read_path_documents(root: RunRoot, path_id: str, split: str = "train",
+                        shards: str = layout.SHARDS_DIR) -> list[np.ndarray]:
     """Every document of a path's shard as an int32 token array, in a fixed order."""
-    if not root.is_committed(layout.SHARDS_DIR):
-        raise InputError(f"{root.path(layout.SHARDS_DIR)}: shards are not committed; run `dipaco prepare` first")
+    return [tokens for _, tokens in read_path_rows(root, path_id, split, shards)]
+
+
+def read_path_rows(root: RunRoot, path_id: str, split: str = "train",
+                   shards: str = layout.SHARDS_DIR) -> list[tuple[str, np.ndarray]]:
+    """(doc_id, tokens) of every document of a path's shard, sorted by doc_id."""
+    if not root.is_committed(shards):
+        what = "run `dipaco prepare` first" if shards == layout.SHARDS_DIR else "the re-routing has not committed yet"
+        raise InputError(f"{root.path(shards)}: shards are not committed; {what}")
     docs: list[tuple[str, np.ndarray]] = []
-    for name in shard_parts(root, path_id, split):
-        data = root.read_committed(layout.SHARDS_DIR, name)
+    for name in shard_parts(root, path_id, split, shards):
+        data = root.read_committed(shards, name)
         try:
             table = pq.read_table(io.BytesIO(data), columns=["doc_id", "input_ids"])
         except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"{root.path(layout.SHARDS_DIR, name)}: not a readable Parquet file ({exc})") from None
+            raise InputError(f"{root.path(shards, name)}: not a readable Parquet file ({exc})") from None
         ids = table.column("doc_id").to_pylist()
         tokens = table.column("input_ids").to_pylist()
         docs.extend((doc_id, np.asarray(t, dtype=np.int64)) for doc_id, t in zip(ids, tokens))
     docs.sort(key=lambda item: item[0])  # part order and Beam's bundling must not change training
-    return [tokens for _, tokens in docs]
+    return docs
+
+
+def read_path_doc_ids(root: RunRoot, path_id: str, split: str = "train", shards: str = layout.SHARDS_DIR) -> list[str]:
+    """The doc_id of every document of a path's shard (the doc_id column only: cheap to compare routings)."""
+    ids: list[str] = []
+    for name in shard_parts(root, path_id, split, shards):
+        try:
+            table = pq.read_table(io.BytesIO(root.read_committed(shards, name)), columns=["doc_id"])
+        except (pa.ArrowException, OSError) as exc:
+            raise InputError(f"{root.path(shards, name)}: not a readable Parquet file ({exc})") from None
+        ids.extend(table.column("doc_id").to_pylist())
+    return ids

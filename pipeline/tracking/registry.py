@@ -91,7 +91,9 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
             raise CorruptStateError(f"{bundle / BUNDLE_INFO}: round must be a round number")
         self.round_index = info["round"]
         self.path_rounds = _path_rounds(info, bundle / BUNDLE_INFO)
-        self.router = Router.load(self.root)
+        # The router the round's paths trained with (k-means, or re-routed: layout.routing).
+        self.router = Router.load(self.root, directory=layout.routing(self.config.router.discriminative_after,
+                                                                      self.round_index).router)
         self.tokenizer = load_tokenizer(self.root, self.config.model.tokenizer)
         self._models: dict[str, Any] = {}
 
@@ -196,11 +198,13 @@ def _texts(model_input) -> list[str]:
 
 def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml: str,
                  path_rounds: dict[str, int] | None = None) -> Path:
-    """A miniature run root: run.yaml, router/, rounds/round=r/modules/, each with its _SUCCESS;
-    with `path_rounds` (early stopping), each path's modules of its own round instead."""
+    """A miniature run root: run.yaml, the round's router (router/, or reroute/round=<R+1>/router/
+    after router.discriminative_after), rounds/round=r/modules/, each with its _SUCCESS; with
+    `path_rounds` (early stopping), each path's modules of its own round instead."""
     target.mkdir(parents=True, exist_ok=True)
     (target / layout.RUN_CONFIG).write_text(run_yaml)
-    bundled = [layout.ROUTER_DIR] + ([] if path_rounds else [layout.modules_dir(round_index)])
+    bundled = [layout.routing(config.router.discriminative_after, round_index).router] + \
+        ([] if path_rounds else [layout.modules_dir(round_index)])
     if config.model.tokenizer != "gpt2":
         bundled.append(layout.TOKENIZER_DIR)  # the run's trained tokenizer travels with its model
     for rel in bundled:
@@ -228,7 +232,8 @@ def bundle_path_modules(root: RunRoot, bundle: RunRoot, config, path_rounds: dic
     through its checksum in the run root, written unchanged, committed in the bundle."""
     wanted: dict[int, set] = {}
     for pid, r in path_rounds.items():
-        wanted.setdefault(r, set()).update(path_modules(parse_path_id(pid, config.model.grid)))
+        wanted.setdefault(r, set()).update(path_modules(parse_path_id(pid, config.model.grid), config.model.grid,
+                                                        private=config.model.path_specific_blocks > 0))
     for r, keys in sorted(wanted.items()):
         rel = layout.modules_dir(r)
         names = sorted(layout.module_file(key) for key in keys)

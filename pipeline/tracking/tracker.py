@@ -111,6 +111,10 @@ class Tracker:
     def log_utilisation(self, round_index: int, figures: dict) -> None:
         """Islands' compute utilisation up to round_index, and their per-task overhead."""
 
+    def log_reroute(self, after_round: int, report: dict) -> None:
+        """router.discriminative_after: the re-routing after round R (accuracy, changed documents,
+        perplexity before and after), from its committed report.json."""
+
     def newest_version(self) -> str | None:
         """The newest model version this run root registered, or None."""
         return None
@@ -256,6 +260,21 @@ class MlflowTracker(Tracker):
                   for k, v in figures.items() if _numeric(v)}
         self._log_metrics(self._parent(), series)
         self._log_metrics(self._round(round_index), series)
+
+    def log_reroute(self, after_round: int, report: dict) -> None:
+        """`reroute/<key>` metrics at step R on the parent and on round R's run; the report and the
+        discriminative router as artifacts. Logging twice logs the same values again (idempotent)."""
+        series = {f"reroute/{metric_name(k)}": [(after_round, float(v))] for k, v in report.items()
+                  if _numeric(v) and k not in ("after_round", "round")}
+        parent = self._parent()
+        self._log_metrics(parent, series)
+        self._log_metrics(self._round(after_round), series)
+        self.client.log_dict(parent, redact_data(report), f"reroute/round={after_round + 1}/report.json")
+        router = layout.reroute_routing(after_round + 1).router
+        if self.root.is_committed(router):
+            with tempfile.TemporaryDirectory() as tmp:
+                self.root.get_dir(router, tmp)
+                self.client.log_artifacts(parent, tmp, f"reroute/round={after_round + 1}/router")
 
     def _log_merge_totals(self, parent: str) -> None:
         """The parent's merge figures are totals over every committed merge, never the last one's."""

@@ -75,14 +75,15 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
         raise ConfigError(f"--path: {exc}") from None
     # Input first, the process group after: a missing or unreadable shard fails the job in seconds.
     began = time.perf_counter()
-    docs = read_path_documents(root, shard_path)[worker::workers]  # worker k: its iid part
+    shards = layout.routing(config.router.discriminative_after, round_index).shards  # k-means or re-routed
+    docs = read_path_documents(root, shard_path, shards=shards)[worker::workers]  # worker k: its iid part
     rank, world = init_distributed()
     train, shape = config.train, ModelShape.from_config(config.model)
     torch.manual_seed(train.seed + round_index)
 
     rows = pack_documents(docs, config.model.seq_len, seed=train.seed + worker, eos=shape.eos_id)
     if len(rows) == 0:
-        raise InputError(f"{root.path(layout.shard_dir(shard_path))}: too few tokens for one row of {config.model.seq_len + 1}")
+        raise InputError(f"{root.path(layout.shard_dir(shard_path, shards=shards))}: too few tokens for one row of {config.model.seq_len + 1}")
     stream = RowStream(rows, seed=train.seed + worker)
 
     merged = load_path_modules(root, round_index, modules, shape, config.model.grid)
@@ -100,7 +101,7 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
         metrics.update(
             round=round_index, path=path_id, shard_path=shard_path, worker=worker, modules=[[lvl, k] for lvl, k in enumerate(modules)],
             world_size=world, ds_config=ds_config, resumed_inner_state_from=resumed_from,
-            shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
+            shards=shards, shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
         )
         commit_path(engine, root, round_index, path_id, shape, metrics, rank,
                     start_state=start_state, compression_kind=config.outer.compression)
