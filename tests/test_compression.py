@@ -20,7 +20,6 @@ from pipeline.outer import compression
 from pipeline.outer.merge import finish_round, merge_module, merge_round, read_path_levels
 from pipeline.state import layout
 from pipeline.state.module_store import load_modules
-from pipeline.state import storage
 from pipeline.state.storage import RunRoot
 from pipeline.train.train_path import train_path
 
@@ -160,33 +159,6 @@ def test_whole_round_merge_is_bitwise_the_per_module_merge_with_compression(trai
     reports = [RunRoot(c.run_root).read_json(f"{layout.round_dir(0)}/merge.json") for c in (whole, parts)]
     assert [{k: v for k, v in r.items() if k != "seconds"} for r in reports][0] == \
         {k: v for k, v in reports[1].items() if k != "seconds"}
-
-
-class Killed(BaseException):
-    """Like SIGKILL, nothing in the merge catches it."""
-
-
-@pytest.mark.parametrize("point", [2, 4, 7, 9])
-def test_a_merge_killed_with_compression_on_reruns_to_bitwise_identical_files(trained, tmp_path, monkeypatch, point):
-    """In process: every file write from the point-th on dies before it starts, as a kill -9 stops
-    them (tests/test_faults.py kills a real `dipaco merge` at such points)."""
-    reference = _copy(trained, "int8", tmp_path / "reference")
-    merge_round(reference, 0)
-    crashed = _copy(trained, "int8", tmp_path / "crashed")
-    writes = []
-
-    def fault_point() -> None:
-        writes.append(1)
-        if len(writes) >= point:
-            raise Killed
-
-    monkeypatch.setattr(storage, "_fault_point", fault_point)
-    with pytest.raises(Killed):
-        merge_round(crashed, 0)
-    monkeypatch.undo()
-    assert not RunRoot(crashed.run_root).is_committed(layout.round_dir(0))
-    merge_round(crashed, 0)  # the rerun
-    assert _round_files(tmp_path / "crashed") == _round_files(tmp_path / "reference")
 
 
 def _round_files(run: Path) -> dict[str, bytes]:

@@ -117,25 +117,29 @@ MERGE_WRITES = 11  # run.yaml, 3 modules + marker, 3 buffers + marker, merge.jso
 
 
 @pytest.mark.slow
-def test_merge_killed_at_several_points_reruns_to_bitwise_identical_files(tmp_path):
+@pytest.mark.parametrize("compression,points", [("none", (2, 4, 6, 9, MERGE_WRITES)), ("int4", (3, 7, MERGE_WRITES))])
+def test_merge_killed_at_several_points_reruns_to_bitwise_identical_files(tmp_path, compression, points):
+    """kill -9 of `dipaco merge` before its Nth write; the rerun writes the reference's bytes, also
+    when the merge reads compressed outer gradients (outer.compression)."""
+    sets = ["model.grid=[2, 1]", f"outer.compression={compression}"]
     base = tmp_path / "base"
-    config = tiny_config(base, "model.grid=[2, 1]", "train.inner_steps=2", "train.lr=0.01")
+    config = tiny_config(base, *sets, "train.inner_steps=2", "train.lr=0.01")
     root = stages.init_run(config)
     write_synthetic_shards(root, config.model.grid)
     for path_id in stages.list_paths(config):
         train_path(config, 0, path_id)
     reference = tmp_path / "reference"
     shutil.copytree(base, reference)
-    merge_round(tiny_config(reference, "model.grid=[2, 1]"), 0)
+    merge_round(tiny_config(reference, *sets), 0)
     expected = {name: (reference / name).read_bytes() for name in _merge_outputs(reference)}
 
-    for point in (2, 4, 6, 9, MERGE_WRITES):
+    for point in points:
         crashed = tmp_path / f"crash{point}"
         shutil.copytree(base, crashed)
-        result = cli(["merge", "--round", "0"], crashed, "model.grid=[2, 1]", env={"DIPACO_FAULT_KILL_BEFORE_WRITE": str(point)})
+        result = cli(["merge", "--round", "0"], crashed, *sets, env={"DIPACO_FAULT_KILL_BEFORE_WRITE": str(point)})
         assert result.returncode == -signal.SIGKILL, result.stderr[-500:]
         assert not RunRoot(str(crashed)).is_committed(layout.round_dir(0))
-        merge_round(tiny_config(crashed, "model.grid=[2, 1]"), 0)  # the rerun
+        merge_round(tiny_config(crashed, *sets), 0)  # the rerun
         assert _merge_outputs(crashed) == sorted(expected)
         for name, data in expected.items():
             assert (crashed / name).read_bytes() == data, f"{name} differs after a crash before write {point}"
