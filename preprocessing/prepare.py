@@ -99,11 +99,19 @@ def make_pipeline(config: Config):
 
 def run_to_completion(pipeline):
     """Run, wait, and let go of what the runner holds: the DaskRunner opens a client to the
-    cluster for every pipeline and never closes it (it kept reconnecting to a stopped cluster)."""
+    cluster for every pipeline and never closes it (it kept reconnecting to a stopped cluster);
+    and this process's torch thread count, which the direct runner's embedder sets to the cores
+    in this very process: an island that re-shards (router.discriminative_after) or a run that
+    trains in process went on training with that many threads beside its neighbours (measured
+    in the quality benchmark: train tasks of 7 s took 75-120 s after an island's re-routing)."""
+    import torch
+
+    threads = torch.get_num_threads()
     result = pipeline.run()
     try:
         result.wait_until_finish()
     finally:
+        torch.set_num_threads(threads)
         client = getattr(result, "client", None)
         if client is not None:
             client.close()

@@ -6,6 +6,7 @@ import shutil
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 import pytest
 
 from conftest import REPO, tiny_config
@@ -100,7 +101,9 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
     run = tmp_path / "run"
     config = tiny_config(run, "router.discriminative_after=0", "train.rounds=2", "train.inner_steps=2",
                          "model.tokenizer=bpe", "model.vocab_size=512", "data.max_docs=48")
+    torch.set_num_threads(1)  # the in-process island, sized to one core
     stages.run(config, rounds=1)  # round 0, then the re-routing: the plan reaches round R
+    assert torch.get_num_threads() == 1  # the re-sharding Beam job's embedder left it as it was
     root = RunRoot(config.run_root)
     new = layout.reroute_routing(1)
     assert root.is_committed(new.router) and root.is_committed(new.shards) and root.exists(layout.reroute_report(1))
