@@ -8,7 +8,6 @@ returns its recorded result at once).
 from __future__ import annotations
 
 import logging
-import re
 import time
 
 from models.grid import all_job_ids
@@ -16,6 +15,7 @@ from pipeline.state import layout
 from pipeline import preflight
 from pipeline.core.config import Config, config_from_yaml, dump_yaml
 from pipeline.core.errors import ConfigError, CorruptStateError, InputError, IslandError
+from pipeline.evaluation.early_stopping import evaluated_rounds
 from pipeline.evaluation.evaluate import evaluate_round
 from pipeline.islands.launch import train_path_job
 from pipeline.islands.task_queue import ISLANDS
@@ -27,7 +27,6 @@ from pipeline.state.storage import RunRoot
 log = logging.getLogger("dipaco")
 # Sections that fix what the committed state means; a run root refuses a config that changes them.
 _FIXED = ("model", "router")
-_EVAL_FILE = re.compile(r"round=(\d{1,9})\.json")
 
 
 def init_run(config: Config) -> RunRoot:
@@ -372,7 +371,7 @@ def summarize(config: Config) -> dict:
     from pipeline.tracking.tracker import get_tracker, redact, tracking_uri
 
     root = RunRoot(config.run_root)
-    rounds = sorted(int(m.group(1)) for n in root.listdir(layout.EVAL_DIR) if (m := _EVAL_FILE.fullmatch(n)))
+    rounds = evaluated_rounds(root)
     summary = {"run_root": root.path() if root.is_local else root.url,
                "rounds_committed": next_round(config), "train_rounds": config.train.rounds,
                "eval": {r: read_eval(root, r) for r in rounds}}
