@@ -167,18 +167,18 @@ def run_island(config: Config, island: str, ds_config: str | None = None) -> dic
     if returncode != 0 and island_left(config, island):
         return {"island": island, "returncode": returncode, "left": True}
     if returncode != 0:
-        island_failed(config, island, returncode, process.tail)
+        island_failed(config, island, returncode, process.tail, process.island_id)
     return {"island": island, "returncode": returncode}
 
 
-def island_failed(config: Config, island: str, returncode: int, tail: list[str]) -> None:
+def island_failed(config: Config, island: str, returncode: int, tail: list[str], island_id: str) -> None:
     """An island exited with an error: its running attempt is failed at once (no need to wait out
     the lease); a config or input error is raised with the trainer's own message."""
     from pipeline.islands.launch import INPUT_ERROR_EXIT, trainer_message
     from pipeline.islands.task_queue import TaskQueue
 
     queue = TaskQueue(RunRoot(config.run_root), config)
-    queue.fail_running(island, f"island exited with status {returncode}: {tail[-1] if tail else ''}"[:2000])
+    queue.fail_running(island_id, f"island exited with status {returncode}: {tail[-1] if tail else ''}"[:2000])
     if returncode == INPUT_ERROR_EXIT:
         raise InputError(f"{island}: {trainer_message(tail)}")
     raise IslandError(f"{island} exited with status {returncode}: {tail[-1] if tail else 'no output'}")
@@ -313,10 +313,11 @@ def train_on_islands(config: Config, todo: range) -> None:
                 restarts[name] += 1
                 if returncode == INPUT_ERROR_EXIT or restarts[name] > config.train.max_attempts:
                     del islands[name]
-                    island_failed(config, name, returncode, process.tail)
+                    island_failed(config, name, returncode, process.tail, process.island_id)
                 log.warning("%s exited with status %s; starting it again (%d/%d)", name, returncode,
                             restarts[name], config.train.max_attempts)
-                TaskQueue(RunRoot(config.run_root), config).fail_running(name, f"island exited with status {returncode}")
+                TaskQueue(RunRoot(config.run_root), config).fail_running(process.island_id,
+                                                                         f"island exited with status {returncode}")
                 islands[name] = IslandProcess(config, name)
             if all(p.poll() is not None and (p.poll() == 0 or n in left) for n, p in islands.items()) \
                     and not round_finished(config, pending[0]):

@@ -40,9 +40,11 @@ def test_a_claim_is_exclusive_and_a_dead_holders_lease_expires(run_root):
 
     held._stop.set()  # the holder dies: no more heartbeats
     held._thread.join()
-    time.sleep(0.6)
-    taken = b.claim(task, "island-b")
-    assert taken is not None and taken.number == 2
+    stopped = time.monotonic()
+    # b expires it once it saw the beat count unchanged for lease_seconds on its own clock.
+    taken = _wait_for(lambda: b.claim(task, "island-b"), 3.0, "the dead holder's lease to expire")
+    assert time.monotonic() - stopped > 0.4
+    assert taken.number == 2
     assert a.claim(task, "island-a") is None
     held.finish("done")  # the dead holder's late word changes nothing: attempt 2 superseded it
     records = [x.record for x in a.attempts(task)]

@@ -94,7 +94,9 @@ class TrainConfig:
     workers_per_path: int = 1  # DiLoCo workers per path, each on an iid part of the shard
     parallel_paths: int = 2  # path jobs at once on this machine (one-shot launches: train-path, the DAG)
     islands: int | None = None  # long-lived island launches `dipaco run` starts (default: parallel_paths)
-    lease_seconds: float = 60.0  # an island's claim on a task expires this long after its last heartbeat
+    lease_seconds: float = 60.0  # an island's claim on a task expires when its beats stop this long (reader's clock)
+    backup_after: float | None = None  # backup attempt of a train task running this x its round's median; null: off
+    checkpoint_every: int | None = None  # mid-task checkpoint every N inner steps (a new attempt resumes); null: off
     threads_per_proc: int | None = None  # OMP threads per rank; default: cores / busy ranks
     max_attempts: int = 2  # launches per path and round before the round commits without it
     seed: int = 0
@@ -457,6 +459,10 @@ def validate(config: Config) -> None:
     need(t.max_attempts >= 1, "train.max_attempts", "must be >= 1")
     need(t.islands is None or t.islands >= 1, "train.islands", "must be >= 1 (or null: train.parallel_paths)")
     need(t.lease_seconds > 0, "train.lease_seconds", "must be > 0")
+    need(t.backup_after is None or t.backup_after >= 1, "train.backup_after",
+         "must be >= 1 (times the round's median task time), or null: no backup attempts")
+    need(t.checkpoint_every is None or t.checkpoint_every >= 1, "train.checkpoint_every",
+         "must be >= 1 (inner steps), or null: no mid-task checkpoints")
     need(_is_file(resolve_ds_config(t.ds_config)), "train.ds_config", f"names a missing file {shown(t.ds_config)}")
     need(o.lr > 0, "outer.lr", "must be positive")
     need(0 <= o.momentum < 1, "outer.momentum", "must be within [0, 1)")

@@ -27,6 +27,7 @@ import signal
 import socket
 import sys
 import time
+import uuid
 
 from pipeline.state import layout
 from pipeline.core.config import Config, config_from_yaml
@@ -43,8 +44,11 @@ LEFT_EXIT = 0
 class Island:
     """The loop every rank of an island runs; rank 0 talks to the queue."""
 
-    def __init__(self, config: Config, name: str):
+    def __init__(self, config: Config, name: str, island_id: str | None = None):
+        # The name is what people read (queue/islands/<name>.json); the id is this process's own,
+        # so failing "island-0"'s leases never fails another run's island-0 (a DAG beside the CLI).
         self.config, self.name = config, name
+        self.id = island_id or new_island_id(name)
         self.root = RunRoot(config.run_root)
         self.queue = TaskQueue(self.root, config)
         self.lease: Lease | None = None
@@ -67,7 +71,7 @@ class Island:
                     log.info("island %s leaves: %s (%d tasks done)", self.name, message["exit"], len(self.done))
                 return {"island": self.name, "tasks": self.done, "exit": message["exit"]}
             if "task" in message:
-                self._execute(Task.from_json(message["task"]))
+                self._execute(Task.from_json(message["task"]), message.get("attempt"))
 
     def _next_message(self) -> dict:
         """The next task for every rank, an exit, or (after IDLE_BROADCAST_S) an idle beat."""
@@ -78,17 +82,25 @@ class Island:
             until = read_plan(self.root)
             if until is None or self.queue.finished(until):
                 return {"exit": "finished"}
-            self.lease = self.queue.next_claim(self.name, until)
+            self.lease = self.queue.next_claim(self.name, until, self.id)
             if self.lease is not None:
-                return {"task": self.lease.task.to_json()}
+                return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
             if self.world > 1 and time.monotonic() - waited > IDLE_BROADCAST_S:
                 return {"idle": True}
             time.sleep(POLL_S)
 
-    def _execute(self, task: Task) -> None:
+    def _execute(self, task: Task, attempt: int | None = None) -> None:
+        from pipeline.train.train_path import AttemptCancelled
+
         claimed = time.time()
         try:
-            outcome = run_task(self.config, task, self.rank)
+            outcome = run_task(self.config, task, self.rank, attempt, self.lease if self.rank == 0 else None)
+        except AttemptCancelled as exc:  # another attempt published first, or this one lost its lease
+            if self.rank == 0 and self.lease is not None:
+                self.lease.finish("cancelled", seconds=time.time() - claimed, error=str(exc)[:2000])
+                self.lease = None
+            log.info("island %s: %s stopped: %s", self.name, task.name, exc)
+            return
         except BaseException as exc:
             if self.rank == 0 and self.lease is not None and not isinstance(exc, SystemExit):
                 self.lease.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000],
@@ -97,6 +109,10 @@ class Island:
             raise
         if self.rank == 0 and self.lease is not None:
             finished = time.time()
+            if (outcome or {}).pop("published", True) is False:  # its output was discarded, never mixed in
+                self.lease.finish("cancelled", seconds=finished - claimed, **(outcome or {}))
+                self.lease = None
+                return
             self.lease.finish("done", seconds=finished - claimed, **(outcome or {}))
             self.lease = None
             self.done.append({"task": task.name, "seconds": finished - claimed})
@@ -117,21 +133,27 @@ class Island:
     def _record(self, **fields) -> None:
         rel = f"{ISLANDS}/{self.name}.json"
         record = self.root.read_json(rel) if self.root.exists(rel) else {}
-        record.update(island=self.name, host=socket.gethostname(), pid=os.getpid(), **fields)
+        record.update(island=self.name, island_id=self.id, host=socket.gethostname(), pid=os.getpid(), **fields)
         self.root.write_json(rel, record)
 
 
-def run_task(config: Config, task: Task, rank: int) -> dict | None:
-    """Do one task on this rank; what the lease records of it (rank 0)."""
+def new_island_id(name: str) -> str:
+    """An island process's identity: its name and a random suffix, unique per process."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+def run_task(config: Config, task: Task, rank: int, attempt: int | None = None, lease: Lease | None = None) -> dict | None:
+    """Do one task on this rank; what the lease records of it (rank 0). A train task writes into
+    its attempt's staging directory and publishes only while rank 0's `lease` is held."""
     root = RunRoot(config.run_root)
     if task.kind == "train":
         from pipeline.train.train_path import train_path
 
-        rel = layout.path_dir(task.round, task.target)
-        if rank == 0 and not root.is_committed(rel):
-            root.remove(rel)  # an earlier attempt's partial output is never read, only replaced
-        metrics = train_path(config, task.round, task.target)
-        return {"inner_started_at": metrics["started_at"], "inner_finished_at": metrics["finished_at"], "inner_seconds": metrics["seconds"]}
+        stop = (lambda: lease.cancelled.is_set() or lease.lost.is_set()) if lease is not None else (lambda: False)
+        metrics = train_path(config, task.round, task.target, attempt=f"attempt-{attempt}" if attempt else None,
+                             may_publish=lease.held if lease is not None else None, should_stop=stop)
+        return {"inner_started_at": metrics["started_at"], "inner_finished_at": metrics["finished_at"],
+                "inner_seconds": metrics["seconds"], "published": metrics.get("published", True)}
     if rank != 0:
         return None
     if task.kind == "merge":
@@ -193,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.islands.island")
     parser.add_argument("--run-root", required=True)
     parser.add_argument("--island", required=True)
+    parser.add_argument("--island-id", default=None, help="this process's unique identity (default: name + random)")
     parser.add_argument("--ds-config", default=None)
     args = parser.parse_args(argv)
     from pipeline.train.distributed import run_rank
 
     def body() -> None:
-        island = Island(island_config(args.run_root, args.ds_config), args.island)
+        island = Island(island_config(args.run_root, args.ds_config), args.island, args.island_id)
         signal.signal(signal.SIGTERM, island.on_sigterm)
         island.run()
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from pipeline.state import layout
@@ -57,11 +58,13 @@ def island_count(train) -> int:
     return train.islands or train.parallel_paths
 
 
-def island_command(run_root: str, island: str, train, port: int, ds_config: str | None = None) -> list[str]:
+def island_command(run_root: str, island: str, train, port: int, ds_config: str | None = None,
+                   island_id: str | None = None) -> list[str]:
     """The `deepspeed` launcher command of one island: it lives for the whole run and pulls tasks
     (pipeline.islands.island); the same ranks and hosts as a one-shot path launch."""
     return _deepspeed(train, port, "pipeline.islands.island",
-                      ["--run-root", run_root, "--island", island, *(["--ds-config", ds_config] if ds_config else [])])
+                      ["--run-root", run_root, "--island", island, *(["--island-id", island_id] if island_id else []),
+                       *(["--ds-config", ds_config] if ds_config else [])])
 
 
 class Launch:
@@ -109,7 +112,9 @@ class IslandProcess(Launch):
     """A running island (pipeline.islands.island) of this config's ranks and hosts."""
 
     def __init__(self, config, name: str, ds_config: str | None = None):
-        command = island_command(_run_root_url(config), name, config.train, free_port(), ds_config)
+        # This launch's own identity (what fail_running matches), fresh for every start of `name`.
+        self.island_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        command = island_command(_run_root_url(config), name, config.train, free_port(), ds_config, self.island_id)
         super().__init__(command, name, rank_threads(config.train, islands=True))
 
 

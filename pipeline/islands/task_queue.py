@@ -10,21 +10,32 @@ queue adds is its leases, one file per attempt:
 
 A claim is an exclusive create of the next attempt's file (a hard link on a local or shared
 filesystem, a `mode="xb"` conditional write on an object store), so two islands never hold the
-same attempt. The holder heartbeats into its file; an attempt whose heartbeat is older than
-`train.lease_seconds` is expired (its island died) and the next island creates attempt n+1. A
-holder that finds a later attempt than its own has lost the lease and stops. A task is done when
-its output is committed (`_SUCCESS`), so the layout contract between stages is unchanged; after
-`train.max_attempts` failed or expired attempts a train task is given up and its round merges
-without it, as before.
+same attempt. The holder heartbeats into its file, counting its beats (`beats`); an attempt is
+expired when a reader saw its count unchanged for `train.lease_seconds` on the reader's own
+monotonic clock, so no two hosts' wall clocks are ever compared and clock skew cannot expire a
+live holder. A holder that finds a later attempt than its own (a backup attempt aside) has lost
+the lease and stops. A task is done when its output is committed (`_SUCCESS`), so the layout
+contract between stages is unchanged; a train attempt writes into its own staging directory and
+publishes it with an exclusive create after re-checking its lease (pipeline.train.train_path), so
+a late attempt's output is discarded, never mixed in. After `train.max_attempts` failed or
+expired attempts a train task is given up and its round merges without it, as before.
+
+A lease record that is not what a holder writes (broken JSON, a heartbeat that is not a number)
+counts as a failed attempt, with one warning naming the file. `train.backup_after` lets an idle
+island start a backup attempt of a train task that has run that many times longer than the
+median finished train task of its round (MapReduce's backup tasks); the first to publish wins,
+the other is cancelled at its next heartbeat.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import socket
+import statistics
 import threading
 import time
 import uuid
@@ -33,7 +44,7 @@ from dataclasses import dataclass
 from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules
 from pipeline.state import layout
 from pipeline.core.bounds import shown
-from pipeline.core.errors import ConfigError, CorruptStateError
+from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError
 from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.queue")
@@ -43,6 +54,14 @@ ISLANDS = "queue/islands"
 _ATTEMPT = re.compile(r"attempt-(\d{1,6})\.json")
 # Claim order within a round: what unblocks other work first.
 KIND_ORDER = {"merge": 0, "commit": 1, "reroute": 2, "evalsum": 3, "train": 4, "eval": 5}
+STATES = ("running", "done", "failed", "released", "cancelled")
+# Test-only: seconds added to every wall-clock time this process writes into lease records, to
+# show that expiry never compares hosts' clocks (tests, benchmarks.chaos). Unset in real runs.
+CLOCK_OFFSET_ENV = "DIPACO_TEST_CLOCK_OFFSET"
+
+
+def clock_offset() -> float:
+    return float(os.environ.get(CLOCK_OFFSET_ENV, "0") or 0)
 
 
 @dataclass(frozen=True, order=True)
@@ -100,12 +119,39 @@ def read_plan(root: RunRoot) -> int | None:
 class Attempt:
     number: int
     record: dict
+    expired: bool = False  # running, but its beats did not change for lease_seconds as this reader saw them
+    running_for: float = 0.0  # seconds this reader has seen it running
 
-    def expired(self, lease_seconds: float, now: float) -> bool:
-        return self.record.get("state") == "running" and now - float(self.record.get("heartbeat", 0)) > lease_seconds
+    @property
+    def state(self) -> str:
+        return self.record.get("state", "failed")
 
-    def counts_as_failed(self, lease_seconds: float, now: float) -> bool:
-        return self.record.get("state") == "failed" or self.expired(lease_seconds, now)
+    @property
+    def live(self) -> bool:
+        return self.state == "running" and not self.expired
+
+    @property
+    def counts_as_failed(self) -> bool:
+        return self.state == "failed" or self.expired
+
+    @property
+    def backup(self) -> bool:
+        return self.record.get("backup") is True
+
+
+def malformed(record: dict) -> str | None:
+    """Why a lease record is not one a holder writes, or None."""
+    state = record.get("state")
+    if state not in STATES:
+        return f"state must be one of {', '.join(STATES)}, got {shown(state)}"
+    for key in ("heartbeat", "claimed_at"):
+        value = record.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            return f"{key} must be a finite number, got {shown(value)}"
+    beats = record.get("beats", 0)
+    if type(beats) is not int or beats < 0:
+        return f"beats must be a count, got {shown(beats)}"
+    return None
 
 
 class TaskQueue:
@@ -125,6 +171,11 @@ class TaskQueue:
         self.jobs_through = {key: [j for j in self.jobs if key in self.job_modules[j]]
                              for key in all_modules(self.grid, self.private)}
         self._eval_paths: dict[str, list[str]] = {}
+        self.backup_after = config.train.backup_after
+        self.clock_offset = clock_offset()
+        # rel -> (the holder's last beat token, monotonic time this reader first saw it, first seen running)
+        self._seen: dict[str, tuple[tuple, float, float]] = {}
+        self._warned: set[str] = set()
         self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
         self._shards_ready: set[str] = set()
 
@@ -137,35 +188,89 @@ class TaskQueue:
         for name in self.root.listdir(rel):
             match = _ATTEMPT.fullmatch(name)
             if match:
-                try:
-                    record = self.root.read_json(f"{rel}/{name}")
-                except CorruptStateError:  # torn by a crash of its writer: an attempt that died
-                    record = {"state": "failed", "error": "unreadable lease record"}
-                found.append(Attempt(int(match.group(1)), record))
+                found.append(self._attempt(f"{rel}/{name}", int(match.group(1))))
         return sorted(found, key=lambda a: a.number)
 
-    def given_up(self, task: Task, now: float | None = None) -> bool:
+    def _attempt(self, rel: str, number: int) -> Attempt:
+        """One attempt as this reader sees it now: expiry from its own observations of the beats."""
+        try:
+            record = self.root.read_json(rel)
+            problem = malformed(record)
+        except CorruptStateError as exc:  # torn by a crash of its writer, or written by hand
+            record, problem = {}, str(exc).removeprefix(f"{self.root.path(rel)}: ")
+        except DipacoError:  # removed while we listed (a cleaned-up run): nothing to count
+            return Attempt(number, {"state": "released"})
+        if problem is not None:
+            if rel not in self._warned:
+                self._warned.add(rel)
+                log.warning("%s: malformed lease record (%s); counting it as a failed attempt", self.root.path(rel), problem)
+            return Attempt(number, {**record, "state": "failed", "error": f"malformed lease record: {problem}"})
+        now = time.monotonic()
+        token = (record.get("beats", 0), record["heartbeat"], record["state"])
+        seen = self._seen.get(rel)
+        if seen is None or seen[0] != token:
+            seen = (token, now, seen[2] if seen else now)
+            self._seen[rel] = seen
+        running = record["state"] == "running"
+        return Attempt(number, record, expired=running and now - seen[1] > self.lease_seconds,
+                       running_for=now - seen[2] if running else 0.0)
+
+    def given_up(self, task: Task) -> bool:
         """Every allowed attempt failed or expired: the round goes on without this task."""
-        return self._failures(self.attempts(task), time.time() if now is None else now) >= self.max_attempts
+        return self._failures(self.attempts(task)) >= self.max_attempts
 
-    def _failures(self, attempts: list[Attempt], now: float) -> int:
-        return sum(a.counts_as_failed(self.lease_seconds, now) for a in attempts)
+    @staticmethod
+    def _failures(attempts: list[Attempt]) -> int:
+        return sum(a.counts_as_failed for a in attempts)
 
-    def claim(self, task: Task, island: str) -> "Lease | None":
+    def output_committed(self, task: Task) -> bool:
+        """A train task whose output is committed is never run again (whoever published it)."""
+        return task.kind == "train" and self.root.is_committed(layout.path_dir(task.round, task.target))
+
+    def claim(self, task: Task, island: str, island_id: str | None = None) -> "Lease | None":
         """The next attempt of `task` for `island`, or None when it is held, done or given up."""
-        now = time.time()
         attempts = self.attempts(task)
-        if attempts:
-            last = attempts[-1]
-            if last.record.get("state") == "running" and not last.expired(self.lease_seconds, now):
-                return None
-            if last.record.get("state") == "done":
-                return None
-        if task.kind == "train" and self._failures(attempts, now) >= self.max_attempts:
+        if any(a.live or a.state == "done" for a in attempts) or self.output_committed(task):
             return None
+        if task.kind == "train" and self._failures(attempts) >= self.max_attempts:
+            return None
+        return self._create_attempt(task, attempts, island, island_id)
+
+    def claim_backup(self, task: Task, island: str, island_id: str | None = None) -> "Lease | None":
+        """A backup attempt of a train task whose one live attempt has run `train.backup_after` times
+        longer than the median finished train task of its round (as this reader measured it)."""
+        if self.backup_after is None or task.kind != "train" or self.output_committed(task):
+            return None
+        attempts = self.attempts(task)
+        live = [a for a in attempts if a.live]
+        if len(live) != 1 or live[0].backup or any(a.state == "done" for a in attempts):
+            return None
+        median = self.median_task_seconds(task.round)
+        if median is None or live[0].running_for <= self.backup_after * median:
+            return None
+        lease = self._create_attempt(task, attempts, island, island_id, backup=True)
+        if lease is not None:
+            log.info("%s: backup attempt %d beside attempt %d (running %.1f s, round median %.1f s)", task.name,
+                     lease.number, live[0].number, live[0].running_for, median)
+        return lease
+
+    def median_task_seconds(self, round_index: int) -> float | None:
+        """Median seconds (each holder's own measure) of round r's finished train attempts."""
+        seconds = []
+        for job in self.jobs:
+            for attempt in self.attempts(Task.of("train", round_index, job)):
+                value = attempt.record.get("seconds")
+                if attempt.state == "done" and isinstance(value, (int, float)) and math.isfinite(value):
+                    seconds.append(float(value))
+        return statistics.median(seconds) if seconds else None
+
+    def _create_attempt(self, task: Task, attempts: list[Attempt], island: str, island_id: str | None,
+                        backup: bool = False) -> "Lease | None":
         number = attempts[-1].number + 1 if attempts else 1
-        record = {"task": task.to_json(), "island": island, "host": socket.gethostname(), "pid": os.getpid(),
-                  "claimed_at": now, "heartbeat": now, "state": "running"}
+        now = time.time() + self.clock_offset
+        record = {"task": task.to_json(), "island": island, "island_id": island_id or island, "host": socket.gethostname(),
+                  "pid": os.getpid(), "claimed_at": now, "heartbeat": now, "beats": 0, "state": "running",
+                  **({"backup": True} if backup else {})}
         rel = f"{LEASES}/{task.name}/attempt-{number}.json"
         if not self._create_exclusive(rel, record):
             return None  # another island took this attempt first
@@ -200,15 +305,16 @@ class TaskQueue:
             raise ConfigError(f"{self.root.url}: islands need a run root with exclusive create (a local or shared "
                               f"filesystem, or an object store with conditional writes): {exc}") from None
 
-    def fail_running(self, island: str, reason: str) -> None:
-        """Mark `island`'s running attempts failed at once (its process is known to be gone), so
-        another island need not wait out the lease."""
+    def fail_running(self, island_id: str, reason: str) -> None:
+        """Mark the running attempts of one island process (`island_id`, unique per process: a
+        DAG's island-0 and a CLI's island-0 never share one) failed at once, as its process is
+        known to be gone, so another island need not wait out the lease."""
         for name in self.root.listdir(LEASES):
-            attempts = self._attempts_in(f"{LEASES}/{name}")
-            last = attempts[-1] if attempts else None
-            if last and last.record.get("island") == island and last.record.get("state") == "running":
-                self.root.write_json(f"{LEASES}/{name}/attempt-{last.number}.json",
-                                     {**last.record, "state": "failed", "error": reason, "finished_at": time.time()})
+            for attempt in self._attempts_in(f"{LEASES}/{name}"):
+                if attempt.record.get("island_id") == island_id and attempt.state == "running":
+                    self.root.write_json(f"{LEASES}/{name}/attempt-{attempt.number}.json",
+                                         {**attempt.record, "state": "failed", "error": reason,
+                                          "finished_at": time.time() + self.clock_offset})
 
     # -- readiness -----------------------------------------------------------------------------
     def modules_ready(self, round_index: int, keys: list[ModuleKey]) -> bool:
@@ -279,45 +385,92 @@ class TaskQueue:
                                     and self.root.exists(layout.eval_file(until_round))
                                     and not self.reroute_pending(until_round))
 
-    def next_claim(self, island: str, until_round: int) -> "Lease | None":
-        for task in self.ready(until_round):
-            lease = self.claim(task, island)
+    def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
+        """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler."""
+        ready = self.ready(until_round)
+        for task in ready:
+            lease = self.claim(task, island, island_id)
+            if lease is not None:
+                return lease
+        for task in ready:
+            lease = self.claim_backup(task, island, island_id)
             if lease is not None:
                 return lease
         return None
 
 
 class Lease:
-    """An island's hold on one attempt of a task, kept alive by a heartbeat thread."""
+    """An island's hold on one attempt of a task, kept alive by a heartbeat thread.
+
+    A beat that fails to write (a flaky store) is retried with backoff; the lease is given up only
+    after `lease_seconds` without a successful beat, when readers may have expired it anyway.
+    `cancelled` is set when another attempt's output of the task got committed first."""
 
     def __init__(self, queue: TaskQueue, task: Task, number: int, record: dict):
         self.queue, self.task, self.number, self.record = queue, task, number, record
         self.rel = f"{LEASES}/{task.name}/attempt-{number}.json"
         self.lost = threading.Event()
+        self.cancelled = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._beat, daemon=True, name=f"lease-{task.name}")
         self._thread.start()
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.queue.lease_seconds / 4):
-            if self._superseded():
-                log.warning("lost the lease of %s (a later attempt exists)", self.task.name)
-                self.lost.set()
-                return
-            self._write(heartbeat=time.time())
+        interval = self.queue.lease_seconds / 4
+        delay, last_ok, failures = interval, time.monotonic(), 0
+        while not self._stop.wait(delay):
+            try:
+                if not self._still_mine():
+                    log.warning("lost the lease of %s (a later attempt exists, or it was failed)", self.task.name)
+                    self.lost.set()
+                    return
+                if self.queue.output_committed(self.task):
+                    self.cancelled.set()  # another attempt published first: stop working on it
+                self._write(beats=int(self.record.get("beats", 0)) + 1, heartbeat=time.time() + self.queue.clock_offset)
+                delay, last_ok, failures = interval, time.monotonic(), 0
+            except (DipacoError, OSError) as exc:
+                failures += 1
+                if time.monotonic() - last_ok > self.queue.lease_seconds:
+                    log.warning("giving up the lease of %s: no heartbeat written for %.1f s (%s)", self.task.name,
+                                time.monotonic() - last_ok, exc)
+                    self.lost.set()
+                    return
+                delay = min(interval, 0.05 * 2 ** failures)  # backoff, never slower than a normal beat
+                log.warning("heartbeat of %s failed (%s); retrying in %.2f s", self.task.name, exc, delay)
 
     def _superseded(self) -> bool:
-        return any(a.number > self.number for a in self.queue.attempts(self.task))
+        """A later attempt that is not a backup of this one exists: a reader expired this one."""
+        return any(a.number > self.number and not a.backup for a in self.queue.attempts(self.task))
+
+    def _still_mine(self) -> bool:
+        """Not superseded, and our record not ended by someone else (fail_running)."""
+        if self._superseded():
+            return False
+        mine = next((a for a in self.queue.attempts(self.task) if a.number == self.number), None)
+        return mine is not None and mine.state == "running"
+
+    def held(self) -> bool:
+        """Whether this attempt may still publish its output: re-checked right before publishing."""
+        return not self.lost.is_set() and self._still_mine()
 
     def _write(self, **fields) -> None:
         with self._lock:
-            self.record.update(fields)
-            self.queue.root.write_json(self.rel, self.record)
+            record = {**self.record, **fields}
+            self.queue.root.write_json(self.rel, record)
+            self.record = record
 
     def finish(self, state: str, **fields) -> None:
-        """End the lease: `done`, `failed` (counts toward max_attempts) or `released` (does not)."""
+        """End the lease: `done`, `failed` (counts toward max_attempts), `released` or `cancelled`
+        (do not). Written with retries: a transient storage error must not lose the outcome."""
         self._stop.set()
         self._thread.join()
-        if not self._superseded():
-            self._write(state=state, finished_at=time.time(), **fields)
+        for tries in range(5):
+            try:
+                if self._superseded():
+                    return
+                self._write(state=state, finished_at=time.time() + self.queue.clock_offset, **fields)
+                return
+            except (DipacoError, OSError) as exc:
+                log.warning("recording %s of %s failed (%s); retrying", state, self.task.name, exc)
+                time.sleep(0.05 * 2 ** tries)

@@ -93,6 +93,14 @@ def path_dir(round_index: int, path_id: str) -> str:
     return f"{round_dir(round_index)}/paths/path={path_id}"
 
 
+def staging_dir(round_index: int, path_id: str, attempt: str | None = None) -> str:
+    """Where one attempt of a path's train task writes (and checkpoints) before it publishes:
+    each attempt its own directory, so a late or duplicate attempt never mixes files into
+    another's; publishing moves it to path_dir, first attempt wins (RunRoot.publish_dir)."""
+    base = f"{round_dir(round_index)}/staging/path={path_id}"
+    return f"{base}/{attempt}" if attempt else base
+
+
 def attempts_dir(round_index: int, path_id: str) -> str:
     """Failed launch records for a path in a round (kept outside the path's own directory)."""
     return f"{round_dir(round_index)}/attempts/path={path_id}"

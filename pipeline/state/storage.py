@@ -18,6 +18,7 @@ The root is a local path or any fsspec URL (`file://`, `s3://`, `gs://`, `memory
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -47,11 +48,31 @@ _KILL_BEFORE_WRITE = int(os.environ.get("DIPACO_FAULT_KILL_BEFORE_WRITE", "0"))
 _writes = 0
 
 
-def _fault_point() -> None:
+def _parse_write_errors(spec: str) -> list:
+    """DIPACO_FAULT_WRITE_ERRORS="<count>:<substring>": the next <count> writes whose path contains
+    <substring> fail like a flaky object store would (tests and benchmarks.chaos only)."""
+    if not spec:
+        return [0, ""]
+    count, _, match = spec.partition(":")
+    return [int(count), match]
+
+
+_write_errors = _parse_write_errors(os.environ.get("DIPACO_FAULT_WRITE_ERRORS", ""))
+
+
+def inject_write_errors(count: int, match: str = "") -> None:
+    """Make the next `count` writes of this process whose path contains `match` raise StorageError."""
+    _write_errors[:] = [count, match]
+
+
+def _fault_point(path: str = "") -> None:
     global _writes
     _writes += 1
     if _KILL_BEFORE_WRITE and _writes >= _KILL_BEFORE_WRITE:
         os.kill(os.getpid(), signal.SIGKILL)
+    if _write_errors[0] > 0 and _write_errors[1] in path:
+        _write_errors[0] -= 1
+        raise StorageError(f"{path}: cannot write (injected transient storage error); the previous state is intact")
 
 
 def safe_relative(name: str, where: str) -> str:
@@ -117,8 +138,6 @@ class RunRoot:
         self.url = str(url)
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
         self.is_local = isinstance(self.fs, LocalFileSystem)
-        # Checksums of the files this process wrote, so commit() need not read them back.
-        self._written: dict[str, dict[str, Any]] = {}
 
     def __repr__(self) -> str:
         return f"RunRoot({self.url!r})"
@@ -179,15 +198,14 @@ class RunRoot:
     # -- writing -------------------------------------------------------------------------------
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write through a temporary name and rename into place (see _replace)."""
-        final = self._replace(rel, lambda handle: handle.write(data))
-        self._written[final] = checksum_bytes(data)
+        self._replace(rel, lambda handle: handle.write(data))
 
     def _replace(self, rel: str, fill: Callable[[IO[bytes]], Any]) -> str:
         """Fill a temporary file, make it durable and rename it over `rel`; returns the full path.
         A failed write leaves the old file (or none) and raises StorageError naming the file,
         never a half-written one."""
-        _fault_point()
         final = self.path(rel)
+        _fault_point(final)
         tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
@@ -310,9 +328,47 @@ class RunRoot:
             self.read_committed(rel, name)
 
     def _file_record(self, rel: str) -> dict[str, Any]:
-        full = self.path(rel)
-        if full in self._written:
-            return self._written.pop(full)
+        """From the bytes on disk, never from what this process believes it wrote: two writers of
+        one directory (a paused island that lost its lease, and its successor) once committed a
+        marker that matched neither file, and every later read of the directory failed."""
         if self.is_local:
-            return checksum_file(full)
+            return checksum_file(self.path(rel))
         return checksum_bytes(self.read_bytes(rel))
+
+    # -- publishing ----------------------------------------------------------------------------
+    def publish_dir(self, staged: str, final: str) -> bool:
+        """Move the committed directory `staged` to `final` unless `final` exists; True when this
+        call put it there. The first publisher wins, like a lease claim: a local root renames the
+        directory (rename(2) of a directory fails onto a non-empty one, and is atomic), an object
+        store creates `<final>.published` exclusively, then copies and commits; whoever finds that
+        token later finishes the copy of the attempt it names (the copy is idempotent)."""
+        if self.is_committed(final):
+            return False
+        if not self.is_committed(staged):
+            raise CorruptStateError(f"{self.path(staged)}: refusing to publish a directory that is not committed")
+        if self.is_local:
+            target = self.local_path(final)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(self.local_path(staged), target)
+                return True
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) or self.is_committed(final):
+                    return False
+                raise StorageError(f"{target}: cannot publish {self.path(staged)} ({exc.strerror})") from None
+        token = f"{final}.published"
+        try:
+            with self.fs.open(self.path(token), "xb") as handle:
+                handle.write(json.dumps({"staged": staged}).encode())
+            won = True
+        except FileExistsError:
+            won = False
+        if not self.is_committed(final):
+            source = self.read_json(token).get("staged", staged)
+            if self.is_committed(source):
+                base = self.path(source).rstrip("/") + "/"
+                names = [p[len(base):] for p in self.fs.find(self.path(source)) if p.startswith(base)]
+                for name in sorted(n for n in names if n != SUCCESS and _TMP_TAG not in n):  # nested markers too
+                    self.write_bytes(posixpath.join(final, name), self.read_bytes(posixpath.join(source, name)))
+                self.write_bytes(posixpath.join(final, SUCCESS), self.read_bytes(posixpath.join(source, SUCCESS)))
+        return won

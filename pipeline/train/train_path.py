@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,10 +66,19 @@ def adamw_for(model: torch.nn.Module, train) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas))
 
 
-def train_path(config: Config, round_index: int, path_id: str) -> dict:
-    """Run on every rank of the island; returns the job's metrics (committed by rank 0).
+class AttemptCancelled(Exception):
+    """This attempt stopped early: another attempt's output is committed, or its lease was lost."""
 
-    `path_id` is a job id: the path, or `<path>.w<k>` for DiLoCo worker k of the path."""
+
+def train_path(config: Config, round_index: int, path_id: str, attempt: str | None = None,
+               may_publish: Callable[[], bool] | None = None, should_stop: Callable[[], bool] | None = None) -> dict:
+    """Run on every rank of the island; returns the job's metrics (committed by rank 0), with
+    `published` (rank 0: whether this attempt's output is the one committed).
+
+    `path_id` is a job id: the path, or `<path>.w<k>` for DiLoCo worker k of the path. `attempt`
+    names this attempt's staging directory (an island's lease number; default: one per launch),
+    `may_publish` re-checks on rank 0, right before publishing, that the lease is still held;
+    `should_stop` (given on every rank or none) ends the attempt early with AttemptCancelled."""
     root = RunRoot(config.run_root)
     workers = config.train.workers_per_path
     try:
@@ -95,7 +107,7 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
     try:
         resumed_from = resume_inner_state(engine, root, round_index, path_id, start_state)
         built = time.perf_counter()
-        metrics = run_inner_loop(engine, stream, config, round_index, rank, world)
+        metrics = run_inner_loop(engine, stream, config, round_index, rank, world, should_stop)
         # What a task spends besides its inner loop (the island's lease adds the commit after it).
         metrics["setup_seconds"] = {"load": loaded - began, "engine": built - loaded}
         metrics.update(
@@ -103,15 +115,45 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
             world_size=world, ds_config=ds_config, resumed_inner_state_from=resumed_from,
             shards=shards, shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
         )
+        staging = layout.staging_dir(round_index, path_id, attempt or _launch_attempt(world))
         commit_path(engine, root, round_index, path_id, shape, metrics, rank,
-                    start_state=start_state, compression_kind=config.outer.compression)
+                    start_state=start_state, compression_kind=config.outer.compression, staging=staging)
+        if rank == 0:
+            metrics["published"] = publish_path(root, round_index, path_id, staging, may_publish)
     finally:
         release_engine(engine)  # an in-process run trains path after path in one process
     return metrics
 
 
-def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, rank: int, world: int) -> dict:
-    """`inner_steps` optimizer steps; the order of work per step is fixed: lr -> fwd/bwd -> step -> log."""
+def _launch_attempt(world: int) -> str:
+    """A staging name every rank of one launch agrees on without a collective: the launcher's
+    rendezvous port (unique among launches at once on a host), or a fresh id for one rank."""
+    if world > 1 and os.environ.get("MASTER_PORT"):
+        return f"launch-{os.environ.get('MASTER_ADDR', '')}-{os.environ['MASTER_PORT']}"
+    return f"launch-{uuid.uuid4().hex[:12]}"
+
+
+def publish_path(root: RunRoot, round_index: int, path_id: str, staging: str,
+                 may_publish: Callable[[], bool] | None = None) -> bool:
+    """Make the committed staging directory the path's output, unless this attempt lost its lease
+    or another attempt published first; a discarded output is removed and logged, never mixed in."""
+    rel = layout.path_dir(round_index, path_id)
+    if may_publish is not None and not may_publish():
+        log.warning("path %s round %d: %s lost its lease; its output is discarded", path_id, round_index, staging)
+        root.remove(staging)
+        return False
+    if not root.publish_dir(staging, rel):
+        log.warning("path %s round %d: another attempt published first; %s is discarded", path_id, round_index, staging)
+        root.remove(staging)
+        return False
+    root.remove(layout.staging_dir(round_index, path_id))  # crashed attempts' leftovers: never read now
+    prune_inner_state(root, round_index, path_id)
+    return True
+
+
+def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, rank: int, world: int,
+                   should_stop: Callable[[], bool] | None = None) -> dict:
+    """`inner_steps` optimizer steps; the order of work per step is fixed: (stop?) -> lr -> fwd/bwd -> step -> log."""
     import torch.distributed as dist
 
     train = config.train
@@ -121,6 +163,8 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
     lrs = []
     started_at, start = time.time(), time.perf_counter()  # wall clock for trackers, monotonic for rates
     for step in range(train.inner_steps):
+        if should_stop is not None and _agreed(should_stop(), world):
+            raise AttemptCancelled(f"round {round_index}: stopped at step {step} (another attempt published, or the lease was lost)")
         global_step = round_index * train.inner_steps + step
         lr = lr_at(global_step, total_steps, train)
         for group in engine.optimizer.param_groups:
@@ -142,6 +186,18 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
     return {"loss": (losses / world).tolist(), "lr": lrs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "first_step": round_index * train.inner_steps,  # global step of loss[0]: curves join across rounds
             "started_at": started_at, "finished_at": started_at + seconds}
+
+
+def _agreed(flag: bool, world: int) -> bool:
+    """Whether any rank says so (a sync point per step, only when an island may cancel the task)."""
+    if world == 1:
+        return flag
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str, merged: dict[str, torch.Tensor]) -> int | None:
@@ -188,8 +244,10 @@ def latest_inner_state(root: RunRoot, round_index: int, path_id: str) -> int | N
 
 
 def commit_path(engine, root: RunRoot, round_index: int, path_id: str, shape: ModelShape, metrics: dict, rank: int,
-                start_state: dict[str, torch.Tensor] | None = None, compression_kind: str = "none") -> None:
-    """Write weights + inner state, then metrics, then `_SUCCESS` (rank 0 writes, all ranks gather).
+                start_state: dict[str, torch.Tensor] | None = None, compression_kind: str = "none",
+                staging: str | None = None) -> None:
+    """Write weights + inner state, then metrics, then `_SUCCESS` into `staging` (default: the
+    path's directory itself), rank 0 writes, all ranks gather; publish_path moves it into place.
 
     With `compression_kind` other than none, also the outer gradient start - end of each level's
     module, compressed: what the merge reads (the full-precision weights stay for the registry and
@@ -197,7 +255,10 @@ def commit_path(engine, root: RunRoot, round_index: int, path_id: str, shape: Mo
     the island, and the merge carries its trained weights over losslessly."""
     import torch.distributed as dist
 
-    rel = layout.path_dir(round_index, path_id)
+    rel = staging or layout.path_dir(round_index, path_id)
+    if rank == 0:
+        root.remove(rel)  # a crashed run of this same attempt name left files: never mixed in
+    dist.barrier()
     state = full_state(engine)  # collective under ZeRO-3
     with tempfile.TemporaryDirectory(prefix="dipaco-path-") as scratch:
         ckpt_local = root.local_path(rel, CKPT) if root.is_local else Path(scratch) / CKPT
@@ -220,7 +281,6 @@ def commit_path(engine, root: RunRoot, round_index: int, path_id: str, shape: Mo
             root.commit(rel, info={**info, **({"outer_grad": grads} if grads else {})},
                         files=["config.json", "model.safetensors", "metrics.json",
                                *(layout.outer_grad_file(int(level)) for level in grads)])
-            prune_inner_state(root, round_index, path_id)
     dist.barrier()
 
 
