@@ -87,3 +87,24 @@ def test_module_files_decode_in_place_and_malformed_ones_are_refused():
     for broken in (data[:6], data[:40], data[:-2]):
         with pytest.raises(CorruptStateError, match="m.safetensors: not a valid safetensors file"):
             decode(bytearray(broken), "m.safetensors")
+
+
+def test_commit_checksums_the_bytes_on_disk_not_the_writers_own(tmp_path):
+    """Two writers of one directory (a paused island and its successor): the marker describes the
+    files as they are, so the directory stays readable (it used to fail every read for good)."""
+    a, b = RunRoot(tmp_path), RunRoot(tmp_path)
+    a.write_json("d/metrics.json", {"attempt": 1})
+    b.write_json("d/metrics.json", {"attempt": 2, "longer": True})
+    a.commit("d")
+    assert a.read_committed_json("d", "metrics.json") == {"attempt": 2, "longer": True}
+
+
+def test_publishing_a_directory_is_first_wins(tmp_path):
+    root = RunRoot(tmp_path)
+    for attempt in ("a1", "a2"):
+        root.write_json(f"staging/{attempt}/metrics.json", {"attempt": attempt})
+        root.commit(f"staging/{attempt}")
+    assert root.publish_dir("staging/a1", "final")
+    assert not root.publish_dir("staging/a2", "final")  # a late attempt never mixes in
+    assert root.read_committed_json("final", "metrics.json") == {"attempt": "a1"}
+    assert root.exists("staging/a2/metrics.json") and not root.exists("staging/a1")

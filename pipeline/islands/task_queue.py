@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules
 from pipeline.state import layout
 from pipeline.core.bounds import shown
-from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError
+from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, StorageError
 from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.queue")
@@ -429,14 +429,16 @@ class Lease:
                     self.cancelled.set()  # another attempt published first: stop working on it
                 self._write(beats=int(self.record.get("beats", 0)) + 1, heartbeat=time.time() + self.queue.clock_offset)
                 delay, last_ok, failures = interval, time.monotonic(), 0
-            except (DipacoError, OSError) as exc:
+            except (DipacoError, StorageError, OSError) as exc:
                 failures += 1
                 if time.monotonic() - last_ok > self.queue.lease_seconds:
                     log.warning("giving up the lease of %s: no heartbeat written for %.1f s (%s)", self.task.name,
                                 time.monotonic() - last_ok, exc)
                     self.lost.set()
                     return
-                delay = min(interval, 0.05 * 2 ** failures)  # backoff, never slower than a normal beat
+                # Backoff from a tenth of a beat, doubling, never slower than a normal beat: three
+                # failures in a row cost under half a lease.
+                delay = min(interval, interval / 10 * 2 ** (failures - 1))
                 log.warning("heartbeat of %s failed (%s); retrying in %.2f s", self.task.name, exc, delay)
 
     def _superseded(self) -> bool:
@@ -471,6 +473,6 @@ class Lease:
                     return
                 self._write(state=state, finished_at=time.time() + self.queue.clock_offset, **fields)
                 return
-            except (DipacoError, OSError) as exc:
+            except (DipacoError, StorageError, OSError) as exc:
                 log.warning("recording %s of %s failed (%s); retrying", state, self.task.name, exc)
                 time.sleep(0.05 * 2 ** tries)

@@ -138,17 +138,15 @@ def publish_path(root: RunRoot, round_index: int, path_id: str, staging: str,
     """Make the committed staging directory the path's output, unless this attempt lost its lease
     or another attempt published first; a discarded output is removed and logged, never mixed in."""
     rel = layout.path_dir(round_index, path_id)
-    if may_publish is not None and not may_publish():
-        log.warning("path %s round %d: %s lost its lease; its output is discarded", path_id, round_index, staging)
-        root.remove(staging)
-        return False
-    if not root.publish_dir(staging, rel):
-        log.warning("path %s round %d: another attempt published first; %s is discarded", path_id, round_index, staging)
-        root.remove(staging)
-        return False
-    root.remove(layout.staging_dir(round_index, path_id))  # crashed attempts' leftovers: never read now
-    prune_inner_state(root, round_index, path_id)
-    return True
+    published = (may_publish is None or may_publish()) and root.publish_dir(staging, rel)
+    if not published:
+        why = "another attempt published first" if root.is_committed(rel) else "it lost its lease"
+        log.warning("path %s round %d: %s; %s is discarded", path_id, round_index, why, staging)
+    # Once the path is committed, no staged attempt is ever read (crashed attempts' leftovers too).
+    root.remove(layout.staging_dir(round_index, path_id) if root.is_committed(rel) else staging)
+    if published:
+        prune_inner_state(root, round_index, path_id)
+    return published
 
 
 def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, rank: int, world: int,

@@ -1,0 +1,203 @@
+"""Leases under faults: a paused holder that lost its lease cannot publish, clock skew expires
+nothing live, heartbeats survive a flaky store, malformed lease records count as failed attempts,
+island identities are per process, and a straggler's task is finished by a backup attempt."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, tiny_config, write_synthetic_shards
+from pipeline import stages
+from pipeline.islands.island import Island
+from pipeline.islands.task_queue import CLOCK_OFFSET_ENV, Task, TaskQueue, write_plan
+from pipeline.state import layout, storage
+from pipeline.state.storage import RunRoot
+from pipeline.train.train_path import train_path
+
+ONE_PATH = ("model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=1")
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readable(run_root):
+    """The issue's wedge: two attempts of one train task both finish. The one whose lease expired
+    publishes nothing; the round's path directory is exactly the other's, and it verifies."""
+    config = tiny_config(run_root, *ONE_PATH, "train.inner_steps=2", "train.lease_seconds=0.3")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid)
+    a, b = TaskQueue(root, config), TaskQueue(root, config)
+    task = Task.of("train", 0, "p0")
+    zombie = a.claim(task, "paused")
+    zombie._stop.set()  # paused: no more beats (a GC pause, SIGSTOP, a VM migration)
+    zombie._thread.join()
+    successor = _wait_for(lambda: b.claim(task, "successor"), 3.0, "the paused holder's lease to expire")
+    fresh = train_path(config, 0, "p0", attempt="attempt-2", may_publish=successor.held)
+    late = train_path(config, 0, "p0", attempt="attempt-1", may_publish=zombie.held)  # it wakes up and finishes
+    assert fresh["published"] and not late["published"]
+    rel = layout.path_dir(0, "p0")
+    root.verify(rel)
+    assert root.read_committed_json(rel, "metrics.json")["started_at"] == fresh["started_at"]
+    assert not root.exists(layout.staging_dir(0, "p0"))
+    assert b.claim(task, "another") is None  # committed output: never run again, whatever the leases say
+    successor.finish("done")
+
+
+def _island(run_root, name: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pipeline.islands.island", "--run-root", str(run_root), "--island", name],
+                            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.slow  # ~20 s: a real island process, stopped and resumed
+def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_finishes(run_root):
+    config = tiny_config(run_root, *ONE_PATH, "train.inner_steps=300", "train.lease_seconds=1.0")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 1)
+    queue, task = TaskQueue(root, config), Task.of("train", 0, "p0")
+    zombie = _island(run_root, "zombie")
+    try:
+        _wait_for(lambda: queue.attempts(task), 120, "the island to claim the train task")
+        time.sleep(1.0)
+        os.killpg(zombie.pid, signal.SIGSTOP)
+        Island(config, "successor").run()  # waits out the lease, trains, merges, evaluates
+        assert root.is_committed(layout.round_dir(0)) and root.exists(layout.eval_file(1))
+        published = root.read_committed_json(layout.path_dir(0, "p0"), "metrics.json")
+        os.killpg(zombie.pid, signal.SIGCONT)
+        output, _ = zombie.communicate(timeout=60)
+    finally:
+        if zombie.poll() is None:
+            os.killpg(zombie.pid, signal.SIGKILL)
+    assert zombie.returncode == 0, output[-3000:]
+    records = [a.record for a in queue.attempts(task)]
+    assert [r["island"] for r in records] == ["zombie", "successor"]
+    assert records[0]["state"] == "running" and records[1]["state"] == "done"  # the zombie wrote no outcome
+    assert root.read_committed_json(layout.path_dir(0, "p0"), "metrics.json") == published  # untouched
+    root.verify(layout.path_dir(0, "p0"))
+    assert root.read_json(f"{layout.round_dir(0)}/merge.json")["paths_left_out"] == []
+    assert "lost the lease" in output
+
+
+@pytest.mark.parametrize("holder, reader", [(-120, 120), (120, -120)])
+def test_clock_skew_of_two_minutes_expires_no_live_holder_and_still_expires_a_dead_one(run_root, monkeypatch,
+                                                                                        holder, reader):
+    config = tiny_config(run_root, "train.lease_seconds=0.3")
+    root = stages.init_run(config)
+    task = Task.of("train", 0, "p0-0")
+    monkeypatch.setenv(CLOCK_OFFSET_ENV, str(holder))
+    lease = TaskQueue(root, config).claim(task, "holder")
+    monkeypatch.setenv(CLOCK_OFFSET_ENV, str(reader))
+    other = TaskQueue(root, config)
+    deadline = time.monotonic() + 1.2  # four leases
+    while time.monotonic() < deadline:
+        assert other.claim(task, "skewed") is None, "a live holder was expired"
+        time.sleep(0.05)
+    assert not lease.lost.is_set()
+    lease._stop.set()  # now it dies: the skewed reader still expires it, after one lease of its own clock
+    lease._thread.join()
+    taken = _wait_for(lambda: other.claim(task, "skewed"), 2.0, "the dead holder's lease to expire")
+    assert taken.number == 2
+    taken.finish("released")
+
+
+def test_a_heartbeat_survives_three_storage_errors(run_root, caplog):
+    config = tiny_config(run_root, "train.lease_seconds=0.4")
+    root = stages.init_run(config)
+    task = Task.of("train", 0, "p0-0")
+    lease = TaskQueue(root, config).claim(task, "holder")
+    other = TaskQueue(root, config)
+    storage.inject_write_errors(3, lease.rel)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dipaco.queue"):
+            deadline = time.monotonic() + 1.6  # four leases
+            while time.monotonic() < deadline:
+                assert other.claim(task, "other") is None, "the holder's lease expired"
+                time.sleep(0.05)
+    finally:
+        storage.inject_write_errors(0)
+    assert not lease.lost.is_set() and lease.record["beats"] >= 4
+    assert caplog.text.count("heartbeat of train.r0.p0-0 failed") == 3
+    lease.finish("done")
+    assert other.attempts(task)[0].record["state"] == "done"
+
+
+def test_a_heartbeat_gives_the_lease_up_after_lease_seconds_without_a_write(run_root):
+    config = tiny_config(run_root, "train.lease_seconds=0.3")
+    root = stages.init_run(config)
+    lease = TaskQueue(root, config).claim(Task.of("train", 0, "p0-0"), "holder")
+    storage.inject_write_errors(1000, lease.rel)
+    try:
+        assert lease.lost.wait(2.0) and not lease.held()
+    finally:
+        storage.inject_write_errors(0)
+
+
+@pytest.mark.parametrize("content", ['{"state": "running", "heartbeat": "soon", "claimed_at": 1}',
+                                     '{"state": "running", "heartbeat": NaN, "claimed_at": 1}',
+                                     '{"state": "running", "heartb'])
+def test_a_malformed_lease_record_counts_as_a_failed_attempt_with_one_warning(run_root, caplog, content):
+    config = tiny_config(run_root, "train.lease_seconds=60", "train.max_attempts=2")
+    root = stages.init_run(config)
+    task = Task.of("train", 0, "p0-0")
+    rel = f"queue/leases/{task.name}/attempt-1.json"
+    (run_root / rel).parent.mkdir(parents=True)
+    (run_root / rel).write_text(content)
+    queue = TaskQueue(root, config)
+    with caplog.at_level(logging.WARNING, logger="dipaco.queue"):
+        assert queue.attempts(task)[0].counts_as_failed and not queue.given_up(task)
+        lease = queue.claim(task, "island")  # no waiting out a lease that can never expire
+        assert lease is not None and lease.number == 2
+    warnings = [r.getMessage() for r in caplog.records if "malformed lease record" in r.getMessage()]
+    assert len(warnings) == 1 and str(run_root / rel) in warnings[0] and "\n" not in warnings[0]
+    lease.finish("failed")
+    assert queue.given_up(task)  # the malformed one counts toward max_attempts
+
+
+def test_failing_an_islands_leases_never_touches_another_process_of_the_same_name(run_root):
+    config = tiny_config(run_root)
+    root = stages.init_run(config)
+    queue = TaskQueue(root, config)
+    dag = queue.claim(Task.of("train", 0, "p0-0"), "island-0", "island-0-dag")
+    cli = queue.claim(Task.of("train", 0, "p0-1"), "island-0", "island-0-cli")
+    queue.fail_running("island-0-cli", "exited")
+    assert [a.state for a in queue.attempts(dag.task)] == ["running"] and dag.held()
+    assert [a.state for a in queue.attempts(cli.task)] == ["failed"] and not cli.held()
+    dag.finish("released")
+    assert Island(config, "island-0").id != Island(config, "island-0").id
+
+
+def test_a_stragglers_task_is_completed_by_a_backup_attempt(run_root):
+    config = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]", "train.rounds=1",
+                         "train.inner_steps=3", "train.lease_seconds=0.4", "train.backup_after=1.5")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 1)
+    queue = TaskQueue(root, config)
+    straggler = queue.claim(Task.of("train", 0, "p1"), "straggler")  # beats on, never finishes
+    Island(config, "idle").run()  # trains p0, then backs p1 up once it ran 1.5x p0's time
+    attempts = queue.attempts(straggler.task)
+    assert [a.number for a in attempts] == [1, 2] and attempts[1].backup and attempts[1].state == "done"
+    assert root.read_json(f"{layout.round_dir(0)}/merge.json")["paths_left_out"] == []
+    median = queue.median_task_seconds(0)
+    assert attempts[1].record["claimed_at"] - attempts[0].record["claimed_at"] > 1.5 * queue.attempts(
+        Task.of("train", 0, "p0"))[0].record["seconds"] * 0.9 and median > 0
+    assert straggler.cancelled.wait(1.0)  # its next heartbeat saw the committed output
+    straggler.finish("cancelled")
+    assert not queue.given_up(straggler.task)
