@@ -201,3 +201,34 @@ def test_a_stragglers_task_is_completed_by_a_backup_attempt(run_root):
     assert straggler.cancelled.wait(1.0)  # its next heartbeat saw the committed output
     straggler.finish("cancelled")
     assert not queue.given_up(straggler.task)
+
+
+@pytest.mark.slow  # ~15 s: a real trainer process killed mid-task, and two in-process runs
+def test_an_attempt_killed_mid_task_resumes_from_its_checkpoint_with_the_identical_loss_curve(tmp_path):
+    from pipeline.train.distributed import child_env
+    from pipeline.train.midtask import checkpoints_dir
+
+    sets = (*ONE_PATH, "train.inner_steps=120", "train.checkpoint_every=30")
+    whole = tiny_config(tmp_path / "whole", *sets)
+    write_synthetic_shards(stages.init_run(whole), whole.model.grid)
+    expected = train_path(whole, 0, "p0")
+    assert expected["resumed_from_step"] == 0
+
+    config = tiny_config(tmp_path / "crashed", *sets)
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid)
+    trainer = subprocess.Popen([sys.executable, "-m", "pipeline.train.train_path", "--run-root", str(tmp_path / "crashed"),
+                                "--round", "0", "--path", "p0"], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: root.glob(f"{checkpoints_dir(0, 'p0')}/*/step=*/_SUCCESS"), 120, "a mid-task checkpoint")
+    finally:
+        trainer.kill()  # SIGKILL: the attempt dies between two checkpoints
+        trainer.wait()
+    assert not root.is_committed(layout.path_dir(0, "p0"))
+    resumed = train_path(config, 0, "p0")  # a new attempt
+    assert resumed["resumed_from_step"] in (30, 60, 90)
+    assert resumed["loss"] == expected["loss"] and resumed["lr"] == expected["lr"]  # bitwise, every step
+    rel = layout.path_dir(0, "p0")
+    assert root.read_committed(rel, "model.safetensors") == RunRoot(whole.run_root).read_committed(rel, "model.safetensors")
+    assert not root.exists(layout.staging_dir(0, "p0"))  # published: checkpoints gone with the staging place

@@ -115,7 +115,8 @@ def prepare(ref: dict) -> None:
 def plan(ref: dict) -> dict:
     """The rounds this DAG run trains: airflow.rounds_per_run of them from the first uncommitted
     one, within train.rounds, written to the run root's queue for the islands. Skipped, saying so,
-    when every round is committed."""
+    when every round is committed. Planned under the run lock, so a DAG run never plans beside a
+    live `dipaco run`; its islands then need no lock (docs/design.md, "Faults and stragglers")."""
     from pipeline import stages
     from pipeline.core.errors import ConfigError
 
@@ -123,7 +124,11 @@ def plan(ref: dict) -> dict:
     if config.train.rounds > ROUNDS:
         raise ConfigError(f"{config.source}: train.rounds={config.train.rounds} but this DAG was parsed with "
                           f"{ROUNDS} round groups; set train.rounds in $DIPACO_CONFIG ({DEFAULT_CONFIG}) too")
-    todo = stages.plan_rounds(config, config.airflow.rounds_per_run)
+    from pipeline.state.lock import run_lock
+    from pipeline.state.storage import RunRoot
+
+    with run_lock(RunRoot(config.run_root)):  # refused while a `dipaco run` orchestrates this root
+        todo = stages.plan_rounds(config, config.airflow.rounds_per_run)
     if not todo:
         raise AirflowSkipException(stages.nothing_to_train(config))
     log.info("this DAG run trains round(s) %s", ", ".join(map(str, todo)))

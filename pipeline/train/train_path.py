@@ -27,6 +27,7 @@ from models.modular import ModelShape, ModuleState, build_path_model, split_path
 from pipeline.outer import compression
 from pipeline.state import layout
 from pipeline.core.config import Config, config_from_yaml
+from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import init_distributed, run_rank
 from pipeline.core.errors import ConfigError, DipacoError, InputError
@@ -104,10 +105,18 @@ def train_path(config: Config, round_index: int, path_id: str, attempt: str | No
     ds_config = load_ds_config(train, shape, world)
     loaded = time.perf_counter()
     engine = wrap_with_zero(model, adamw_for(model, train), ds_config)
+    attempt = attempt or _launch_attempt(world)
     try:
-        resumed_from = resume_inner_state(engine, root, round_index, path_id, start_state)
+        found = train.checkpoint_every and midtask.newest(root, round_index, path_id, world, engine.zero_optimization_stage())
+        progress = midtask.resume(engine, root, found[0]) if found else None  # this task's own progress wins
+        resumed_from = None if found else resume_inner_state(engine, root, round_index, path_id, start_state)
         built = time.perf_counter()
-        metrics = run_inner_loop(engine, stream, config, round_index, rank, world, should_stop)
+
+        def checkpoint(step: int, losses: torch.Tensor, lrs: list[float]) -> None:
+            midtask.save(engine, root, round_index, path_id, attempt, step, losses, lrs, rank, world)
+
+        metrics = run_inner_loop(engine, stream, config, round_index, rank, world, should_stop, progress,
+                                 checkpoint if train.checkpoint_every else None)
         # What a task spends besides its inner loop (the island's lease adds the commit after it).
         metrics["setup_seconds"] = {"load": loaded - began, "engine": built - loaded}
         metrics.update(
@@ -115,7 +124,8 @@ def train_path(config: Config, round_index: int, path_id: str, attempt: str | No
             world_size=world, ds_config=ds_config, resumed_inner_state_from=resumed_from,
             shards=shards, shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
         )
-        staging = layout.staging_dir(round_index, path_id, attempt or _launch_attempt(world))
+        metrics["resumed_from_step"] = progress["step"] if progress else 0
+        staging = layout.staging_dir(round_index, path_id, attempt)
         commit_path(engine, root, round_index, path_id, shape, metrics, rank,
                     start_state=start_state, compression_kind=config.outer.compression, staging=staging)
         if rank == 0:
@@ -150,17 +160,23 @@ def publish_path(root: RunRoot, round_index: int, path_id: str, staging: str,
 
 
 def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, rank: int, world: int,
-                   should_stop: Callable[[], bool] | None = None) -> dict:
-    """`inner_steps` optimizer steps; the order of work per step is fixed: (stop?) -> lr -> fwd/bwd -> step -> log."""
+                   should_stop: Callable[[], bool] | None = None, progress: dict | None = None,
+                   checkpoint: Callable[[int, torch.Tensor, list[float]], None] | None = None) -> dict:
+    """`inner_steps` optimizer steps (from a mid-task checkpoint's `progress` on); the order of work
+    per step is fixed: (stop?) -> lr -> fwd/bwd -> step -> log -> (checkpoint every train.checkpoint_every)."""
     import torch.distributed as dist
 
     train = config.train
     total_steps = train.rounds * train.inner_steps
     log_every = max(1, train.inner_steps // 5)
     losses = torch.zeros(train.inner_steps)  # this rank's loss per step; reduced once at the end
-    lrs = []
+    lrs: list[float] = []
+    done = 0
+    if progress is not None:  # the island's mean loss of the steps done: every rank holds it, the reduction keeps it
+        done, lrs = progress["step"], list(progress["lr"])
+        losses[:done] = torch.tensor(progress["loss"], dtype=losses.dtype)
     started_at, start = time.time(), time.perf_counter()  # wall clock for trackers, monotonic for rates
-    for step in range(train.inner_steps):
+    for step in range(done, train.inner_steps):
         if should_stop is not None and _agreed(should_stop(), world):
             raise AttemptCancelled(f"round {round_index}: stopped at step {step} (another attempt published, or the lease was lost)")
         global_step = round_index * train.inner_steps + step
@@ -178,6 +194,8 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
         lrs.append(lr)
         if rank == 0 and (step % log_every == 0 or step == train.inner_steps - 1):
             log.info("round %d step %d/%d loss %.4f (rank 0) lr %.2e", round_index, step + 1, train.inner_steps, losses[step], lr)
+        if checkpoint is not None and (step + 1) % train.checkpoint_every == 0 and step + 1 < train.inner_steps:
+            checkpoint(step + 1, losses, lrs)  # collective
     seconds = time.perf_counter() - start
     dist.all_reduce(losses)  # the one sync point of the loop: the island's mean loss per step
     tokens = train.inner_steps * train.micro_batch_size * train.gradient_accumulation_steps * world * config.model.seq_len
