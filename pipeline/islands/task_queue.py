@@ -176,6 +176,7 @@ class TaskQueue:
         # rel -> (the holder's last beat token, monotonic time this reader first saw it, first seen running)
         self._seen: dict[str, tuple[tuple, float, float]] = {}
         self._warned: set[str] = set()
+        self._medians: dict[int, float | None] = {}
         self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
         self._shards_ready: set[str] = set()
 
@@ -245,7 +246,9 @@ class TaskQueue:
         live = [a for a in attempts if a.live]
         if len(live) != 1 or live[0].backup or any(a.state == "done" for a in attempts):
             return None
-        median = self.median_task_seconds(task.round)
+        if task.round not in self._medians:  # once per next_claim: it reads every attempt of the round
+            self._medians[task.round] = self.median_task_seconds(task.round)
+        median = self._medians[task.round]
         if median is None or live[0].running_for <= self.backup_after * median:
             return None
         lease = self._create_attempt(task, attempts, island, island_id, backup=True)
@@ -388,6 +391,7 @@ class TaskQueue:
     def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
         """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler."""
         ready = self.ready(until_round)
+        self._medians: dict[int, float | None] = {}
         for task in ready:
             lease = self.claim(task, island, island_id)
             if lease is not None:
