@@ -8,7 +8,7 @@ losses, under its own staging place:
     rounds/round=<r>/staging/path=<job>/checkpoints/<attempt>/step=<k>/   ds files, progress.json, _SUCCESS
 
 Each attempt writes only its own directory (two attempts never mix files), and keeps only its
-newest step. A new attempt of the task takes the newest step that any attempt committed and that
+newest two steps. A new attempt of the task takes the newest step that any attempt committed and that
 verifies against its `_SUCCESS`. The data loader needs no state of its own: sample s of the run is
 a pure function of s (pipeline.train.data), so restoring the step restores its position exactly,
 and the resumed attempt computes the same losses and weights as an uninterrupted one. Publishing
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.core.bounds import load_json
 from pipeline.core.errors import CorruptStateError, DipacoError
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
@@ -41,7 +42,7 @@ def checkpoints_dir(round_index: int, path_id: str, attempt: str | None = None) 
 def save(engine, root: RunRoot, round_index: int, path_id: str, attempt: str, step: int,
          losses: torch.Tensor, lrs: list[float], rank: int, world: int) -> None:
     """Collective: every rank saves its ZeRO partition; rank 0 records the island's mean loss of
-    steps < `step`, commits, and drops the attempt's older step."""
+    steps < `step`, commits, and drops the attempt's steps before the last two."""
     import torch.distributed as dist
 
     done = losses[:step].clone()
@@ -57,17 +58,16 @@ def save(engine, root: RunRoot, round_index: int, path_id: str, attempt: str, st
             root.write_json(f"{rel}/{PROGRESS}", {"step": step, "loss": (done / world).tolist(), "lr": lrs[:step]})
             root.commit(rel, info={"round": round_index, "path": path_id, "step": step, "world_size": world,
                                    "zero_stage": engine.zero_optimization_stage()})
-            for name in root.listdir(checkpoints_dir(round_index, path_id, attempt)):
-                match = _STEP.fullmatch(name)
-                if match and int(match.group(1)) < step:
-                    older = f"{checkpoints_dir(round_index, path_id, attempt)}/{name}"
-                    root.remove(f"{older}/_SUCCESS")  # the marker first: a half-removed step never counts
-                    root.remove(older)
+            mine = checkpoints_dir(round_index, path_id, attempt)
+            steps = sorted(int(m.group(1)) for m in map(_STEP.fullmatch, root.listdir(mine)) if m)
+            for older in steps[:-2]:  # keep two: another attempt may be copying the older one
+                root.remove(f"{mine}/step={older}/_SUCCESS")  # the marker first: a half-removed step never counts
+                root.remove(f"{mine}/step={older}")
     dist.barrier()
 
 
 def newest(root: RunRoot, round_index: int, path_id: str, world: int, zero_stage: int) -> tuple[str, int] | None:
-    """(directory, step) of the newest committed, verified checkpoint of any attempt of the task
+    """(directory, step) of the newest committed checkpoint of any attempt of the task
     saved by an island of this layout (a ZeRO partition loads only into the layout that saved it)."""
     found = []
     base = checkpoints_dir(round_index, path_id)
@@ -77,8 +77,7 @@ def newest(root: RunRoot, round_index: int, path_id: str, world: int, zero_stage
             if match and root.is_committed(f"{base}/{attempt}/{name}"):
                 found.append((int(match.group(1)), f"{base}/{attempt}/{name}"))
     for step, rel in sorted(found, reverse=True):
-        try:
-            root.verify(rel)
+        try:  # the files are verified as resume() copies them out
             marker = root.marker(rel)
             progress_ok(root.read_committed_json(rel, PROGRESS), step, root.path(rel, PROGRESS))
         except DipacoError as exc:
@@ -101,11 +100,16 @@ def progress_ok(progress: dict, step: int, where: str) -> None:
 
 def resume(engine, root: RunRoot, rel: str) -> dict:
     """Load a mid-task checkpoint into the engine (its weights win: they are this task's own
-    progress, unlike a previous round's inner state); returns its progress record."""
+    progress, unlike a previous round's inner state); returns its progress record.
+
+    Every file is copied out and verified first, so a checkpoint that its attempt drops meanwhile
+    (a live straggler keeps only its newest steps) raises before the engine is touched."""
     with tempfile.TemporaryDirectory(prefix="dipaco-midtask-") as scratch:
-        local = root.local_path(rel) if root.is_local else Path(scratch)
-        if not root.is_local:
-            root.get_dir(rel, local)
-        engine.load_checkpoint(str(local), tag="inner", load_optimizer_states=True,
+        for name in root.marker(rel)["files"]:
+            target = Path(scratch) / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(root.read_committed(rel, name))
+        progress = load_json((Path(scratch) / PROGRESS).read_bytes(), root.path(rel, PROGRESS))
+        engine.load_checkpoint(scratch, tag="inner", load_optimizer_states=True,
                                load_lr_scheduler_states=False, load_module_strict=True)
-    return root.read_committed_json(rel, PROGRESS)
+    return progress

@@ -107,9 +107,8 @@ def train_path(config: Config, round_index: int, path_id: str, attempt: str | No
     engine = wrap_with_zero(model, adamw_for(model, train), ds_config)
     attempt = attempt or _launch_attempt(world)
     try:
-        found = train.checkpoint_every and midtask.newest(root, round_index, path_id, world, engine.zero_optimization_stage())
-        progress = midtask.resume(engine, root, found[0]) if found else None  # this task's own progress wins
-        resumed_from = None if found else resume_inner_state(engine, root, round_index, path_id, start_state)
+        progress = resume_midtask(engine, root, round_index, path_id, world) if train.checkpoint_every else None
+        resumed_from = None if progress else resume_inner_state(engine, root, round_index, path_id, start_state)
         built = time.perf_counter()
 
         def checkpoint(step: int, losses: torch.Tensor, lrs: list[float]) -> None:
@@ -130,6 +129,10 @@ def train_path(config: Config, round_index: int, path_id: str, attempt: str | No
                     start_state=start_state, compression_kind=config.outer.compression, staging=staging)
         if rank == 0:
             metrics["published"] = publish_path(root, round_index, path_id, staging, may_publish)
+    except AttemptCancelled:
+        if rank == 0 and root.is_committed(layout.path_dir(round_index, path_id)):
+            root.remove(layout.staging_dir(round_index, path_id))  # what this attempt checkpointed is moot
+        raise
     finally:
         release_engine(engine)  # an in-process run trains path after path in one process
     return metrics
@@ -202,6 +205,19 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
     return {"loss": (losses / world).tolist(), "lr": lrs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "first_step": round_index * train.inner_steps,  # global step of loss[0]: curves join across rounds
             "started_at": started_at, "finished_at": started_at + seconds}
+
+
+def resume_midtask(engine, root: RunRoot, round_index: int, path_id: str, world: int) -> dict | None:
+    """The newest mid-task checkpoint of this task loaded into the engine (its own progress wins
+    over the merged modules), and its progress record; None when there is none to use."""
+    found = midtask.newest(root, round_index, path_id, world, engine.zero_optimization_stage())
+    if found is None:
+        return None
+    try:
+        return midtask.resume(engine, root, found[0])
+    except (DipacoError, OSError) as exc:  # dropped or damaged meanwhile: raised before the engine was touched
+        log.warning("not resuming from %s: %s", found[0], exc)
+        return None
 
 
 def _agreed(flag: bool, world: int) -> bool:
