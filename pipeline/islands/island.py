@@ -153,7 +153,8 @@ def run_task(config: Config, task: Task, rank: int, attempt: int | None = None, 
         metrics = train_path(config, task.round, task.target, attempt=f"attempt-{attempt}" if attempt else None,
                              may_publish=lease.held if lease is not None else None, should_stop=stop)
         return {"inner_started_at": metrics["started_at"], "inner_finished_at": metrics["finished_at"],
-                "inner_seconds": metrics["seconds"], "published": metrics.get("published", True)}
+                "inner_seconds": metrics["seconds"], "resumed_from_step": metrics.get("resumed_from_step", 0),
+                "published": metrics.get("published", True)}
     if rank != 0:
         return None
     if task.kind == "merge":

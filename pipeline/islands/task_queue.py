@@ -213,8 +213,12 @@ class TaskQueue:
             seen = (token, now, seen[2] if seen else now)
             self._seen[rel] = seen
         running = record["state"] == "running"
+        # How long it has run: as this reader saw it, or as its holder measured it on its own
+        # monotonic clock (a duration, never a wall time: skew cannot enter), whichever is longer.
+        held = record.get("running_s")
+        held = float(held) if isinstance(held, (int, float)) and not isinstance(held, bool) and math.isfinite(held) else 0.0
         return Attempt(number, record, expired=running and now - seen[1] > self.lease_seconds,
-                       running_for=now - seen[2] if running else 0.0)
+                       running_for=max(now - seen[2], held) if running else 0.0)
 
     def given_up(self, task: Task) -> bool:
         """Every allowed attempt failed or expired: the round goes on without this task."""
@@ -258,12 +262,14 @@ class TaskQueue:
         return lease
 
     def median_task_seconds(self, round_index: int) -> float | None:
-        """Median seconds (each holder's own measure) of round r's finished train attempts."""
+        """Median seconds (each holder's own measure) of round r's finished train attempts that ran
+        every step (one resumed from a mid-task checkpoint ran fewer, and would make peers look slow)."""
         seconds = []
         for job in self.jobs:
             for attempt in self.attempts(Task.of("train", round_index, job)):
                 value = attempt.record.get("seconds")
-                if attempt.state == "done" and isinstance(value, (int, float)) and math.isfinite(value):
+                if (attempt.state == "done" and not attempt.record.get("resumed_from_step")
+                        and isinstance(value, (int, float)) and math.isfinite(value)):
                     seconds.append(float(value))
         return statistics.median(seconds) if seconds else None
 
@@ -415,6 +421,7 @@ class Lease:
         self.rel = f"{LEASES}/{task.name}/attempt-{number}.json"
         self.lost = threading.Event()
         self.cancelled = threading.Event()
+        self._claimed = time.monotonic()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._beat, daemon=True, name=f"lease-{task.name}")
@@ -431,7 +438,8 @@ class Lease:
                     return
                 if self.queue.output_committed(self.task):
                     self.cancelled.set()  # another attempt published first: stop working on it
-                self._write(beats=int(self.record.get("beats", 0)) + 1, heartbeat=time.time() + self.queue.clock_offset)
+                self._write(beats=int(self.record.get("beats", 0)) + 1, heartbeat=time.time() + self.queue.clock_offset,
+                            running_s=round(time.monotonic() - self._claimed, 3))
                 delay, last_ok, failures = interval, time.monotonic(), 0
             except (DipacoError, StorageError, OSError) as exc:
                 failures += 1
