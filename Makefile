@@ -33,6 +33,7 @@ test: install
 
 bench: sample
 	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.chaos --commit
 
 # Dask, an MLflow server and an Airflow deployment (CeleryExecutor) on loopback, on the local
 # PostgreSQL and Redis (or DIPACO_PG_URL, DIPACO_REDIS_URL); configs/services.yaml points at them.

@@ -5,7 +5,7 @@ Two runs of the same config and seed on the tiny model, each on 4 real island pr
 
 - **fault-free**: the 4 islands, nothing else;
 - **chaos**: the same, with faults on a schedule (`--fault-every` seconds apart, from the first
-  train task on): SIGKILL of island-0 (started again, as `dipaco run` does); SIGSTOP of island-1 for
+  train task on; a fault on one island waits, up to half an interval, until it holds a train task): SIGKILL of island-0 (started again, as `dipaco run` does); SIGSTOP of island-1 for
   3x `train.lease_seconds`, then SIGCONT (the zombie holder); island-3 leaves (SIGTERM) and
   island-4 joins. Throughout: island-2 throttled to a quarter of the speed (SIGSTOP/SIGCONT in
   0.3 s / 0.1 s cycles: a straggler), island-1's wall clock 120 s ahead (DIPACO_TEST_CLOCK_OFFSET,
@@ -169,9 +169,14 @@ def run_once(args: argparse.Namespace, name: str, faults: bool) -> dict:
     try:
         while not queue.finished(config.train.rounds):
             now = time.monotonic() - train_began
-            if schedule and now >= schedule[0][0] * args.fault_every:
+            due = schedule and now >= schedule[0][0] * args.fault_every
+            if due and schedule[0][1] != "island-3 leaves, island-4 joins":  # hit it while it trains, up to
+                target = schedule[0][1].split()[1]                            # half an interval late
+                due = any(t.startswith("train.") for t in held_by(root, target)) or \
+                    now >= (schedule[0][0] + 0.5) * args.fault_every
+            if due:
                 _, what = schedule.pop(0)
-                events.append({"fault": what, "at_s": round(now, 1), "held": held_by(root, what.split()[1])})
+                events.append({"fault": what, "at_s": round(now, 1), "held": held_by(root, what.split()[0 if "leaves" in what else 1])})
                 log.info("t=%.0f s: %s", now, what)
                 if what.startswith("SIGKILL"):
                     islands.signal("island-0", signal.SIGKILL)
@@ -284,11 +289,11 @@ def render(free: dict, chaos: dict, args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--inner-steps", type=int, default=1500)
     parser.add_argument("--docs-per-path", type=int, default=60)
     parser.add_argument("--lease-seconds", type=float, default=4.0)
-    parser.add_argument("--fault-every", type=float, default=20.0, help="seconds between scheduled faults")
+    parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between scheduled faults")
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--commit", action="store_true", help="put the table into benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
