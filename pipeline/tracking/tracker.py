@@ -96,6 +96,9 @@ class Tracker:
     def log_run_config(self) -> None:
         """Params (the flattened config), run.yaml and the DeepSpeed config as artifacts."""
 
+    def log_precision(self, name: str, reason: str) -> None:
+        """The precision train.precision resolved to on this machine, and why (params)."""
+
     def log_prepare(self, manifest: dict) -> None:
         """The shard manifest, the router and shard sizes, after prepare committed."""
 
@@ -174,6 +177,10 @@ class MlflowTracker(Tracker):
         if ds_path.is_file():
             self.client.log_artifact(parent, str(ds_path), "ds_configs")
         log.info("MLflow: run %s in experiment %s at %s", parent, self.config.mlflow.experiment, redact(self.uri))
+
+    def log_precision(self, name: str, reason: str) -> None:
+        # "precision.*", not "train.precision": that param is the config's own value (auto)
+        self._log_params(self._parent(), {"precision.resolved": name, "precision.reason": _param(reason)})
 
     def log_prepare(self, manifest: dict) -> None:
         parent = self._parent()

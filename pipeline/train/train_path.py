@@ -26,6 +26,9 @@ from pipeline.state import layout
 from pipeline.core.config import Config, config_from_yaml
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import init_distributed, run_rank
+from pipeline.train.precision import agree
+from pipeline.train.precision import resolve as resolve_precision
+from pipeline.train.threads import apply_rank_threads
 from pipeline.core.errors import ConfigError, DipacoError, InputError
 from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_documents
@@ -89,7 +92,8 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
     merged = load_path_modules(root, round_index, modules, shape, config.model.grid)
     model = build_path_model(shape, merged, seed=train.seed)
     start_state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    ds_config = load_ds_config(train, shape, world)
+    precision = agree(resolve_precision(train, shape) if rank == 0 else None, rank, world)  # cached per host
+    ds_config = load_ds_config(train, shape, world, precision)
     loaded = time.perf_counter()
     engine = wrap_with_zero(model, adamw_for(model, train), ds_config)
     try:
@@ -100,7 +104,8 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
         metrics["setup_seconds"] = {"load": loaded - began, "engine": built - loaded}
         metrics.update(
             round=round_index, path=path_id, shard_path=shard_path, worker=worker, modules=[[lvl, k] for lvl, k in enumerate(modules)],
-            world_size=world, ds_config=ds_config, resumed_inner_state_from=resumed_from,
+            world_size=world, ds_config=ds_config, precision=precision.name, precision_reason=precision.reason,
+            threads=torch.get_num_threads(), resumed_inner_state_from=resumed_from,
             shards=shards, shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
         )
         commit_path(engine, root, round_index, path_id, shape, metrics, rank,
@@ -259,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         root = RunRoot(args.run_root)
         config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG), root.path(layout.RUN_CONFIG))
+        apply_rank_threads(config.train, islands=False)  # whatever the launcher's environment says
         metrics = train_path(config, args.round, args.path)
         log.info("path %s round %d: %d tokens, %.0f tokens/s", args.path, args.round, metrics["tokens"], metrics["tokens_per_s"])
 
