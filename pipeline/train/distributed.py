@@ -16,7 +16,10 @@ from pathlib import Path
 
 def set_runtime_env() -> None:
     """Defaults every rank needs before deepspeed is imported (all overridable by the user)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
+    if "DS_ACCELERATOR" not in os.environ:  # decided once, here; launched ranks inherit it
+        os.environ["DS_ACCELERATOR"] = "cuda" if _has_cuda() else "cpu"
+        if os.environ["DS_ACCELERATOR"] == "cpu":
+            logging.getLogger("dipaco").info("training on the CPU: %s", _why_no_cuda())
     # The CPU accelerator JIT-compiles a shared-memory op on first start (35-63 s); keep the
     # build inside the virtual environment so `make install` pays for it once.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
@@ -143,6 +146,15 @@ def unlink_shm_workspace(rank: int, world_size: int) -> None:
     if world_size > 1:
         dist.barrier()  # every rank has mapped every peer's workspace
     shm_workspace_path(rank).unlink(missing_ok=True)
+
+
+def _why_no_cuda() -> str:
+    """One line: why this machine trains without CUDA."""
+    import torch
+
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
 
 
 def _has_cuda() -> bool:
