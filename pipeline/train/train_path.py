@@ -122,7 +122,7 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
     train = config.train
     total_steps = train.rounds * train.inner_steps
     log_every = max(1, train.inner_steps // 5)
-    losses = torch.zeros(train.inner_steps)  # this rank's loss per step; reduced once at the end
+    losses = torch.zeros(train.inner_steps, device=engine.device)  # this rank's loss per step; reduced once at the end
     lrs = []
     started_at, start = time.time(), time.perf_counter()  # wall clock for trackers, monotonic for rates
     for step in range(train.inner_steps):
@@ -132,7 +132,7 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
             group["lr"] = lr
         for micro in range(train.gradient_accumulation_steps):
             first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, train.gradient_accumulation_steps, world)
-            inputs, labels = stream.micro_batch(first, train.micro_batch_size)  # (B, T) each
+            inputs, labels = (t.to(engine.device) for t in stream.micro_batch(first, train.micro_batch_size))  # (B, T) each
             logits = engine(input_ids=inputs).logits  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             engine.backward(loss)
