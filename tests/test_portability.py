@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 import yaml
 
 from conftest import REPO, tiny_config, write_synthetic_shards
@@ -16,7 +18,9 @@ from pipeline import stages
 from pipeline.core.config import REPO_ROOT, resolve_ds_config
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
+from pipeline.train.compiled import compile_forward
 from pipeline.train.threads import rank_threads
+from pipeline.train.train_path import train_path
 
 
 def test_the_repository_root_is_the_repository(tmp_path, monkeypatch):
@@ -107,3 +111,22 @@ def test_the_makefile_leaves_the_accelerator_to_the_code():
     assert len(lines) == (0 if expected == "cuda" else 1)  # one line saying why not
     if expected == "cpu":
         assert lines[0].startswith("training on the CPU: ")
+
+
+@pytest.mark.slow  # ~20 s: inductor compiles the tiny path once (cold cache)
+def test_a_compiled_path_trains_like_the_eager_one(run_root):
+    losses = {}
+    for compiled in (False, True):
+        config = tiny_config(run_root / str(compiled), "model.grid=[1]", "model.blocks_per_level=[1]",
+                             "train.inner_steps=3", f"train.compile={str(compiled).lower()}")
+        root = stages.init_run(config)
+        write_synthetic_shards(root, config.model.grid)
+        metrics = train_path(config, 0, "p0")
+        assert metrics["compiled"] is compiled
+        losses[compiled] = metrics["loss"]
+    from torch._dynamo.utils import counters
+
+    assert counters["stats"]["unique_graphs"] >= 1  # really compiled, not a silent fallback to eager
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+    zero3 = tiny_config(run_root / "z3", "train.compile=true", "train.ds_config=ds_configs/zero3.json")
+    assert compile_forward(torch.nn.Linear(2, 2), zero3.train, {"zero_optimization": {"stage": 3}}) is False

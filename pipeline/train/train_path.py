@@ -25,6 +25,7 @@ from pipeline.outer import compression
 from pipeline.state import layout
 from pipeline.core.config import Config, config_from_yaml
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
+from pipeline.train.compiled import compile_forward
 from pipeline.train.distributed import init_distributed, run_rank
 from pipeline.train.precision import agree
 from pipeline.train.precision import resolve as resolve_precision
@@ -94,6 +95,7 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
     start_state = {k: v.detach().clone() for k, v in model.named_parameters()}
     precision = agree(resolve_precision(train, shape) if rank == 0 else None, rank, world)  # cached per host
     ds_config = load_ds_config(train, shape, world, precision)
+    compiled = compile_forward(model, train, ds_config)  # train.compile; lazily, at the first step
     loaded = time.perf_counter()
     engine = wrap_with_zero(model, adamw_for(model, train), ds_config)
     try:
@@ -105,7 +107,7 @@ def train_path(config: Config, round_index: int, path_id: str) -> dict:
         metrics.update(
             round=round_index, path=path_id, shard_path=shard_path, worker=worker, modules=[[lvl, k] for lvl, k in enumerate(modules)],
             world_size=world, ds_config=ds_config, precision=precision.name, precision_reason=precision.reason,
-            threads=torch.get_num_threads(), resumed_inner_state_from=resumed_from,
+            threads=torch.get_num_threads(), compiled=compiled, resumed_inner_state_from=resumed_from,
             shards=shards, shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
         )
         commit_path(engine, root, round_index, path_id, shape, metrics, rank,
