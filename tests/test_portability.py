@@ -65,6 +65,7 @@ def test_dipaco_run_from_another_directory_registers_a_model_with_the_pipelines_
     assert "precision.reason" in parent.data.params
     metrics = RunRoot(run_root).read_json(f"{layout.path_dir(0, 'p0')}/metrics.json")
     assert metrics["precision"] == resolved
+    assert {r.data.params["path.precision"] for r in runs if "path.id" in r.data.params} == {resolved}
     assert f"precision: {resolved} (" in done.stderr  # said once per run
     assert done.stderr.count("precision: ") == 1
 

@@ -216,6 +216,7 @@ class MlflowTracker(Tracker):
             "path.id": path_id,
             "path.modules": json.dumps(metrics.get("modules")),
             "path.world_size": str(metrics.get("world_size")),
+            "path.precision": str(metrics.get("precision")),  # what its island's host chose (train.precision)
             **{f"ds.{k}": _param(v) for k, v in flatten(ds_config).items()},
         })
         self._log_params(run, params)
