@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.train.distributed import run_rank
 
     def body() -> None:
-        from pipeline.train.threads import apply_rank_threads
+        from pipeline.train.distributed import apply_rank_threads
 
         config = island_config(args.run_root, args.ds_config)
         apply_rank_threads(config.train, islands=True)  # whatever the launcher's environment says

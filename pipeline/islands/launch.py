@@ -20,8 +20,7 @@ from pathlib import Path
 
 from pipeline.state import layout
 from pipeline.core.bounds import shown
-from pipeline.train.distributed import child_env, free_port, set_runtime_env
-from pipeline.train.threads import rank_threads  # each rank also sets its own (pipeline.train.threads)
+from pipeline.train.distributed import child_env, free_port, rank_threads, set_runtime_env  # each rank also sets its own threads
 from pipeline.core.errors import CorruptStateError, DipacoError, InputError
 from pipeline.state.storage import RunRoot
 

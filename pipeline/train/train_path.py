@@ -26,10 +26,9 @@ from pipeline.state import layout
 from pipeline.core.config import Config, config_from_yaml
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.compiled import compile_forward
-from pipeline.train.distributed import init_distributed, run_rank
+from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
 from pipeline.train.precision import agree
 from pipeline.train.precision import resolve as resolve_precision
-from pipeline.train.threads import apply_rank_threads
 from pipeline.core.errors import ConfigError, DipacoError, InputError
 from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_documents
