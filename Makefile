@@ -3,7 +3,6 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
-export DS_ACCELERATOR := cpu
 export HF_HUB_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false

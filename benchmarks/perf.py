@@ -59,7 +59,7 @@ def default_path_shape() -> dict[str, int]:
 
 
 def trainer_throughput(args: argparse.Namespace, name: str, shape: dict[str, int], steps: int, reps: int,
-                       modes: str) -> dict:
+                       modes: str, precision: str = "fp32") -> dict:
     """Launch the worker exactly as a path job is launched (deepspeed launcher, OMP threads set)."""
     set_runtime_env()
     out = OUT / f"{name}.json"
@@ -67,7 +67,8 @@ def trainer_throughput(args: argparse.Namespace, name: str, shape: dict[str, int
     threads = max(1, (os.cpu_count() or 1) // args.procs)
     command = [str(Path(sys.executable).with_name("deepspeed")), "--num_nodes", "1", "--num_gpus", str(args.procs),
                "--master_port", str(free_port()), "--no_local_rank", "--module", "benchmarks.perf_worker",
-               "--out", str(out), "--steps", str(steps), "--reps", str(reps), "--modes", modes]
+               "--out", str(out), "--steps", str(steps), "--reps", str(reps), "--modes", modes,
+               "--precision", precision]
     for key, value in shape.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     log.info("trainer benchmark: %s", " ".join(command))
@@ -283,6 +284,9 @@ def run_perf(args: argparse.Namespace) -> dict:
     stages_ = [("merge", lambda: merge_vs_io(args)),
                ("trainer", lambda: trainer_throughput(args, "trainer", default_path_shape(), 1, args.trainer_reps,
                                                       "plain,zero1,zero2,zero3")),
+               # a row per precision: bf16 autocast where this CPU has it natively (what auto measures)
+               ("trainer_bf16", lambda: trainer_throughput(args, "trainer_bf16", default_path_shape(), 1, args.trainer_reps,
+                                                           "plain,zero1,zero2,zero3", precision="bf16")),
                ("trainer_small_step", lambda: trainer_throughput(args, "trainer_small_step", toy, args.steps, args.reps,
                                                                  "plain,zero1,zero2,zero3,zero2_bare"))]
     stages_.append(("prepare", lambda: prepare_throughput(args.prepare_docs)))

@@ -53,7 +53,8 @@ def bench_config(args: argparse.Namespace) -> Config:
         "model": {"grid": [1], "blocks_per_level": [args.blocks], "hidden_size": args.hidden,
                   "num_heads": args.heads, "seq_len": args.seq_len},
         "train": {"rounds": 10_000, "inner_steps": args.steps, "micro_batch_size": args.micro_batch,
-                  "gradient_accumulation_steps": args.accum, "lr": 2.0e-3, "warmup_steps": 10},
+                  "gradient_accumulation_steps": args.accum, "lr": 2.0e-3, "warmup_steps": 10,
+                  "precision": args.precision},  # explicit: the plain loop runs in the same one
         "mlflow": {"enabled": False},
     })
 
@@ -101,7 +102,9 @@ class PlainLoop:
             for micro in range(accum):
                 first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, accum, world)
                 inputs, labels = stream.micro_batch(first, train.micro_batch_size)  # (B, T)
-                loss = F.cross_entropy(self.model(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
+                with autocast(train.precision):  # what DeepSpeed's torch_autocast block does around the forward
+                    logits = self.model(input_ids=inputs).logits
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
                 (loss / accum).backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
             self.optimizer.step()
@@ -138,6 +141,13 @@ class TrainerLoop:
         return time.perf_counter() - start
 
 
+def autocast(precision: str):
+    """torch.autocast for bf16/fp16 (DeepSpeed's torch_autocast runs the engine's forward in one)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") == "cuda" else "cpu"
+    return torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
 def matmul_flops(size: int = 1024, repeats: int = 20) -> float:
     """fp32 FLOP/s of a square matmul on this process's threads: the MFU denominator."""
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -172,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
     parser.add_argument("--reps", type=int, default=12, help="timed blocks per mode, interleaved")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                        help="train.precision of every mode (the plain loop autocasts the same way)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     rank, world = init_distributed()

@@ -31,8 +31,8 @@ with MiniLM (~95 s each on 2 cores for the 10,033 documents).
 
 Budget of the default run (`--plan` prints it from the same formula): a step of the path (hidden 128,
 4 blocks, vocab 4,096, seq_len 128, micro batch 6 = 768 tokens) costs ~0.17 s on one idle core under
-ZeRO-2 in fp32, ~0.12 s with DeepSpeed's torch_autocast to bfloat16 (ds_configs/zero2_bf16.json, what
-every row trains with, as the demo does: 0.29 against 0.41 s at 256 x 8; the estimates below are fp32's,
+ZeRO-2 in fp32, ~0.12 s with DeepSpeed's torch_autocast to bfloat16 (train.precision: auto picks it on
+this AVX-512 BF16 CPU for every row, as for the demo: 0.29 against 0.41 s at 256 x 8; the estimates below are fp32's,
 a margin) (measured 0.25 s at seq 128 x 6, 0.32-0.37 s at 128 x 8 and 0.62 s at 256 x 8 on a core
 shared with other work, against the demo's 0.41 s at 256 x 8 on an idle one: x0.66); hidden 256
 ~2.8x that. 300 steps per path (6 rounds x H=50), plus ~15 s per island start and ~5 s per
@@ -204,7 +204,7 @@ def variant_config(args: QualityArgs, v: Variant, run_root: str, eval_glob: str)
         "train": {"rounds": args.rounds, "inner_steps": args.inner_steps * v.step_multiple,
                   "micro_batch_size": args.micro_batch, "lr": args.lr, "warmup_steps": args.warmup,
                   "min_lr_ratio": 1.0,  # constant after warmup, as the demo measured best far from convergence
-                  "ds_config": "ds_configs/zero2_bf16.json", "workers_per_path": v.workers, "seed": v.seed,
+                  "ds_config": "ds_configs/zero2.json", "precision": "auto", "workers_per_path": v.workers, "seed": v.seed,
                   "launcher": args.launcher, "parallel_paths": 1, "islands": 1, "threads_per_proc": 1},
         "outer": {**outer, "compression": v.compression},
         "eval": {"max_docs": None, "batch_size": 16, "early_stopping": v.early_stopping},

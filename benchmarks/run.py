@@ -46,7 +46,8 @@ def ok(value: float, target: float, higher_is_better: bool = True) -> str:
 def trainer_run_label(key: str, args: dict) -> tuple[str, int]:
     """("default path (hidden 256, 4 blocks)", tokens per optimizer step) of one trainer measurement."""
     tokens = args.get("accum", 1) * args["micro_batch"] * args["seq_len"]
-    return f"{'default' if key == 'trainer' else 'quality'} path (hidden {args['hidden']}, {args['blocks']} blocks)", tokens
+    which = "quality" if key == "trainer_small_step" else "default"
+    return f"{which} path (hidden {args['hidden']}, {args['blocks']} blocks, {args.get('precision', 'fp32')})", tokens
 
 
 def zero_cost_table(p: dict) -> list[str]:
@@ -61,7 +62,7 @@ def zero_cost_table(p: dict) -> list[str]:
             "measured ratio, the step size from which it reaches 0.95, the plain step growing with its tokens):", "",
             "| path | tokens/step | plain s/step | mode | extra ms/step | share of a plain step "
             "| tokens/step for 0.95 (estimate) |", "|---|---|---|---|---|---|---|"]
-    for key in ("trainer", "trainer_small_step"):
+    for key in ("trainer", "trainer_bf16", "trainer_small_step"):
         run = p.get(key)
         if not run or "extra_seconds_per_step" not in run:
             continue
@@ -81,7 +82,7 @@ def zero_cost_table(p: dict) -> list[str]:
 def perf_table(p: dict) -> list[str]:
     rows = ["| figure | measured | reference | ratio | target | |", "|---|---|---|---|---|---|"]
     t = p["trainer"]
-    for key, target in (("trainer", "target"), ("trainer_small_step", "diagnostic")):
+    for key, target in (("trainer", "target"), ("trainer_bf16", "target"), ("trainer_small_step", "diagnostic")):
         if not p.get(key):
             continue
         run = p[key]
@@ -244,6 +245,8 @@ def log_mlflow(result: dict, files: list[Path]) -> None:
         p = result["perf"]
         metrics.update({f"trainer_ratio_{m}": v for m, v in p["trainer"]["ratio_to_plain"].items()})
         metrics.update({f"trainer_mfu_{m}": v for m, v in p["trainer"]["mfu"].items()})
+        if p.get("trainer_bf16"):
+            metrics.update({f"trainer_bf16_ratio_{m}": v for m, v in p["trainer_bf16"]["ratio_to_plain"].items()})
         if p.get("trainer_small_step"):
             metrics.update({f"trainer_small_step_ratio_{m}": v for m, v in p["trainer_small_step"]["ratio_to_plain"].items()})
         metrics["merge_ratio"] = p["merge"]["ratio"]

@@ -349,6 +349,8 @@ def run(config: Config, rounds: int | None = None) -> dict:
         init_run(config)
         tracker = get_tracker(config)
         tracker.log_run_config()
+        precision = choose_precision(config)
+        tracker.log_precision(precision.name, precision.reason)
         prepare(config)
         evaluate_initial(config)
         todo = plan_rounds(config, rounds)
@@ -364,6 +366,22 @@ def run(config: Config, rounds: int | None = None) -> dict:
             summary["sample"] = {"prompt": prompt, "continuation": champion_continuation(config, prompt)}
         tracker.finish(summary)
         return summary
+
+
+def choose_precision(config: Config):
+    """train.precision on this machine, said once per run. Measured (when auto needs it) at an
+    island's thread count, so the islands this run starts here find the choice in the cache."""
+    import torch
+
+    from models.modular import ModelShape
+    from pipeline.islands.launch import rank_threads
+    from pipeline.train.precision import resolve
+
+    inprocess = config.train.launcher == "inprocess"  # its island trains in this process, at its threads
+    threads = torch.get_num_threads() if inprocess else rank_threads(config.train, islands=True)
+    precision = resolve(config.train, ModelShape.from_config(config.model), threads=threads)
+    log.info("precision: %s (%s)", precision.name, precision.reason)
+    return precision
 
 
 def summarize(config: Config) -> dict:

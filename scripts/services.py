@@ -244,7 +244,6 @@ def base_env() -> dict[str, str]:
     env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("DS_ACCELERATOR", "cpu")
     return env
 
 

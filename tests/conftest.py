@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# train.precision: auto's probe cache, kept out of the user's ~/.cache for the session
+os.environ.setdefault("DIPACO_CACHE_DIR", tempfile.mkdtemp(prefix="dipaco-test-cache-"))
 
 from models.grid import all_path_ids  # noqa: E402
 from pipeline.core.config import Config, load_config  # noqa: E402

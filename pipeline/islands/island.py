@@ -222,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.train.distributed import run_rank
 
     def body() -> None:
-        island = Island(island_config(args.run_root, args.ds_config), args.island, args.island_id)
+        from pipeline.train.distributed import apply_rank_threads
+
+        config = island_config(args.run_root, args.ds_config)
+        apply_rank_threads(config.train, islands=True)  # whatever the launcher's environment says
+        island = Island(config, args.island, args.island_id)
         signal.signal(signal.SIGTERM, island.on_sigterm)
         island.run()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pipeline.state import layout
 from pipeline.core.bounds import shown
-from pipeline.train.distributed import child_env, free_port, set_runtime_env
+from pipeline.train.distributed import child_env, free_port, rank_threads, set_runtime_env  # each rank also sets its own threads
 from pipeline.core.errors import CorruptStateError, DipacoError, InputError
 from pipeline.state.storage import RunRoot
 
@@ -44,14 +44,6 @@ def _deepspeed(train, port: int, module: str, args: list[str]) -> list[str]:
     hosts = ["--hostfile", train.hostfile] if train.hostfile else []
     return [str(launcher), *hosts, "--num_nodes", str(train.num_nodes), "--num_gpus", str(train.procs_per_path),
             "--master_port", str(port), "--no_local_rank", "--module", module, *args]
-
-
-def rank_threads(train, islands: bool = False) -> int:
-    """OMP threads per rank: the machine's cores shared by every rank running at once."""
-    if train.threads_per_proc:
-        return train.threads_per_proc
-    busy = train.procs_per_path * (island_count(train) if islands else train.parallel_paths)
-    return max(1, (os.cpu_count() or 1) // busy)
 
 
 def island_count(train) -> int:

@@ -55,7 +55,7 @@ GENERATION_DEFAULTS = {"max_new_tokens": DEFAULT_NEW_TOKENS, "temperature": 0.8,
 # Not in GENERATION_DEFAULTS: its default (None) is the run's eval.reroute_every, known once loaded.
 REROUTE_PARAM = "reroute_every"
 INPUT_EXAMPLE = (["The French Revolution was"], {"max_new_tokens": 8})  # (model input, params)
-_REPO = Path(__file__).resolve().parent.parent
+_REPO = Path(__file__).resolve().parents[2]  # pipeline/tracking/registry.py -> the repository
 _CODE = ("pipeline", "models", "preprocessing")  # the code a loaded model needs, shipped with it
 _REQUIREMENTS = (
     "mlflow", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pyyaml", "fsspec",

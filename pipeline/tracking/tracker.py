@@ -96,6 +96,9 @@ class Tracker:
     def log_run_config(self) -> None:
         """Params (the flattened config), run.yaml and the DeepSpeed config as artifacts."""
 
+    def log_precision(self, name: str, reason: str) -> None:
+        """The precision train.precision resolved to on this machine, and why (params)."""
+
     def log_prepare(self, manifest: dict) -> None:
         """The shard manifest, the router and shard sizes, after prepare committed."""
 
@@ -175,6 +178,10 @@ class MlflowTracker(Tracker):
             self.client.log_artifact(parent, str(ds_path), "ds_configs")
         log.info("MLflow: run %s in experiment %s at %s", parent, self.config.mlflow.experiment, redact(self.uri))
 
+    def log_precision(self, name: str, reason: str) -> None:
+        # "precision.*", not "train.precision": that param is the config's own value (auto)
+        self._log_params(self._parent(), {"precision.resolved": name, "precision.reason": _param(reason)})
+
     def log_prepare(self, manifest: dict) -> None:
         parent = self._parent()
         finished = self._committed_at(layout.SHARDS_DIR)
@@ -209,6 +216,7 @@ class MlflowTracker(Tracker):
             "path.id": path_id,
             "path.modules": json.dumps(metrics.get("modules")),
             "path.world_size": str(metrics.get("world_size")),
+            "path.precision": str(metrics.get("precision")),  # what its island's host chose (train.precision)
             **{f"ds.{k}": _param(v) for k, v in flatten(ds_config).items()},
         })
         self._log_params(run, params)

@@ -29,7 +29,10 @@ from pipeline.state import layout
 from pipeline.core.config import Config, config_from_yaml
 from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
-from pipeline.train.distributed import init_distributed, run_rank
+from pipeline.train.compiled import compile_forward
+from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
+from pipeline.train.precision import agree
+from pipeline.train.precision import resolve as resolve_precision
 from pipeline.core.errors import ConfigError, DipacoError, InputError
 from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_documents
@@ -102,7 +105,9 @@ def train_path(config: Config, round_index: int, path_id: str, attempt: str | No
     merged = load_path_modules(root, round_index, modules, shape, config.model.grid)
     model = build_path_model(shape, merged, seed=train.seed)
     start_state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    ds_config = load_ds_config(train, shape, world)
+    precision = agree(resolve_precision(train, shape) if rank == 0 else None, rank, world)  # cached per host
+    ds_config = load_ds_config(train, shape, world, precision)
+    compiled = compile_forward(model, train, ds_config)  # train.compile; lazily, at the first step
     loaded = time.perf_counter()
     engine = wrap_with_zero(model, adamw_for(model, train), ds_config)
     attempt = attempt or _launch_attempt(world)
@@ -120,7 +125,8 @@ def train_path(config: Config, round_index: int, path_id: str, attempt: str | No
         metrics["setup_seconds"] = {"load": loaded - began, "engine": built - loaded}
         metrics.update(
             round=round_index, path=path_id, shard_path=shard_path, worker=worker, modules=[[lvl, k] for lvl, k in enumerate(modules)],
-            world_size=world, ds_config=ds_config, resumed_inner_state_from=resumed_from,
+            world_size=world, ds_config=ds_config, precision=precision.name, precision_reason=precision.reason,
+            threads=torch.get_num_threads(), compiled=compiled, resumed_inner_state_from=resumed_from,
             shards=shards, shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
         )
         metrics["resumed_from_step"] = progress["step"] if progress else 0
@@ -172,12 +178,12 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
     train = config.train
     total_steps = train.rounds * train.inner_steps
     log_every = max(1, train.inner_steps // 5)
-    losses = torch.zeros(train.inner_steps)  # this rank's loss per step; reduced once at the end
+    losses = torch.zeros(train.inner_steps, device=engine.device)  # this rank's loss per step; reduced once at the end
     lrs: list[float] = []
     done = 0
     if progress is not None:  # the island's mean loss of the steps done: every rank holds it, the reduction keeps it
         done, lrs = progress["step"], list(progress["lr"])
-        losses[:done] = torch.tensor(progress["loss"], dtype=losses.dtype)
+        losses[:done] = torch.tensor(progress["loss"], dtype=losses.dtype, device=losses.device)
     started_at, start = time.time(), time.perf_counter()  # wall clock for trackers, monotonic for rates
     for step in range(done, train.inner_steps):
         if should_stop is not None and _agreed(should_stop(), world):
@@ -188,7 +194,7 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
             group["lr"] = lr
         for micro in range(train.gradient_accumulation_steps):
             first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, train.gradient_accumulation_steps, world)
-            inputs, labels = stream.micro_batch(first, train.micro_batch_size)  # (B, T) each
+            inputs, labels = (t.to(engine.device) for t in stream.micro_batch(first, train.micro_batch_size))  # (B, T) each
             logits = engine(input_ids=inputs).logits  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             engine.backward(loss)
@@ -351,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         root = RunRoot(args.run_root)
         config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG), root.path(layout.RUN_CONFIG))
+        apply_rank_threads(config.train, islands=False)  # whatever the launcher's environment says
         metrics = train_path(config, args.round, args.path)
         log.info("path %s round %d: %d tokens, %.0f tokens/s", args.path, args.round, metrics["tokens"], metrics["tokens_per_s"])
 

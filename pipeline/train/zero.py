@@ -17,13 +17,22 @@ from models.modular import ModelShape
 from pipeline.core.bounds import load_json
 from pipeline.core.config import read_config_text, resolve_ds_config
 from pipeline.train.distributed import init_distributed
+from pipeline.train.precision import Precision, ds_blocks, resolve
 from pipeline.core.errors import ConfigError, CorruptStateError
 
 
-def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: int, source: str) -> dict[str, Any]:
-    """Replace every "auto" with the value our config implies; refuse contradictions by key."""
+def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: int, source: str,
+                   precision: Precision | str = "fp32") -> dict[str, Any]:
+    """Replace every "auto" with the value our config implies, and write the precision blocks of
+    the resolved `train.precision`; refuse contradictions by key."""
     hidden_size = shape.hidden_size
     config = copy.deepcopy(raw)
+    for key in ("fp16", "bf16", "torch_autocast"):
+        block = config.get(key)
+        if isinstance(block, dict) and block.get("enabled", False) is not False:
+            # one place decides the precision, per machine (pipeline/train/precision.py)
+            raise ConfigError(f"{source}: remove the {key} block; set train.precision (auto, fp32, bf16 or fp16) instead")
+    config.update(ds_blocks(precision))
     batch = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.gradient_accumulation_steps,
@@ -76,13 +85,16 @@ def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: in
     return config
 
 
-def load_ds_config(train, shape: ModelShape, world_size: int) -> dict[str, Any]:
+def load_ds_config(train, shape: ModelShape, world_size: int, precision: Precision | str | None = None) -> dict[str, Any]:
+    """The run's ds_config filled in; `precision` defaults to resolving train.precision here."""
     path = resolve_ds_config(train.ds_config)
     try:
         raw = load_json(read_config_text(path), str(path))
     except CorruptStateError as exc:  # not JSON, too deep, or not an object: the user's file, so a config error
         raise ConfigError(f"train.ds_config: {exc}") from None
-    return fill_ds_config(raw, train, shape, world_size, str(path))
+    if precision is None:
+        precision = resolve(train, shape)
+    return fill_ds_config(raw, train, shape, world_size, str(path), precision)
 
 
 def wrap_with_zero(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict[str, Any]):
