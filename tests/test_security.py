@@ -45,3 +45,67 @@ def test_the_scan_catches_pickle_loads(code, tmp_path):
     bad.write_text(f"import torch, numpy as np, pickle\nvalue = {code}\n")
     assert pickle_loads(bad) != []
 
+
+
+# -- trust levels: what a DAG trigger may set ----------------------------------------------------
+from pipeline.core.config import check_dag_params, load_config  # noqa: E402
+from pipeline.core.errors import ConfigError  # noqa: E402
+
+TINY = REPO / "configs" / "tiny.yaml"
+ENV_OPTION = "beam.options=['--environment_type=beam:env:harness_subprocess_python:v1', '--environment_config=id>pwned']"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("beam.runner=os.getcwd", "beam.runner"), (ENV_OPTION, "beam.options"),
+    ("mlflow.tracking_uri=http://attacker:5000", "mlflow.tracking_uri"), ("train.hostfile=/etc/hosts", "train.hostfile"),
+    ("train.ds_config=/tmp/x.json", "train.ds_config"), ("router.embedder=model", "router.embedder"),
+])
+def test_a_trigger_override_outside_the_allow_list_is_refused_naming_the_key(override, key):
+    params = {"config": "configs/tiny.yaml", "overrides": ["train.lr=0.001", override], "project_dir": str(REPO)}
+    with pytest.raises(ConfigError, match=rf"overrides\[1\]: a DAG trigger may not set '{key}'") as error:
+        check_dag_params(params, [REPO])
+    assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match=f"may not set '{key}'"):  # and in the loader the tasks call
+        load_config(TINY, [override], trusted=False)
+
+
+def test_a_trigger_sets_hyper_parameters_and_a_run_root_only_under_the_configured_prefix(tmp_path):
+    config = load_config(TINY, ["train.lr=0.001", "train.rounds=3", "eval.max_docs=2"], trusted=False)
+    assert (config.train.lr, config.train.rounds, config.eval.max_docs) == (0.001, 3, 2)
+    with pytest.raises(ConfigError, match="only under airflow.trigger_run_roots, which the config file does not set"):
+        load_config(TINY, [f"run_root={tmp_path}/run"], trusted=False)
+    with_prefix = tmp_path / "c.yaml"
+    with_prefix.write_text(TINY.read_text() + f"airflow:\n  trigger_run_roots: {tmp_path}/runs\n")
+    assert load_config(with_prefix, [f"run_root={tmp_path}/runs/a"], trusted=False).run_root == f"{tmp_path}/runs/a"
+    for outside in (f"{tmp_path}/elsewhere", f"{tmp_path}/runs/../x", f"{tmp_path}/runs"):
+        with pytest.raises(ConfigError, match="must lie under airflow.trigger_run_roots|must not contain"):
+            load_config(with_prefix, [f"run_root={outside}"], trusted=False)
+    with pytest.raises(ConfigError, match="may not set 'airflow.trigger_run_roots'"):
+        load_config(with_prefix, ["airflow.trigger_run_roots=/", "run_root=/x"], trusted=False)
+
+
+def test_a_trigger_cannot_choose_a_config_file_or_project_outside_the_trusted_directories(tmp_path):
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("beam:\n  runner: PortableRunner\n")
+    with pytest.raises(ConfigError, match="lies outside the directories this DAG trusts"):
+        check_dag_params({"config": str(evil), "overrides": [], "project_dir": str(REPO)}, [REPO])
+    with pytest.raises(ConfigError, match="lies outside the directories this DAG trusts"):
+        check_dag_params({"config": "configs/../../x.yaml", "overrides": [], "project_dir": str(REPO)}, [REPO])
+    with pytest.raises(ConfigError, match="project_dir .* is not one this DAG trusts"):
+        check_dag_params({"config": "configs/tiny.yaml", "overrides": [], "project_dir": str(tmp_path)}, [REPO])
+
+
+def test_runners_come_from_an_allow_list_whoever_names_them(tmp_path):
+    with pytest.raises(ConfigError, match="beam.runner must be one of DirectRunner.*got 'os.getcwd'"):
+        load_config(TINY, ["beam.runner=os.getcwd"])  # even from the operator's --set
+    listed = tmp_path / "c.yaml"
+    listed.write_text(TINY.read_text().replace("runner: DirectRunner", "runner: PrismRunner\n  extra_runners: [PrismRunner]"))
+    assert load_config(listed).beam.runner == "PrismRunner"  # the config file may list one more
+
+
+def test_environment_options_must_come_from_the_config_file_itself(tmp_path):
+    with pytest.raises(ConfigError, match="only the config file itself may set --environment_type"):
+        load_config(TINY, [ENV_OPTION])
+    own = tmp_path / "c.yaml"
+    own.write_text(TINY.read_text().replace('options: ["--direct_num_workers=1"', 'options: ["--environment_type=LOOPBACK"'))
+    assert "--environment_type=LOOPBACK" in load_config(own).beam.options

@@ -56,9 +56,11 @@ def test_dask_runner_is_accepted_by_name_and_by_class_and_a_bad_runner_is_one_li
     config = tiny_config(Path("/tmp/unused"), "beam.runner=DaskRunner", "beam.options=[]")
     options = pipeline_options(config)
     assert isinstance(make_runner("DaskRunner", options), DaskRunner)
-    assert isinstance(make_runner(DASK_RUNNER, options), DaskRunner)
+    assert isinstance(make_runner(DASK_RUNNER, options, extra=[DASK_RUNNER]), DaskRunner)  # a class path, listed
+    with pytest.raises(ConfigError, match=r"tiny.yaml: beam.runner must be one of DirectRunner.*got 'os.getcwd'"):
+        make_runner("os.getcwd", options, config.source)  # refused before Beam imports it
     with pytest.raises(ConfigError, match=r"tiny.yaml: beam.runner 'NoSuchRunner' cannot be created") as err:
-        make_runner("NoSuchRunner", options, config.source)
+        make_runner("NoSuchRunner", options, config.source, extra=["NoSuchRunner"])
     assert "\n" not in str(err.value)
 
 
@@ -259,7 +261,11 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
     require(redis=True)
     dag_config = tmp_path / "dipaco.yaml"
     raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
-    raw["airflow"] = {"rounds_per_run": 1, "pool": POOL, "retries": 1, "retry_delay_s": 1}
+    # what a trigger may not set (launcher, leases, MLflow, where run roots go) is the config file's
+    raw["airflow"] = {"rounds_per_run": 1, "pool": POOL, "retries": 1, "retry_delay_s": 1,
+                      "trigger_run_roots": str(tmp_path)}
+    raw["train"].update(launcher="inprocess", lease_seconds=10)
+    raw["mlflow"] = {"enabled": False}
     dag_config.write_text(yaml.safe_dump(raw))
     queue = f"dipaco-test-{uuid.uuid4().hex[:8]}"
     env = svc.airflow_env(tmp_path / "airflow", PG_URL, pg_database, REDIS_URL, queue, svc.free_port(),
@@ -277,8 +283,7 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
 
         assert wait_for("parsed DAG", dag_parsed, 120)["is_paused"] is False
         # in-process islands (each in its task's process), trained long enough to be caught holding a lease
-        overrides = [f"run_root={tmp_path / 'run'}", "train.launcher=inprocess", "train.inner_steps=20",
-                     "train.lease_seconds=10", "eval.max_docs=4", "mlflow.enabled=false"]
+        overrides = [f"run_root={tmp_path / 'run'}", "train.inner_steps=20", "eval.max_docs=4"]
         run = api.call("POST", f"/dags/{DAG_ID}/dagRuns", {
             "logical_date": None,
             "conf": {"config": str(dag_config), "overrides": overrides, "project_dir": str(REPO)}})
