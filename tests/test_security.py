@@ -1,6 +1,7 @@
 """No code from data: weights, state and routers load without pickle."""
 
 import ast
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -109,3 +110,43 @@ def test_environment_options_must_come_from_the_config_file_itself(tmp_path):
     own = tmp_path / "c.yaml"
     own.write_text(TINY.read_text().replace('options: ["--direct_num_workers=1"', 'options: ["--environment_type=LOOPBACK"'))
     assert "--environment_type=LOOPBACK" in load_config(own).beam.options
+
+
+# -- quoting: what reaches a shell ---------------------------------------------------------------
+def pdsh_remote_line(command: list[str]) -> str:
+    """The line DeepSpeed's pdsh runner has every node's shell run for this `deepspeed` command."""
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+    from deepspeed.launcher.runner import parse_args
+
+    args = parse_args(command[1:])
+    args.master_addr = "10.0.0.1"
+    cmd, _, _ = PDSHRunner(args, "e30=").get_cmd({}, {"node-a": [0], "node-b": [0]})
+    return " ".join(cmd[cmd.index("node-a,node-b") + 1:])
+
+
+def test_a_multi_node_launch_line_quotes_its_values_and_refuses_shell_syntax(tmp_path):
+    from pipeline.islands.launch import island_command, launcher_command
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    train = load_config(TINY, ["train.num_nodes=2", f"train.hostfile={hostfile}"]).train
+    hostile = "/tmp/x;touch${IFS}pwned;#"
+    with pytest.raises(ConfigError, match="run_root may hold only"):  # the config refuses it first
+        load_config(TINY, [f"run_root={hostile}"])
+    with pytest.raises(ConfigError, match="would reach the nodes' shell"):  # and so does the launcher
+        launcher_command(hostile, 0, "p0-1", train, 29500)
+    with pytest.raises(ConfigError, match="would reach the nodes' shell"):
+        island_command("/tmp/run", "island-0", train, 29500, ds_config="/x/$(id).json")
+    root = "/tmp/runs/~a,b=c@d+e"  # within the character set, with characters a shell reads: quoted
+    line = pdsh_remote_line(launcher_command(root, 3, "p0-1", train, 29500))
+    words = shlex.split(line)
+    assert words[words.index("--run-root") + 1] == root and words[words.index("--path") + 1] == "p0-1"
+    assert f"'{root}'" in line
+
+
+def test_a_single_node_launch_passes_values_as_they_are():
+    from pipeline.islands.launch import launcher_command
+
+    train = load_config(TINY).train
+    command = launcher_command("/tmp/runs/~a", 0, "p0-1", train, 29500)
+    assert command[command.index("--run-root") + 1] == "/tmp/runs/~a"  # an argv list, no shell
