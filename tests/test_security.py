@@ -150,3 +150,56 @@ def test_a_single_node_launch_passes_values_as_they_are():
     train = load_config(TINY).train
     command = launcher_command("/tmp/runs/~a", 0, "p0-1", train, 29500)
     assert command[command.index("--run-root") + 1] == "/tmp/runs/~a"  # an argv list, no shell
+
+
+# -- no leaks: only committed files, never through a link ----------------------------------------
+def test_get_dir_copies_only_the_listed_files_and_refuses_a_symbolic_link(tmp_path):
+    from pipeline.core.errors import CorruptStateError
+    from pipeline.state.storage import RunRoot
+
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("PRIVATE KEY")
+    root = RunRoot(tmp_path / "run")
+    root.write_bytes("router/a.bin", b"centroids")
+    root.commit("router")
+    (tmp_path / "run" / "router" / "extra.txt").symlink_to(secret)  # slipped in after the commit
+    (tmp_path / "run" / "router" / "more.txt").write_text("unlisted")
+    root.get_dir("router", tmp_path / "copy")
+    assert sorted(p.name for p in (tmp_path / "copy").rglob("*")) == ["a.bin"]
+    root.commit("router")  # a marker that lists the link (its checksum is the target's)
+    with pytest.raises(CorruptStateError, match="extra.txt: is or lies under a symbolic link"):
+        root.get_dir("router", tmp_path / "copy2")
+    with pytest.raises(CorruptStateError, match="symbolic link"):
+        root.read_committed("router", "extra.txt")
+
+
+def test_a_link_in_a_committed_router_never_reaches_mlflow(tmp_path, monkeypatch):
+    from conftest import tiny_config
+    from pipeline.core.errors import CorruptStateError
+    from pipeline.state.storage import RunRoot
+    from pipeline.tracking.tracker import get_tracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("PRIVATE KEY 6d8f")
+
+    def prepared_with_a_link(name: str, listed: bool):
+        """A run root whose committed router holds a link to the key (listed in _SUCCESS or not)."""
+        config = tiny_config(tmp_path / name, "mlflow.enabled=true", f"mlflow.experiment=test-{name}")
+        root = RunRoot(config.run_root)
+        root.write_json("router/router.json", {"kind": "kmeans"})
+        root.commit("router")
+        root.write_json("shards/manifest.json", {"seconds": 1.0})
+        root.commit("shards")
+        (tmp_path / name / "router" / "extra.txt").symlink_to(secret)
+        if listed:
+            root.commit("router")
+        return get_tracker(config)
+
+    tracker = prepared_with_a_link("unlisted", listed=False)
+    tracker.log_prepare({"seconds": 1.0})  # the router goes to MLflow: its listed file only
+    assert [a.path for a in tracker.client.list_artifacts(tracker._parent(), "router")] == ["router/router.json"]
+    with pytest.raises(CorruptStateError, match="symbolic link"):
+        prepared_with_a_link("listed", listed=True).log_prepare({"seconds": 1.0})
+    shipped = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink() and p != secret]
+    assert shipped and not [p for p in shipped if b"PRIVATE KEY" in p.read_bytes()]
