@@ -203,3 +203,75 @@ def test_a_link_in_a_committed_router_never_reaches_mlflow(tmp_path, monkeypatch
         prepared_with_a_link("listed", listed=True).log_prepare({"seconds": 1.0})
     shipped = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink() and p != secret]
     assert shipped and not [p for p in shipped if b"PRIVATE KEY" in p.read_bytes()]
+
+
+# -- generation caps -----------------------------------------------------------------------------
+def test_generation_params_are_capped_with_a_message_naming_the_param():
+    from pipeline.tracking.registry import generation_options
+
+    assert generation_options({"max_new_tokens": 256, "reroute_every": 8}, None, 256, 512)["max_new_tokens"] == 256
+    assert generation_options({"reroute_every": 0}, 64, 256)["reroute_every"] is None  # 0: route once
+    assert generation_options({"reroute_every": 4}, 4, 256)["reroute_every"] == 4  # the run's own, smaller
+    for params, expected in [({"max_new_tokens": 10**9}, r"max_new_tokens=1000000000 must be within \[1, 256\]"),
+                             ({"reroute_every": 1}, r"reroute_every=1 must be within \[8, "),
+                             ({"top_k": 10**6}, r"top_k=1000000 must be within \[0, 512\]"),
+                             ({"temperature": float("inf")}, "temperature=inf"),
+                             ({"max_new_tokens": float("inf")}, "must be numbers")]:
+        with pytest.raises(ValueError, match=expected):
+            generation_options(params, None, 256, 512)
+
+
+def test_a_ds_config_with_a_checkpoint_section_is_refused(tmp_path):
+    import json
+
+    from models.modular import ModelShape
+    from pipeline.train.zero import load_ds_config
+
+    raw = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    raw["checkpoint"] = {"load_universal": True}
+    bad = tmp_path / "zero2_universal.json"
+    bad.write_text(json.dumps(raw))
+    config = load_config(TINY, [f"train.ds_config={bad}"])
+    shape = ModelShape.from_config(config.model)
+    with pytest.raises(ConfigError, match="zero2_universal.json: remove the checkpoint section"):
+        load_ds_config(config.train, shape, 1)
+
+
+# -- redaction -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("https://user:p@ss@host/x", "https://***@host/x"),  # '@' inside the password
+    ("https://h/x?token=abc&n=1", "https://h/x?token=***&n=1"),
+    ("s3://b/k?X-Amz-Signature=ff&X-Amz-Credential=AK&X-Amz-Date=1", "s3://b/k?X-Amz-Signature=***&X-Amz-Credential=***&X-Amz-Date=1"),
+    ("--set data.train=https://r:s3cr3t@d.example.com/c4/*.json?api_key=k#f", "--set data.train=https://***@d.example.com/c4/*.json?api_key=***#f"),
+    ("['--dask_client_address=tcp://u:pw@h:8786']", "['--dask_client_address=tcp://***@h:8786']"),
+    ("sqlite:////tmp/run/mlflow.db", "sqlite:////tmp/run/mlflow.db"), ("runs/a b=c", "runs/a b=c"),
+])
+def test_redact_hides_userinfo_and_secret_query_params(text, expected):
+    from urllib.parse import urlsplit
+
+    from pipeline.tracking.uris import redact
+
+    assert redact(text) == expected
+    if text.startswith("https://user"):
+        assert redact(text).split("://")[1].split("/")[0] == "***@" + urlsplit(text).hostname  # urlsplit's split
+
+
+@pytest.mark.timeout(20)  # the regex before took 18 s on 64 KB: quadratic
+def test_redact_takes_linear_time_on_a_megabyte():
+    import time
+
+    from pipeline.tracking.uris import redact
+
+    url = "https://user:p@ss@host.example.com/p?token=t0k3n&n=1 "
+    texts = {"urls": "x=" + url * ((1 << 20) // len(url)), "scheme run": "a" * (1 << 20) + "://u:p@h",
+             "one authority": "x=https://" + "a" * (1 << 20), "at signs": "a@" * (1 << 19) + "://"}
+    for name, text in texts.items():
+        seconds = min(_timed(redact, text, time) for _ in range(3))
+        assert seconds < 0.05, f"{name}: {seconds * 1000:.0f} ms for 1 MB"
+    assert "p@ss" not in redact(texts["urls"]) and "t0k3n" not in redact(texts["urls"])
+
+
+def _timed(fn, arg, time) -> float:
+    start = time.perf_counter()
+    fn(arg)
+    return time.perf_counter() - start
