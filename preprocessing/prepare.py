@@ -24,7 +24,8 @@ from typing import Any
 from models.grid import all_path_ids
 from pipeline.state import layout
 from pipeline.core.config import Config, load_config
-from pipeline.core.errors import ConfigError
+from pipeline.core.bounds import load_json
+from pipeline.core.errors import ConfigError, CorruptStateError
 from pipeline.core.trust import check_beam_options, check_runner
 from pipeline.state.storage import RunRoot
 from preprocessing import c4
@@ -36,6 +37,7 @@ from preprocessing.transforms import (
     ReadC4,
     RouterEmbedderHandler,
     SampleDocs,
+    sample_text_chars,
     Summarize,
     TokenizeDocs,
     WriteRejected,
@@ -192,12 +194,18 @@ def sample_training_texts(config: Config, root: RunRoot, plan) -> list[str]:
     read = pipeline | "ReadC4" >> ReadC4(train_plan, config.data.max_doc_bytes, config.router.batch_size)
     (
         read.batches
-        | "SampleDocs" >> SampleDocs(n, config.router.seed)
+        | "SampleDocs" >> SampleDocs(n, config.router.seed, sample_text_chars(config.router.prefix_tokens))
         | "SaveSample" >> _save_json(root.url, f"{ROUTER_WORK}/sample.json")
     )
     run_to_completion(pipeline)
     sample_file = f"{ROUTER_WORK}/sample.json"  # [[key, doc_id, text]] by key; absent: no documents
-    sample = json.loads(root.read_bytes(sample_file)) if root.exists(sample_file) else []
+    if not root.exists(sample_file):
+        return []
+    # each text at most sample_text_chars characters, at most 6 bytes each in JSON (\\uXXXX escapes)
+    bound = n * (6 * sample_text_chars(config.router.prefix_tokens) + 1024)
+    sample = load_json(root.read_bytes(sample_file, max_bytes=bound), root.path(sample_file), list)
+    if not all(isinstance(s, list) and len(s) == 3 and isinstance(s[2], str) for s in sample):
+        raise CorruptStateError(f"{root.path(sample_file)}: expected [[key, doc_id, text], ...]")
     return [text for _, _, text in sample]
 
 
@@ -324,6 +332,8 @@ def build_manifest(summary: dict, config: Config, router: Router, plan, root: Ru
             "rejected_by_reason": dict(sorted(entry["rejected"].items())),
             "tokens": sum(t for _, t in entry["paths"].values()),
         }
+        if entry.get("unlisted"):  # counted, but past the split's byte budget for rejected/ (transforms.py)
+            splits[split]["rejected_not_listed"] = entry["unlisted"]
     reasons: dict[str, int] = {}
     for s in splits.values():
         for reason, n in s["rejected_by_reason"].items():
