@@ -16,7 +16,8 @@ other nor with a team's own databases on the same server.
 
 Authentication is on (docs/security.md, "Services"): Airflow's simple auth manager with one admin
 whose generated password is printed once and kept in .services/secrets/ (0600, like the Fernet key
-and the separate JWT and API secrets); MLflow's basic-auth app, whose admin credentials the
+and the separate JWT and API secrets); a PostgreSQL role of its own, with a password, for each
+service (owner of its database, not a superuser); MLflow's basic-auth app, whose admin credentials the
 pipeline reads as MLFLOW_TRACKING_USERNAME/PASSWORD from .services/mlflow.env (0600); Dask and
 every other listener on 127.0.0.1 only (the Dask scheduler has no credentials: it must never listen
 beyond loopback). PostgreSQL and Redis themselves are not
@@ -44,7 +45,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's dask, mlflow and airflow commands
@@ -143,14 +144,55 @@ def _admin(pg_url: str):
     return conn
 
 
-def create_database(pg_url: str, name: str) -> bool:
-    """Create database `name` unless it exists; True if it was created."""
+def create_database(pg_url: str, name: str, owner: str | None = None) -> bool:
+    """Create database `name` (owned by `owner`) unless it exists; True if it was created."""
+    from psycopg2 import sql
+
     with closing(_admin(pg_url)) as conn, conn.cursor() as cur:
         cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
         if cur.fetchone():
+            if owner:
+                cur.execute(sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(name), sql.Identifier(owner)))
             return False
-        cur.execute(f'CREATE DATABASE "{name}"')
+        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+                    + (sql.SQL(" OWNER {}").format(sql.Identifier(owner)) if owner else sql.SQL("")))
         return True
+
+
+def create_role(pg_url: str, role: str, password: str) -> None:
+    """A login role of one service, with a password and no privilege beyond its own database's
+    (no superuser, no CREATEDB, no CREATEROLE); its password is (re)set."""
+    from psycopg2 import sql
+
+    with closing(_admin(pg_url)) as conn, conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
+        verb = sql.SQL("ALTER" if cur.fetchone() else "CREATE")
+        cur.execute(sql.SQL("{} ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD %s").format(
+            verb, sql.Identifier(role)), (password,))
+
+
+def drop_role(pg_url: str, role: str) -> None:
+    from psycopg2 import sql
+
+    with closing(_admin(pg_url)) as conn, conn.cursor() as cur:
+        cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+def service_database(pg_url: str, name: str, secrets_dir: Path) -> str:
+    """The service's own database, owned by a role of the same name whose password is kept in
+    secrets_dir (0600); returns the server URL that logs in as that role, not as the superuser."""
+    password, _ = secret(secrets_dir / f"postgres-{name}-password")
+    create_role(pg_url, name, password)
+    create_database(pg_url, name, owner=name)
+    return role_url(pg_url, name, password)
+
+
+def role_url(pg_url: str, role: str, password: str) -> str:
+    """postgresql://postgres@h:p -> postgresql://role:password@h:p."""
+    parts = urlsplit(pg_url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, f"{quote(role, safe='')}:{quote(password, safe='')}@{host}", parts.path,
+                       parts.query, ""))
 
 
 def drop_database(pg_url: str, name: str) -> None:
@@ -441,14 +483,14 @@ def start_all(settings: Settings) -> Deployment:
     deployment = Deployment()
     try:
         start_dask(deployment, settings.dask_port, settings.dask_workers, logs)
-        create_database(settings.pg_url, settings.mlflow_db)
-        mlflow = start_mlflow(deployment, settings.pg_url, settings.mlflow_db, home / "mlflow-artifacts",
+        mlflow_pg = service_database(settings.pg_url, settings.mlflow_db, home / "secrets")  # its own role
+        mlflow = start_mlflow(deployment, mlflow_pg, settings.mlflow_db, home / "mlflow-artifacts",
                               settings.mlflow_port, logs, home / "secrets")
         write_private(home / "mlflow.env", "".join(
             f"export {k}={shlex.quote(v)}\n"
             for k, v in {"MLFLOW_TRACKING_URI": mlflow, **mlflow_credentials(home / "secrets")}.items()))
-        create_database(settings.pg_url, settings.airflow_db)
-        env = airflow_env(home / "airflow", settings.pg_url, settings.airflow_db, settings.redis_url,
+        airflow_pg = service_database(settings.pg_url, settings.airflow_db, home / "secrets")
+        env = airflow_env(home / "airflow", airflow_pg, settings.airflow_db, settings.redis_url,
                           settings.celery_queue, settings.airflow_port, settings.dipaco_config,
                           settings.celery_concurrency, home / "secrets")
         start_airflow(deployment, env, "dipaco_paths", settings.pool_slots, settings.celery_queue, logs)

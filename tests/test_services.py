@@ -131,6 +131,18 @@ def pg_database():
 
 
 @pytest.fixture
+def pg_service(pg_database, tmp_path):
+    """The server URL of a role of the test database's own, its owner, with a password (what
+    `make services` gives each service: svc.service_database), instead of the superuser."""
+    url = svc.service_database(PG_URL, pg_database, tmp_path / "secrets")
+    try:
+        yield url
+    finally:
+        svc.drop_database(PG_URL, pg_database)  # a role that owns a database cannot be dropped
+        svc.drop_role(PG_URL, pg_database)
+
+
+@pytest.fixture
 def deployment():
     """The processes a test starts; every process group stopped by its pid at the end."""
     started = svc.Deployment()
@@ -189,13 +201,13 @@ def query(database: str, sql: str, *args) -> list[tuple]:
 @pytest.mark.slow  # ~65 s (210 s loaded 4x): the server and its PostgreSQL migrations, a one-round run
 @pytest.mark.timeout(400)
 def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_loads_over_http(
-        pg_database, deployment, tmp_path):
+        pg_database, pg_service, deployment, tmp_path):
     from test_registry import PROMPTS, write_c4
 
     import base64
 
     artifacts, keys = tmp_path / "server-artifacts", tmp_path / "secrets"
-    uri = svc.start_mlflow(deployment, PG_URL, pg_database, artifacts, svc.free_port(), tmp_path / "logs", keys)
+    uri = svc.start_mlflow(deployment, pg_service, pg_database, artifacts, svc.free_port(), tmp_path / "logs", keys)
     credentials = svc.mlflow_credentials(keys)
     search = f"{uri}/api/2.0/mlflow/experiments/search?max_results=1"
     basic = base64.b64encode(f"{credentials['MLFLOW_TRACKING_USERNAME']}:{credentials['MLFLOW_TRACKING_PASSWORD']}".encode())
@@ -218,6 +230,10 @@ def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_
     # the server's PostgreSQL store holds the runs and the registry; its artifact store the files
     assert not (tmp_path / "run" / "mlflow.db").exists()
     assert query(pg_database, "SELECT count(*) FROM runs")[0][0] >= 4  # parent, prepare, round, paths...
+    # the server's store belongs to its own password-protected role, not to the superuser
+    assert query(pg_database, "SELECT tableowner FROM pg_tables WHERE tablename = 'runs'") == [(pg_database,)]
+    assert query(pg_database, "SELECT rolsuper, rolpassword IS NOT NULL FROM pg_authid WHERE rolname = %s",
+                 pg_database) == [(False, True)]
     assert query(pg_database, "SELECT version FROM model_versions WHERE name = %s", name) == [(1,)]
     assert query(pg_database, "SELECT version FROM registered_model_aliases WHERE name = %s AND alias = 'champion'",
                  name) == [(1,)]
@@ -302,7 +318,7 @@ def kill_an_island_holding_a_train_lease(database: str, run_id: str, run_root: P
 @pytest.mark.slow  # ~2 min (3 min loaded 4x): migrations, 5 Airflow components, a DAG run on Celery
 @pytest.mark.timeout(600)
 def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is_retried_and_its_lease_retaken(
-        pg_database, deployment, tmp_path):
+        pg_database, pg_service, deployment, tmp_path):
     require(redis=True)
     dag_config = tmp_path / "dipaco.yaml"
     raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
@@ -314,7 +330,7 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
     dag_config.write_text(yaml.safe_dump(raw))
     queue = f"dipaco-test-{uuid.uuid4().hex[:8]}"
     keys = tmp_path / "secrets"
-    env = svc.airflow_env(tmp_path / "airflow", PG_URL, pg_database, REDIS_URL, queue, svc.free_port(),
+    env = svc.airflow_env(tmp_path / "airflow", pg_service, pg_database, REDIS_URL, queue, svc.free_port(),
                           dag_config, CONCURRENCY, keys)
     env["OMP_NUM_THREADS"] = "1"
     try:
@@ -322,7 +338,7 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
         assert http_status(f"{address}/api/v2/dags") == 401  # no anonymous admins any more
         assert http_status(f"{address}/auth/token") in (401, 403, 405)  # nor a token for the asking
         api = AirflowApi(address, (keys / "airflow-admin-password").read_text().strip())
-        assert private_files(keys) == {} and len(list(keys.iterdir())) == 5
+        assert private_files(keys) == {} and len(list(keys.iterdir())) == 6  # 5 of Airflow's, PostgreSQL's
         assert len({env[k] for k in ("AIRFLOW__API__SECRET_KEY", "AIRFLOW__API_AUTH__JWT_SECRET",
                                      "AIRFLOW__CORE__FERNET_KEY")}) == 3  # separate secrets, a Fernet key
 
