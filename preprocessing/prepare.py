@@ -24,7 +24,9 @@ from typing import Any
 from models.grid import all_path_ids
 from pipeline.state import layout
 from pipeline.core.config import Config, load_config
-from pipeline.core.errors import ConfigError
+from pipeline.core.bounds import load_json
+from pipeline.core.errors import ConfigError, CorruptStateError
+from pipeline.core.trust import check_beam_options, check_runner
 from pipeline.state.storage import RunRoot
 from preprocessing import c4
 from preprocessing.router import Router
@@ -35,6 +37,7 @@ from preprocessing.transforms import (
     ReadC4,
     RouterEmbedderHandler,
     SampleDocs,
+    sample_text_chars,
     Summarize,
     TokenizeDocs,
     WriteRejected,
@@ -67,11 +70,14 @@ DIRECT_NAMES = ("DirectRunner", "direct", "FnApiRunner")
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"  # not in Beam's list of runner names
 
 
-def make_runner(name: str, options, source: str = "<config>"):
-    """The runner object for `beam.runner`: a name Beam knows, 'DaskRunner', or a fully qualified
-    runner class. 'DirectRunner' means the FnApiRunner directly: Beam 2.77's DirectRunner tries
-    Prism first, which downloads a binary and fails offline. The options go in the provision info
-    as DirectRunner does, so SDK workers see them (log levels)."""
+def make_runner(name: str, options, source: str = "<config>", extra: tuple[str, ...] | list[str] = ()):
+    """The runner object for `beam.runner`: one of Beam's runners (trust.BEAM_RUNNERS), or one the
+    config file lists in `beam.extra_runners` (`extra`; a fully qualified class may be listed
+    there); anything else is refused before Beam imports it, since `create_runner` imports and
+    calls whatever dotted name it gets. 'DirectRunner' means the FnApiRunner directly: Beam 2.77's
+    DirectRunner tries Prism first, which downloads a binary and fails offline. The options go in
+    the provision info as DirectRunner does, so SDK workers see them (log levels)."""
+    check_runner(name, extra, source)
     if name in DIRECT_NAMES:
         from apache_beam.portability.api import beam_provision_api_pb2
         from apache_beam.runners.portability.fn_api_runner import fn_runner
@@ -94,7 +100,8 @@ def make_pipeline(config: Config):
     import apache_beam as beam
 
     options = pipeline_options(config)
-    return beam.Pipeline(runner=make_runner(config.beam.runner, options, config.source), options=options)
+    runner = make_runner(config.beam.runner, options, config.source, config.beam.extra_runners)
+    return beam.Pipeline(runner=runner, options=options)
 
 
 def run_to_completion(pipeline):
@@ -187,12 +194,18 @@ def sample_training_texts(config: Config, root: RunRoot, plan) -> list[str]:
     read = pipeline | "ReadC4" >> ReadC4(train_plan, config.data.max_doc_bytes, config.router.batch_size)
     (
         read.batches
-        | "SampleDocs" >> SampleDocs(n, config.router.seed)
+        | "SampleDocs" >> SampleDocs(n, config.router.seed, sample_text_chars(config.router.prefix_tokens))
         | "SaveSample" >> _save_json(root.url, f"{ROUTER_WORK}/sample.json")
     )
     run_to_completion(pipeline)
     sample_file = f"{ROUTER_WORK}/sample.json"  # [[key, doc_id, text]] by key; absent: no documents
-    sample = json.loads(root.read_bytes(sample_file)) if root.exists(sample_file) else []
+    if not root.exists(sample_file):
+        return []
+    # each text at most sample_text_chars characters, at most 6 bytes each in JSON (\\uXXXX escapes)
+    bound = n * (6 * sample_text_chars(config.router.prefix_tokens) + 1024)
+    sample = load_json(root.read_bytes(sample_file, max_bytes=bound), root.path(sample_file), list)
+    if not all(isinstance(s, list) and len(s) == 3 and isinstance(s[2], str) for s in sample):
+        raise CorruptStateError(f"{root.path(sample_file)}: expected [[key, doc_id, text], ...]")
     return [text for _, _, text in sample]
 
 
@@ -319,6 +332,8 @@ def build_manifest(summary: dict, config: Config, router: Router, plan, root: Ru
             "rejected_by_reason": dict(sorted(entry["rejected"].items())),
             "tokens": sum(t for _, t in entry["paths"].values()),
         }
+        if entry.get("unlisted"):  # counted, but past the split's byte budget for rejected/ (transforms.py)
+            splits[split]["rejected_not_listed"] = entry["unlisted"]
     reasons: dict[str, int] = {}
     for s in splits.values():
         for reason, n in s["rejected_by_reason"].items():
@@ -419,7 +434,8 @@ def run(argv: list[str] | None = None, test_pipeline=None) -> dict:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     known, beam_args = parser.parse_known_args(argv)
     config = load_config(known.config, known.set)
-    if beam_args:
+    if beam_args:  # the operator's own command line, as trusted as the config file
+        check_beam_options(beam_args, beam_args, config.source)
         config.beam.options = beam_args
     return run_prepare(config, test_pipeline=test_pipeline)
 

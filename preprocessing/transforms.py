@@ -82,11 +82,34 @@ class _Progress:
 DOCUMENTS, REJECTED, LINES = "documents", "rejected", "lines"  # the kinds ReadC4's reader emits
 
 
-class _ReadFileFn(beam.DoFn):
-    """(split, file, line limit) -> (kind, value): batches of Documents, Rejections, line counts."""
+# What rejected/ keeps of a split's rejected lines: each line's first c4.RAW_CHARS characters, and
+# records up to REJECTED_BYTES_PER_SPLIT in all, shared by the split's files (each file at least
+# REJECTED_BYTES_PER_FILE_MIN). Every rejection is counted, kept or not: the manifest's counts stay
+# exact while the records that travel to WriteRejected (and its GroupByKey, which holds a part in
+# memory) are bounded. A record costs its text plus REJECTION_OVERHEAD (the Python objects of a
+# Rejection, measured: lines of one "x" held ~220 times their size as whole records).
+REJECTED_BYTES_PER_SPLIT = 16 << 20
+REJECTED_BYTES_PER_FILE_MIN = 256 << 10
+REJECTION_OVERHEAD = 256
 
-    def __init__(self, max_doc_bytes: int, batch_size: int):
+
+def rejected_budgets(plan: list[tuple[str, str, int | None]]) -> dict[str, int]:
+    """Bytes of rejection records each file of a split may keep: the split's cap shared by its files."""
+    files = Counter(split for split, _, _ in plan)
+    return {split: max(REJECTED_BYTES_PER_FILE_MIN, REJECTED_BYTES_PER_SPLIT // n) for split, n in files.items()}
+
+
+def rejection_cost(record: c4.Rejection) -> int:
+    return len(record.raw) + len(record.file) + REJECTION_OVERHEAD
+
+
+class _ReadFileFn(beam.DoFn):
+    """(split, file, line limit) -> (kind, value): batches of Documents, Rejections (up to the
+    file's byte budget), line counts and exact rejection counts by reason."""
+
+    def __init__(self, max_doc_bytes: int, batch_size: int, budgets: dict[str, int] | None = None):
         self.max_doc_bytes, self.batch_size = max_doc_bytes, batch_size
+        self.budgets = budgets or {}
         self.lines = Metrics.counter(NAMESPACE, "lines_read")
         self.documents = Metrics.counter(NAMESPACE, "documents_read")
         self.rejected = Metrics.counter(NAMESPACE, "rejected")
@@ -96,7 +119,7 @@ class _ReadFileFn(beam.DoFn):
 
     def process(self, element: tuple[str, str, int | None]) -> Iterator[tuple[str, Any]]:
         split, file, limit = element
-        count, batch = 0, []
+        count, batch, reasons, budget, unlisted = 0, [], Counter(), self.budgets.get(split, REJECTED_BYTES_PER_SPLIT), 0
         for number, raw in c4.read_lines(file, limit, self.max_doc_bytes):
             count += 1
             record = c4.line_to_record(split, file, number, raw, self.max_doc_bytes)
@@ -108,12 +131,23 @@ class _ReadFileFn(beam.DoFn):
                     batch = []
             else:
                 self.rejected.inc()
-                yield REJECTED, record
+                reasons[record.reason] += 1
+                budget -= rejection_cost(record)
+                if budget >= 0:
+                    yield REJECTED, record
+                else:
+                    unlisted += 1
             self.progress.add()
         if batch:
             yield DOCUMENTS, batch
         self.lines.inc(count)
         yield LINES, ("lines", split, count)
+        for reason, n in sorted(reasons.items()):  # the exact counts, kept in rejected/ or not
+            yield LINES, ("rejected", split, reason, n)
+        if unlisted:
+            log.warning("%s: %d rejected lines counted but not listed in rejected/ (over its %d-byte share)",
+                        file, unlisted, self.budgets.get(split, REJECTED_BYTES_PER_SPLIT))
+            yield LINES, ("unlisted", split, unlisted)
 
 
 def _of_kind(record: tuple[str, Any], kind: str) -> Iterator[Any]:
@@ -139,7 +173,7 @@ class ReadC4(beam.PTransform):
             pbegin
             | "ListFiles" >> beam.Create(self.plan)
             | "SpreadFiles" >> beam.Reshuffle()  # one file per element: files read in parallel
-            | "ParseLines" >> beam.ParDo(_ReadFileFn(self.max_doc_bytes, self.batch_size))
+            | "ParseLines" >> beam.ParDo(_ReadFileFn(self.max_doc_bytes, self.batch_size, rejected_budgets(self.plan)))
         )
         return ReadC4Outputs(*(records | f"Select{kind.title()}" >> beam.FlatMap(_of_kind, kind)
                                for kind in (DOCUMENTS, REJECTED, LINES)))
@@ -285,16 +319,17 @@ class _WriteRejectedFn(beam.DoFn):
         self.root_url, self.rejected_dir = root_url, rejected_dir
 
     def process(self, element) -> Iterator[tuple]:
+        """Write one part, sorted by file and line. Yields nothing: the reader counts rejections
+        (all of them; this part holds those within the split's byte budget)."""
         (split, bucket), records = element
         records = sorted(records, key=lambda r: (r.file, r.line))
         text = "".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records)
         RunRoot(self.root_url).write_text(f"{self.rejected_dir}/part-{split}-{bucket:05d}.jsonl", text)
-        for reason, n in sorted(Counter(r.reason for r in records).items()):
-            yield ("rejected", split, reason, n)
+        return iter(())
 
 
 class WriteRejected(beam.PTransform):
-    """Rejections -> shards/rejected/part-<split>-<bucket>.jsonl; emits counts by reason."""
+    """Rejections -> shards/rejected/part-<split>-<bucket>.jsonl; emits nothing (ReadC4 counts)."""
 
     def __init__(self, root_url: str, parts: int, rejected_dir: str = layout.REJECTED_DIR):
         super().__init__()
@@ -321,6 +356,8 @@ class SummaryFn(beam.CombineFn):
         entry = acc.setdefault(split, {"lines": 0, "paths": {}, "rejected": {}})
         if kind == "lines":
             entry["lines"] += stat[2]
+        elif kind == "unlisted":
+            entry["unlisted"] = entry.get("unlisted", 0) + stat[2]
         elif kind == "shard":
             docs_tokens = entry["paths"].setdefault(stat[2], [0, 0])
             docs_tokens[0] += stat[3]
@@ -335,6 +372,8 @@ class SummaryFn(beam.CombineFn):
             for split, entry in acc.items():
                 into = merged.setdefault(split, {"lines": 0, "paths": {}, "rejected": {}})
                 into["lines"] += entry["lines"]
+                if entry.get("unlisted"):
+                    into["unlisted"] = into.get("unlisted", 0) + entry["unlisted"]
                 for path, (docs, tokens) in entry["paths"].items():
                     pair = into["paths"].setdefault(path, [0, 0])
                     pair[0] += docs
@@ -368,17 +407,28 @@ def sample_key(seed: int, doc: c4.Document) -> str:
     return hashlib.sha256(f"{seed}\0{doc.doc_id}\0{doc.text}".encode("utf-8")).hexdigest()
 
 
+def sample_text_chars(prefix_tokens: int) -> int:
+    """How much of each sampled document the router's sample keeps: its start, far more than the
+    embedder reads (prefix_tokens tokens) and what the bpe tokenizer trains on. The sample held
+    up to router.sample_docs whole documents (data.max_doc_bytes each: 20 GB at the defaults)."""
+    return max(SAMPLE_TEXT_CHARS, 64 * prefix_tokens)
+
+
+SAMPLE_TEXT_CHARS = 4096  # the bundled sample's documents are shorter: the same sample as whole texts
+
+
 class SampleDocs(beam.PTransform):
     """Batches of Documents -> one list of the `n` with the smallest sample keys (a seeded uniform
-    sample); nothing at all when there are no documents."""
+    sample, keyed on the whole text), each text cut to `chars`; nothing when there are no documents."""
 
-    def __init__(self, n: int, seed: int):
+    def __init__(self, n: int, seed: int, chars: int = SAMPLE_TEXT_CHARS):
         super().__init__()
-        self.n, self.seed = n, seed
+        self.n, self.seed, self.chars = n, seed, chars
 
     def expand(self, batches):
         return (
             batches
-            | "KeyBySample" >> beam.FlatMap(lambda b, seed: [(sample_key(seed, d), d.doc_id, d.text) for d in b], self.seed)
+            | "KeyBySample" >> beam.FlatMap(lambda b, seed, chars: [(sample_key(seed, d), d.doc_id, d.text[:chars])
+                                                                    for d in b], self.seed, self.chars)
             | "SmallestKeys" >> beam.CombineGlobally(TopCombineFn(self.n, reverse=True)).without_defaults()
         )

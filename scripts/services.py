@@ -12,7 +12,15 @@
   dag processor, the triggerer and the api-server Airflow 3 tasks report to.
 
 Each service keeps to its own database, Redis DB number and queue, so neither collides with the
-other nor with a team's own databases on the same server. PostgreSQL and Redis themselves are not
+other nor with a team's own databases on the same server.
+
+Authentication is on (docs/security.md, "Services"): Airflow's simple auth manager with one admin
+whose generated password is printed once and kept in .services/secrets/ (0600, like the Fernet key
+and the separate JWT and API secrets); a PostgreSQL role of its own, with a password, for each
+service (owner of its database, not a superuser); MLflow's basic-auth app, whose admin credentials the
+pipeline reads as MLFLOW_TRACKING_USERNAME/PASSWORD from .services/mlflow.env (0600); Dask and
+every other listener on 127.0.0.1 only (the Dask scheduler has no credentials: it must never listen
+beyond loopback). PostgreSQL and Redis themselves are not
 started here: point $DIPACO_PG_URL (default postgresql://postgres@127.0.0.1:5432) and
 $DIPACO_REDIS_URL (default redis://127.0.0.1:6379/1) at yours. Every process is started in its own
 session, its pid recorded in .services/services.json; `stop` ends each process group (SIGTERM,
@@ -37,7 +45,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, urlsplit, urlunsplit
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's dask, mlflow and airflow commands
@@ -87,6 +95,39 @@ class Deployment:
         return [s.pid for s in self.services]
 
 
+# -- secrets -------------------------------------------------------------------------------------
+def secret(path: Path, make=lambda: secrets.token_urlsafe(32)) -> tuple[str, bool]:
+    """The secret kept in `path`, made (mode 0600 from its creation on, in a 0700 folder) when
+    missing; (value, whether it was made now). An older file is tightened to 0600."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    made = False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(make())
+        made = True
+    path.chmod(0o600)
+    return path.read_text().strip(), made
+
+
+def fernet_key() -> str:
+    from cryptography.fernet import Fernet
+
+    return Fernet.generate_key().decode()
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (0600 before anything is written into it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    path.chmod(0o600)
+
+
 # -- PostgreSQL and Redis ------------------------------------------------------------------------
 def database_url(pg_url: str, database: str, driver: str = "") -> str:
     """postgresql://u@h:p + 'db' -> postgresql[+driver]://u@h:p/db."""
@@ -103,14 +144,55 @@ def _admin(pg_url: str):
     return conn
 
 
-def create_database(pg_url: str, name: str) -> bool:
-    """Create database `name` unless it exists; True if it was created."""
+def create_database(pg_url: str, name: str, owner: str | None = None) -> bool:
+    """Create database `name` (owned by `owner`) unless it exists; True if it was created."""
+    from psycopg2 import sql
+
     with closing(_admin(pg_url)) as conn, conn.cursor() as cur:
         cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
         if cur.fetchone():
+            if owner:
+                cur.execute(sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(name), sql.Identifier(owner)))
             return False
-        cur.execute(f'CREATE DATABASE "{name}"')
+        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+                    + (sql.SQL(" OWNER {}").format(sql.Identifier(owner)) if owner else sql.SQL("")))
         return True
+
+
+def create_role(pg_url: str, role: str, password: str) -> None:
+    """A login role of one service, with a password and no privilege beyond its own database's
+    (no superuser, no CREATEDB, no CREATEROLE); its password is (re)set."""
+    from psycopg2 import sql
+
+    with closing(_admin(pg_url)) as conn, conn.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
+        verb = sql.SQL("ALTER" if cur.fetchone() else "CREATE")
+        cur.execute(sql.SQL("{} ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD %s").format(
+            verb, sql.Identifier(role)), (password,))
+
+
+def drop_role(pg_url: str, role: str) -> None:
+    from psycopg2 import sql
+
+    with closing(_admin(pg_url)) as conn, conn.cursor() as cur:
+        cur.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+def service_database(pg_url: str, name: str, secrets_dir: Path) -> str:
+    """The service's own database, owned by a role of the same name whose password is kept in
+    secrets_dir (0600); returns the server URL that logs in as that role, not as the superuser."""
+    password, _ = secret(secrets_dir / f"postgres-{name}-password")
+    create_role(pg_url, name, password)
+    create_database(pg_url, name, owner=name)
+    return role_url(pg_url, name, password)
+
+
+def role_url(pg_url: str, role: str, password: str) -> str:
+    """postgresql://postgres@h:p -> postgresql://role:password@h:p."""
+    parts = urlsplit(pg_url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, f"{quote(role, safe='')}:{quote(password, safe='')}@{host}", parts.path,
+                       parts.query, ""))
 
 
 def drop_database(pg_url: str, name: str) -> None:
@@ -265,28 +347,69 @@ def start_dask(deployment: Deployment, port: int, workers: int, logs: Path, time
 
 
 # -- MLflow --------------------------------------------------------------------------------------
+MLFLOW_ADMIN = "admin"
+
+
+def mlflow_credentials(secrets_dir: Path) -> dict[str, str]:
+    """What a client of the server sets: MLflow reads MLFLOW_TRACKING_USERNAME/PASSWORD itself."""
+    password, _ = secret(secrets_dir / "mlflow-admin-password")
+    return {"MLFLOW_TRACKING_USERNAME": MLFLOW_ADMIN, "MLFLOW_TRACKING_PASSWORD": password}
+
+
 def start_mlflow(deployment: Deployment, pg_url: str, database: str, artifacts: Path, port: int, logs: Path,
-                 timeout_s: float = 180) -> str:
-    """`mlflow server` on PostgreSQL with proxied artifacts; returns its http:// address."""
+                 secrets_dir: Path, timeout_s: float = 180) -> str:
+    """`mlflow server` on PostgreSQL with proxied artifacts behind its basic-auth app (every
+    request but /health needs the admin's credentials, mlflow_credentials); returns its address."""
     address = f"http://{HOST}:{port}"
     artifacts.mkdir(parents=True, exist_ok=True)
+    auth_ini, auth_db = secrets_dir / "mlflow-auth.ini", secrets_dir / "mlflow-auth.db"
+    if not auth_db.exists():  # password hashes: 0600 before SQLite writes to it (an empty file is an empty DB)
+        write_private(auth_db, "")
+    auth_db.chmod(0o600)
+    # users and permissions in a SQLite file of their own; nobody but the admin may read or write
+    write_private(auth_ini, "[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+                            f"database_uri = sqlite:///{auth_db}\n"
+                            f"admin_username = {MLFLOW_ADMIN}\n"
+                            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
     argv = [str(BIN / "mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1",
             "--backend-store-uri", database_url(pg_url, database, "psycopg2"), "--serve-artifacts",
-            "--artifacts-destination", str(artifacts)]
+            "--artifacts-destination", str(artifacts), "--app-name", "basic-auth"]
     # MLflow 3.17 starts a job runner with 7 huey consumer processes beside a database-backed server
     # (for GenAI jobs); the pipeline runs none, and on 2 cores they slowed every request
-    env = {**base_env(), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env = {**base_env(), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_AUTH_CONFIG_PATH": str(auth_ini),
+           "MLFLOW_AUTH_ADMIN_PASSWORD": mlflow_credentials(secrets_dir)["MLFLOW_TRACKING_PASSWORD"],
+           "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(secrets_dir / "mlflow-flask-secret")[0]}
     server = spawn(deployment, "mlflow", argv, env, logs, address)
     wait_until(lambda: http_ok(f"{address}/health"), server, timeout_s, "answer on /health")
     return address
 
 
 # -- Airflow -------------------------------------------------------------------------------------
+AIRFLOW_ADMIN = "admin"
+
+
+def airflow_secrets(secrets_dir: Path) -> dict[str, str]:
+    """The deployment's secrets, each in its own 0600 file: the admin's password (printed once by
+    `make services`, when it is made), the Fernet key that encrypts connections and variables, the
+    JWT secret that signs tokens, and the api-server's own secret key."""
+    password, made = secret(secrets_dir / "airflow-admin-password")
+    passwords = secrets_dir / "airflow-passwords.json"  # the simple auth manager's users file
+    write_private(passwords, json.dumps({AIRFLOW_ADMIN: password}) + "\n")
+    if made:
+        print(f"Airflow: user {AIRFLOW_ADMIN!r}, password {password} (printed once; kept in "
+              f"{secrets_dir / 'airflow-admin-password'}, mode 0600)", flush=True)
+    return {"passwords_file": str(passwords), "password": password,
+            "fernet": secret(secrets_dir / "airflow-fernet-key", fernet_key)[0],
+            "jwt": secret(secrets_dir / "airflow-jwt-secret")[0], "api": secret(secrets_dir / "airflow-api-secret")[0]}
+
+
 def airflow_env(home: Path, pg_url: str, database: str, redis_url: str, queue: str, port: int,
-                dipaco_config: Path, concurrency: int, secret: str) -> dict[str, str]:
+                dipaco_config: Path, concurrency: int, secrets_dir: Path) -> dict[str, str]:
     """One environment for every Airflow process: PostgreSQL, CeleryExecutor on Redis, the
-    api-server the task runners report to (Airflow 3's execution API), shared JWT secret."""
+    api-server the task runners report to (Airflow 3's execution API), the simple auth manager
+    with one admin (no anonymous admins), a Fernet key, separate JWT and API secrets."""
     db = database_url(pg_url, database, "psycopg2")
+    keys = airflow_secrets(secrets_dir)
     env = base_env()
     env.update({
         "AIRFLOW_HOME": str(home),
@@ -295,8 +418,10 @@ def airflow_env(home: Path, pg_url: str, database: str, redis_url: str, queue: s
         "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "airflow" / "dags"),
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://{HOST}:{port}/execution/",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "AIRFLOW__CORE__FERNET_KEY": "",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{AIRFLOW_ADMIN}:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": keys["passwords_file"],
+        "AIRFLOW__CORE__FERNET_KEY": keys["fernet"],
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db,
         "AIRFLOW__CELERY__BROKER_URL": redis_url,
         "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{db}",
@@ -306,8 +431,8 @@ def airflow_env(home: Path, pg_url: str, database: str, redis_url: str, queue: s
         "AIRFLOW__API__PORT": str(port),
         "AIRFLOW__API__BASE_URL": f"http://{HOST}:{port}",
         "AIRFLOW__API__WORKERS": "1",
-        "AIRFLOW__API__SECRET_KEY": secret,
-        "AIRFLOW__API_AUTH__JWT_SECRET": secret,
+        "AIRFLOW__API__SECRET_KEY": keys["api"],
+        "AIRFLOW__API_AUTH__JWT_SECRET": keys["jwt"],
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",  # new DAG files within seconds
         "DIPACO_CONFIG": str(dipaco_config),
     })
@@ -357,16 +482,16 @@ def start_all(settings: Settings) -> Deployment:
     deployment = Deployment()
     try:
         start_dask(deployment, settings.dask_port, settings.dask_workers, logs)
-        create_database(settings.pg_url, settings.mlflow_db)
-        start_mlflow(deployment, settings.pg_url, settings.mlflow_db, home / "mlflow-artifacts",
-                     settings.mlflow_port, logs)
-        create_database(settings.pg_url, settings.airflow_db)
-        secret_file = home / "airflow-secret"
-        if not secret_file.exists():
-            secret_file.write_text(secrets.token_urlsafe(32))
-        env = airflow_env(home / "airflow", settings.pg_url, settings.airflow_db, settings.redis_url,
+        mlflow_pg = service_database(settings.pg_url, settings.mlflow_db, home / "secrets")  # its own role
+        mlflow = start_mlflow(deployment, mlflow_pg, settings.mlflow_db, home / "mlflow-artifacts",
+                              settings.mlflow_port, logs, home / "secrets")
+        write_private(home / "mlflow.env", "".join(
+            f"export {k}={shlex.quote(v)}\n"
+            for k, v in {"MLFLOW_TRACKING_URI": mlflow, **mlflow_credentials(home / "secrets")}.items()))
+        airflow_pg = service_database(settings.pg_url, settings.airflow_db, home / "secrets")
+        env = airflow_env(home / "airflow", airflow_pg, settings.airflow_db, settings.redis_url,
                           settings.celery_queue, settings.airflow_port, settings.dipaco_config,
-                          settings.celery_concurrency, secret_file.read_text().strip())
+                          settings.celery_concurrency, home / "secrets")
         start_airflow(deployment, env, "dipaco_paths", settings.pool_slots, settings.celery_queue, logs)
         write_env_file(home / "airflow.env", env)
     except BaseException:
@@ -380,8 +505,7 @@ def start_all(settings: Settings) -> Deployment:
 def write_env_file(path: Path, env: dict[str, str]) -> None:
     """The deployment's settings as `export` lines, so `airflow ...` in a shell talks to it too."""
     keys = sorted(k for k in env if k.startswith("AIRFLOW") or k in ("DIPACO_CONFIG", "PYTHONPATH"))
-    path.write_text("".join(f"export {k}={shlex.quote(env[k])}\n" for k in keys))
-    path.chmod(0o600)  # it holds the api-server's JWT secret
+    write_private(path, "".join(f"export {k}={shlex.quote(env[k])}\n" for k in keys))  # it holds the secrets
 
 
 def load_state(home: Path) -> list[Service]:
@@ -404,9 +528,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"services started in {time.monotonic() - started:.0f}s (logs in {settings.home / 'logs'}):")
         print(f"  Dask scheduler  tcp://{HOST}:{settings.dask_port}  ({settings.dask_workers} workers)")
         print(f"  MLflow          http://{HOST}:{settings.mlflow_port}  "
-              f"(PostgreSQL database {settings.mlflow_db}, artifacts {settings.home / 'mlflow-artifacts'})")
+              f"(PostgreSQL database {settings.mlflow_db}, artifacts {settings.home / 'mlflow-artifacts'}; "
+              f"basic auth: . {settings.home / 'mlflow.env'})")
         print(f"  Airflow         http://{HOST}:{settings.airflow_port}  (PostgreSQL database "
-              f"{settings.airflow_db}, CeleryExecutor on {settings.redis_url}, queue {settings.celery_queue})")
+              f"{settings.airflow_db}, CeleryExecutor on {settings.redis_url}, queue {settings.celery_queue}; "
+              f"user {AIRFLOW_ADMIN}, password in {settings.home / 'secrets' / 'airflow-admin-password'})")
         print(f"run on them:      dipaco run --config {settings.dipaco_config.relative_to(REPO)}")
         print(f"                  . {settings.home / 'airflow.env'} && airflow dags trigger dipaco_train  "
               f"(or the UI, http://{HOST}:{settings.airflow_port})")

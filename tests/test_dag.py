@@ -167,12 +167,15 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     data = write_c4(tmp_path / "c4")
-    overrides = [
-        f"run_root={tmp_path / 'run'}", "model.vocab_size=50257", f"data.train={data['train']}",
-        f"data.eval={data['eval']}", "train.launcher=inprocess", "train.inner_steps=2", "eval.max_docs=4",
-        "mlflow.enabled=true", "mlflow.experiment=test-dag", "airflow.rounds_per_run=1",
-    ]
-    run = dag.test(run_conf={"config": str(DAG_CONFIG), "overrides": overrides, "project_dir": str(REPO)})
+    # what a trigger may not set (data, launcher, MLflow) is the config file's, in a folder the DAG trusts
+    run_config = AIRFLOW_HOME / f"{tmp_path.name}.yaml"
+    run_config.write_text(yaml.safe_dump({
+        **_raw, "data": {"train": data["train"], "eval": data["eval"]},
+        "model": {**_raw["model"], "vocab_size": 50257}, "train": {**_raw["train"], "launcher": "inprocess"},
+        "mlflow": {"enabled": True, "experiment": "test-dag"},
+        "airflow": {**_raw["airflow"], "trigger_run_roots": str(tmp_path)}}))
+    overrides = [f"run_root={tmp_path / 'run'}", "train.inner_steps=2", "eval.max_docs=4", "airflow.rounds_per_run=1"]
+    run = dag.test(run_conf={"config": str(run_config), "overrides": overrides, "project_dir": str(REPO)})
     assert run.state == "success"
 
     states = task_states(run)
@@ -194,7 +197,7 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     # rounds_per_run=1: round 1's group is left to the next DAG run, skipped, not failed
     assert {s for (t, _), s in states.items() if t.startswith("round_1.")} == {"skipped"}
 
-    config = load_config(DAG_CONFIG, overrides)
+    config = load_config(run_config, overrides)
     root = RunRoot(config.run_root)
     assert root.is_committed(layout.round_dir(0)) and not root.exists(layout.modules_dir(2))
     assert root.exists(layout.eval_file(0)) and root.exists(layout.eval_file(1))  # round 0 scored, as `dipaco run` does
@@ -212,7 +215,7 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     assert [line.split()[0] for line in table.splitlines()[3:5]] == ["0", "1"]
 
     # the next scheduled run continues from the first uncommitted round
-    ref = {"config": str(DAG_CONFIG), "overrides": overrides, "project_dir": str(REPO)}
+    ref = {"config": str(run_config), "overrides": overrides, "project_dir": str(REPO)}
     assert dag.task_dict["plan"].python_callable(ref) == {"first": 1, "stop": 2}
 
     # once every round of train.rounds is committed a DAG run trains nothing and says why
@@ -220,7 +223,7 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     with pytest.raises(AirflowSkipException, match="nothing to train.*raise train.rounds to continue"):
         dag.task_dict["plan"].python_callable({**ref, "overrides": done})
     before = sorted(p.relative_to(root.local_path()) for p in root.local_path().rglob("*") if "mlflow" not in str(p))
-    again = dag.test(run_conf={"config": str(DAG_CONFIG), "overrides": done, "project_dir": str(REPO)})
+    again = dag.test(run_conf={"config": str(run_config), "overrides": done, "project_dir": str(REPO)})
     assert again.state == "success"
     states = task_states(again)
     assert states[("plan", -1)] == "skipped"
@@ -249,3 +252,22 @@ def test_a_trigger_whose_params_break_the_schema_is_refused(dag, params, expecte
     with pytest.raises(ParamValidationError, match=expected):
         changed.update(params)  # a ParamsDict checks each value as it is set, as a trigger does
         changed.validate()
+
+
+@pytest.mark.parametrize("override", [
+    "beam.runner=os.getcwd", "mlflow.tracking_uri=http://127.0.0.1:1",
+    "beam.options=['--environment_type=beam:env:harness_subprocess_python:v1', '--environment_config=id>pwned']",
+])
+def test_a_trigger_that_would_run_code_is_refused_by_configure_before_anything_runs(dag, tmp_path, override):
+    """The first task refuses an override outside the allow-list (pipeline.core.trust) before it
+    loads the config: no run root, no Beam, no MLflow."""
+    from pipeline.core.errors import ConfigError
+
+    params = {"config": str(DAG_CONFIG), "project_dir": str(REPO),
+              "overrides": [f"run_root={tmp_path / 'run'}", override]}
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigError, match=rf"overrides\[1\]: a DAG trigger may not set '{key}'"):
+        dag.task_dict["configure"].python_callable(params=params)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="outside the directories this DAG trusts"):
+        dag.task_dict["configure"].python_callable(params={**params, "config": "/etc/passwd", "overrides": []})

@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from conftest import REPO
 from pipeline.state import layout
 from pipeline.core.bounds import MAX_JSON_DEPTH, too_deep
-from pipeline.core.config import Config, check_dag_params, load_config
+from pipeline.core.config import Config, check_dag_params, flatten, load_config
+from pipeline.core.trust import TRIGGER_KEYS
 from pipeline.core.errors import DipacoError
 from pipeline.islands.launch import read_metrics
 from pipeline.state.lock import _heartbeat_lock
@@ -223,6 +224,32 @@ def test_dag_params_are_accepted_or_refused_in_one_short_line(params):
         refused_in_one_line(error)
     else:
         assert set(ref) == {"config", "overrides", "project_dir"} and all(isinstance(o, str) for o in ref["overrides"])
+
+
+ALL_KEYS = sorted(flatten(Config().to_dict()))
+TRIGGER_OVERRIDES = st.builds(
+    lambda k, v: f"{k}={v}",
+    st.sampled_from(sorted(TRIGGER_KEYS)) | st.sampled_from(ALL_KEYS) | st.text(alphabet="abcdefghij_.", min_size=1, max_size=12),
+    st.sampled_from(["1", "0.5", "true", "null", "[0.9, 0.95]", "os.getcwd", "tokens", "/tmp/x", "'--environment_type=PROCESS'"])
+    | TRICKY_TEXT)
+
+
+@fuzz(200)
+@given(overrides=st.lists(TRIGGER_OVERRIDES, max_size=4))
+def test_a_trigger_sets_only_keys_of_the_allow_list(overrides):
+    """Random keys and values from a DAG trigger: accepted only when every key is in TRIGGER_KEYS,
+    and then the keys a trigger may not set keep the config file's values."""
+    params = {"config": "configs/tiny.yaml", "overrides": overrides, "project_dir": str(REPO)}
+    try:
+        check_dag_params(params, [REPO])
+        config = load_config(REPO / "configs" / "tiny.yaml", overrides, trusted=False)
+    except Exception as error:  # noqa: BLE001
+        refused_in_one_line(error)
+    else:
+        assert all(o.split("=", 1)[0] in TRIGGER_KEYS for o in overrides)
+        base = flatten(load_config(REPO / "configs" / "tiny.yaml").to_dict())
+        assert {k: v for k, v in flatten(config.to_dict()).items() if k not in TRIGGER_KEYS} == \
+            {k: v for k, v in base.items() if k not in TRIGGER_KEYS}
 
 
 # -- run-root readers ----------------------------------------------------------------------------

@@ -118,6 +118,44 @@ def test_prepare_on_tiny_routes_or_rejects_every_hostile_line(tmp_path):
     assert {"https://x.org/1", "https://x.org/2", "https://x.org/bom"} <= doc_ids
 
 
+REJECTED_MB = 50
+PEAK_RSS_BOUND_MB = 1024  # measured on 2 cores: ~695 MB (685 MB with no rejected line at all; 1,502 MB before)
+
+
+@pytest.mark.timeout(300)
+def test_50_mb_of_rejected_lines_prepare_in_bounded_memory_with_exact_counts(tmp_path):
+    """Every rejected line of a split once travelled to WriteRejected as a whole record, all of them
+    grouped, sorted and joined in memory: lines of "x" held ~16 times their size. Now rejected/ keeps
+    a byte budget per split, the counts stay exact, and the prepare process's peak RSS stays bounded."""
+    data = tmp_path / "c4"
+    data.mkdir()
+    (data / "good.json").write_bytes(GOOD.read_bytes())
+    line = b"x" * 99 + b"\n"
+    per_mb = (1 << 20) // len(line)
+    lines = per_mb * REJECTED_MB
+    with open(data / "bad.json", "wb") as handle:
+        for _ in range(REJECTED_MB):
+            handle.write(line * per_mb)
+    run = tmp_path / "run"
+    measure = "import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; " \
+              "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)"
+    done = subprocess.run(
+        [sys.executable, "-c", measure, sys.executable, "-m", "pipeline.cli", "prepare", "--config", "configs/tiny.yaml",
+         "--set", f"run_root={run}", "--set", f"data.train={data}/*.json", "--set", "data.eval=null",
+         "--set", "mlflow.enabled=false"], cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak_mb = int(done.stdout.split()[-1]) / 1024
+    print(f"prepare with {REJECTED_MB} MB of rejected lines: peak RSS {peak_mb:.0f} MB")
+    assert peak_mb < PEAK_RSS_BOUND_MB
+
+    manifest = json.loads((run / "shards" / "manifest.json").read_text())
+    split = manifest["splits"]["train"]
+    assert split["rejected_by_reason"] == {"invalid_json": lines} and split["lines_read"] == lines + split["routed"]
+    kept = sum(len(p.read_text().splitlines()) for p in (run / "shards" / "rejected").glob("*.jsonl"))
+    assert 0 < kept < lines and split["rejected_not_listed"] == lines - kept  # counted, listed up to the budget
+    assert sum(p.stat().st_size for p in (run / "shards" / "rejected").glob("*.jsonl")) < 16 << 20
+
+
 # -- config --------------------------------------------------------------------------------------
 def test_a_billion_laughs_config_is_refused_in_one_short_line(tmp_path):
     file = tmp_path / "laughs.yaml"
@@ -364,3 +402,30 @@ def test_a_hostile_eval_file_and_lock_are_refused_naming_them(run_root):
         pass
     assert ".lock: heartbeat must be a time" in one_short_line(error.value)
 
+
+
+def test_an_oversized_run_yaml_is_refused_after_reading_only_the_bound(tmp_path):
+    from pipeline.core.config import MAX_CONFIG_BYTES
+
+    config = tiny_config(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / layout.RUN_CONFIG).write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(CorruptStateError, match=f"run.yaml: larger than {MAX_CONFIG_BYTES:,} bytes"):
+        stages.init_run(config)
+
+
+def test_the_router_sample_keeps_a_bounded_start_of_each_document():
+    import apache_beam as beam
+    from apache_beam.testing.test_pipeline import TestPipeline
+    from apache_beam.testing.util import assert_that
+
+    from preprocessing.transforms import SampleDocs
+
+    docs = [c4.Document("train", f"d{i}", "w" * 50_000) for i in range(3)]
+
+    def cut(samples):
+        (sample,) = samples
+        assert len(sample) == 3 and {len(text) for _, _, text in sample} == {100}
+
+    with TestPipeline() as p:
+        assert_that(p | beam.Create([docs]) | SampleDocs(3, 0, chars=100), cut)

@@ -197,7 +197,7 @@ def pyfunc(prepared, tmp_path_factory):
 
 
 def test_pyfunc_reroutes_while_generating_and_long_chunks_generate_as_routing_once(pyfunc):
-    texts = pyfunc.predict(None, PROMPTS, params={"reroute_every": 2, "max_new_tokens": 8, "seed": 3})
+    texts = pyfunc.predict(None, PROMPTS, params={"reroute_every": EVERY, "max_new_tokens": 8, "seed": 3})
     assert [type(t) for t in texts] == [str, str] and all(texts)
     once = pyfunc.predict(None, PROMPTS, params={"reroute_every": 0, "max_new_tokens": 8, "seed": 3})
     assert pyfunc.predict(None, PROMPTS, params={"reroute_every": 100, "max_new_tokens": 8, "seed": 3}) == once
@@ -214,15 +214,26 @@ def test_pyfunc_continues_each_chunk_with_the_path_of_the_tokens_before_it(pyfun
     other = paths[(paths.index(first) + 1) % len(paths)]
     seen = []
     monkeypatch.setattr(pyfunc.router, "route_tokens", lambda runs: seen.extend(runs) or [other] * len(runs))
-    got = pyfunc.predict(None, PROMPTS[:1], params={"reroute_every": 3, "max_new_tokens": 9, "temperature": 0.0})[0]
+    got = pyfunc.predict(None, PROMPTS[:1], params={"reroute_every": 4, "max_new_tokens": 12, "temperature": 0.0})[0]
 
     tokenizer, eos = pyfunc.tokenizer, pyfunc.tokenizer.eos_token_id
-    ids = ([eos] + tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"])[-(pyfunc.config.model.seq_len - 9):]
+    ids = ([eos] + tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"])[-(pyfunc.config.model.seq_len - 12):]
     context = torch.tensor([ids])
     for path_id in (first, other, other):
         model = load_path_model(pyfunc.root, pyfunc.config, 1, path_id).eval()
         with torch.no_grad():
-            context = model.generate(context, max_new_tokens=3, do_sample=False, pad_token_id=eos, eos_token_id=eos)
-    assert context.shape[1] == len(ids) + 9  # no end of text on the way: every chunk was generated
+            context = model.generate(context, max_new_tokens=4, do_sample=False, pad_token_id=eos, eos_token_id=eos)
+    assert context.shape[1] == len(ids) + 12  # no end of text on the way: every chunk was generated
     assert got == tokenizer.decode(context[0, len(ids):].tolist(), skip_special_tokens=True)
-    assert [list(r) for r in seen] == [context[0, len(ids) + 3 * k: len(ids) + 3 * k + 3].tolist() for k in (0, 1)]
+    assert [list(r) for r in seen] == [context[0, len(ids) + 4 * k: len(ids) + 4 * k + 4].tolist() for k in (0, 1)]
+
+
+def test_a_request_asking_for_too_much_is_refused_naming_the_param(pyfunc):
+    """One request may not tie up a served model: tokens beyond the window, a re-route every token."""
+    for params, expected in [({"max_new_tokens": 10**9}, r"max_new_tokens=1000000000 must be within \[1, 32\]"),
+                             ({"reroute_every": 1}, r"reroute_every=1 must be within \[4, "),
+                             ({"temperature": float("nan")}, "temperature=nan")]:
+        with pytest.raises(ValueError, match=expected):
+            pyfunc.predict(None, PROMPTS[:1], params=params)
+    with pytest.raises(ValueError, match="at most 256 texts"):
+        pyfunc.predict(None, ["x"] * 257, params={})

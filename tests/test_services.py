@@ -56,9 +56,11 @@ def test_dask_runner_is_accepted_by_name_and_by_class_and_a_bad_runner_is_one_li
     config = tiny_config(Path("/tmp/unused"), "beam.runner=DaskRunner", "beam.options=[]")
     options = pipeline_options(config)
     assert isinstance(make_runner("DaskRunner", options), DaskRunner)
-    assert isinstance(make_runner(DASK_RUNNER, options), DaskRunner)
+    assert isinstance(make_runner(DASK_RUNNER, options, extra=[DASK_RUNNER]), DaskRunner)  # a class path, listed
+    with pytest.raises(ConfigError, match=r"tiny.yaml: beam.runner must be one of DirectRunner.*got 'os.getcwd'"):
+        make_runner("os.getcwd", options, config.source)  # refused before Beam imports it
     with pytest.raises(ConfigError, match=r"tiny.yaml: beam.runner 'NoSuchRunner' cannot be created") as err:
-        make_runner("NoSuchRunner", options, config.source)
+        make_runner("NoSuchRunner", options, config.source, extra=["NoSuchRunner"])
     assert "\n" not in str(err.value)
 
 
@@ -129,6 +131,18 @@ def pg_database():
 
 
 @pytest.fixture
+def pg_service(pg_database, tmp_path):
+    """The server URL of a role of the test database's own, its owner, with a password (what
+    `make services` gives each service: svc.service_database), instead of the superuser."""
+    url = svc.service_database(PG_URL, pg_database, tmp_path / "secrets")
+    try:
+        yield url
+    finally:
+        svc.drop_database(PG_URL, pg_database)  # a role that owns a database cannot be dropped
+        svc.drop_role(PG_URL, pg_database)
+
+
+@pytest.fixture
 def deployment():
     """The processes a test starts; every process group stopped by its pid at the end."""
     started = svc.Deployment()
@@ -137,6 +151,42 @@ def deployment():
     finally:
         svc.stop(started.pids)
         assert not [s.name for s in started.services if svc.alive(s.pid)]
+
+
+def loopback_only(deployment) -> list[str]:
+    """Every socket the deployment's processes (and their children) listen on, unless on 127.0.0.1."""
+    import psutil
+
+    wide = []
+    for pid in deployment.pids:
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in procs:
+            try:
+                sockets = proc.net_connections(kind="inet")
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            wide += [f"{proc.name()} {c.laddr.ip}:{c.laddr.port}" for c in sockets
+                     if c.status == psutil.CONN_LISTEN and c.laddr.ip != "127.0.0.1"]
+    return wide
+
+
+def private_files(folder: Path) -> dict[str, str]:
+    """Mode of every file in a secrets folder that anyone but its owner could read."""
+    return {p.name: oct(p.stat().st_mode & 0o777) for p in folder.iterdir() if p.stat().st_mode & 0o077}
+
+
+def http_status(url: str, headers: dict | None = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
 
 
 def query(database: str, sql: str, *args) -> list[tuple]:
@@ -151,18 +201,26 @@ def query(database: str, sql: str, *args) -> list[tuple]:
 @pytest.mark.slow  # ~65 s (210 s loaded 4x): the server and its PostgreSQL migrations, a one-round run
 @pytest.mark.timeout(400)
 def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_loads_over_http(
-        pg_database, deployment, tmp_path):
+        pg_database, pg_service, deployment, tmp_path):
     from test_registry import PROMPTS, write_c4
 
-    artifacts = tmp_path / "server-artifacts"
-    uri = svc.start_mlflow(deployment, PG_URL, pg_database, artifacts, svc.free_port(), tmp_path / "logs")
+    import base64
+
+    artifacts, keys = tmp_path / "server-artifacts", tmp_path / "secrets"
+    uri = svc.start_mlflow(deployment, pg_service, pg_database, artifacts, svc.free_port(), tmp_path / "logs", keys)
+    credentials = svc.mlflow_credentials(keys)
+    search = f"{uri}/api/2.0/mlflow/experiments/search?max_results=1"
+    basic = base64.b64encode(f"{credentials['MLFLOW_TRACKING_USERNAME']}:{credentials['MLFLOW_TRACKING_PASSWORD']}".encode())
+    assert http_status(search) == 401  # the basic-auth app: nothing without credentials
+    assert http_status(search, {"Authorization": f"Basic {basic.decode()}"}) == 200
+    assert private_files(keys) == {} and loopback_only(deployment) == []
     data = write_c4(tmp_path / "c4")
     name = "dipaco-services"
     overrides = [f"run_root={tmp_path / 'run'}", f"data.train={data['train']}", f"data.eval={data['eval']}",
                  "train.launcher=inprocess", "train.rounds=1", "train.inner_steps=2", "eval.max_docs=4",
                  "mlflow.enabled=true",
                  f"mlflow.tracking_uri={uri}", "mlflow.experiment=services", f"mlflow.registered_model={name}"]
-    env = {**svc.base_env(), "OMP_NUM_THREADS": "1"}
+    env = {**svc.base_env(), "OMP_NUM_THREADS": "1", **credentials}  # the pipeline logs in as MLflow's client does
     env.pop("MLFLOW_TRACKING_URI", None)
     done = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--config", "configs/tiny.yaml",
                            *(a for o in overrides for a in ("--set", o))],
@@ -172,6 +230,10 @@ def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_
     # the server's PostgreSQL store holds the runs and the registry; its artifact store the files
     assert not (tmp_path / "run" / "mlflow.db").exists()
     assert query(pg_database, "SELECT count(*) FROM runs")[0][0] >= 4  # parent, prepare, round, paths...
+    # the server's store belongs to its own password-protected role, not to the superuser
+    assert query(pg_database, "SELECT tableowner FROM pg_tables WHERE tablename = 'runs'") == [(pg_database,)]
+    assert query(pg_database, "SELECT rolsuper, rolpassword IS NOT NULL FROM pg_authid WHERE rolname = %s",
+                 pg_database) == [(False, True)]
     assert query(pg_database, "SELECT version FROM model_versions WHERE name = %s", name) == [(1,)]
     assert query(pg_database, "SELECT version FROM registered_model_aliases WHERE name = %s AND alias = 'champion'",
                  name) == [(1,)]
@@ -195,11 +257,12 @@ POOL, POOL_SLOTS, CONCURRENCY = "dipaco_services_paths", 2, 3  # the pool, not t
 
 
 class AirflowApi:
-    """The public REST API of the deployment's api-server (simple auth manager, all admins)."""
+    """The public REST API of the deployment's api-server (simple auth manager, its admin)."""
 
-    def __init__(self, address: str):
-        self.address = address
-        self.token = self.call("GET", "/auth/token", api=False)["access_token"]
+    def __init__(self, address: str, password: str):
+        self.address, self.token = address, None
+        self.token = self.call("POST", "/auth/token", {"username": svc.AIRFLOW_ADMIN, "password": password},
+                               api=False)["access_token"]
 
     def call(self, method: str, path: str, body: dict | None = None, api: bool = True):
         import urllib.request
@@ -208,7 +271,7 @@ class AirflowApi:
             f"{self.address}{'/api/v2' if api else ''}{path}", method=method,
             data=None if body is None else json.dumps(body).encode(),
             headers={"Content-Type": "application/json",
-                     **({"Authorization": f"Bearer {self.token}"} if api else {})})
+                     **({"Authorization": f"Bearer {self.token}"} if api and self.token else {})})
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read() or b"null")
 
@@ -255,19 +318,29 @@ def kill_an_island_holding_a_train_lease(database: str, run_id: str, run_root: P
 @pytest.mark.slow  # ~2 min (3 min loaded 4x): migrations, 5 Airflow components, a DAG run on Celery
 @pytest.mark.timeout(600)
 def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is_retried_and_its_lease_retaken(
-        pg_database, deployment, tmp_path):
+        pg_database, pg_service, deployment, tmp_path):
     require(redis=True)
     dag_config = tmp_path / "dipaco.yaml"
     raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
-    raw["airflow"] = {"rounds_per_run": 1, "pool": POOL, "retries": 1, "retry_delay_s": 1}
+    # what a trigger may not set (launcher, leases, MLflow, where run roots go) is the config file's
+    raw["airflow"] = {"rounds_per_run": 1, "pool": POOL, "retries": 1, "retry_delay_s": 1,
+                      "trigger_run_roots": str(tmp_path)}
+    raw["train"].update(launcher="inprocess", lease_seconds=10)
+    raw["mlflow"] = {"enabled": False}
     dag_config.write_text(yaml.safe_dump(raw))
     queue = f"dipaco-test-{uuid.uuid4().hex[:8]}"
-    env = svc.airflow_env(tmp_path / "airflow", PG_URL, pg_database, REDIS_URL, queue, svc.free_port(),
-                          dag_config, CONCURRENCY, uuid.uuid4().hex)
+    keys = tmp_path / "secrets"
+    env = svc.airflow_env(tmp_path / "airflow", pg_service, pg_database, REDIS_URL, queue, svc.free_port(),
+                          dag_config, CONCURRENCY, keys)
     env["OMP_NUM_THREADS"] = "1"
     try:
         address = svc.start_airflow(deployment, env, POOL, POOL_SLOTS, queue, tmp_path / "logs")
-        api = AirflowApi(address)
+        assert http_status(f"{address}/api/v2/dags") == 401  # no anonymous admins any more
+        assert http_status(f"{address}/auth/token") in (401, 403, 405)  # nor a token for the asking
+        api = AirflowApi(address, (keys / "airflow-admin-password").read_text().strip())
+        assert private_files(keys) == {} and len(list(keys.iterdir())) == 6  # 5 of Airflow's, PostgreSQL's
+        assert len({env[k] for k in ("AIRFLOW__API__SECRET_KEY", "AIRFLOW__API_AUTH__JWT_SECRET",
+                                     "AIRFLOW__CORE__FERNET_KEY")}) == 3  # separate secrets, a Fernet key
 
         def dag_parsed():
             try:
@@ -276,9 +349,9 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
                 return None
 
         assert wait_for("parsed DAG", dag_parsed, 120)["is_paused"] is False
+        assert loopback_only(deployment) == []  # the five components, the api-server included
         # in-process islands (each in its task's process), trained long enough to be caught holding a lease
-        overrides = [f"run_root={tmp_path / 'run'}", "train.launcher=inprocess", "train.inner_steps=20",
-                     "train.lease_seconds=10", "eval.max_docs=4", "mlflow.enabled=false"]
+        overrides = [f"run_root={tmp_path / 'run'}", "train.inner_steps=20", "eval.max_docs=4"]
         run = api.call("POST", f"/dags/{DAG_ID}/dagRuns", {
             "logical_date": None,
             "conf": {"config": str(dag_config), "overrides": overrides, "project_dir": str(REPO)}})

@@ -75,11 +75,19 @@ SETTINGS, ROUNDS = _dag_settings()
 
 
 def _config(ref: dict):
-    """Load the run's config the way the CLI does, from the project directory (relative paths)."""
+    """Load the run's config the way the CLI does, from the project directory (relative paths).
+    The overrides come from whoever triggered the run: untrusted, so they may set only the keys of
+    pipeline.core.trust.TRIGGER_KEYS (hyper-parameters, rounds, a run root under a set prefix)."""
     from pipeline.core.config import load_config
 
     os.chdir(ref["project_dir"])
-    return load_config(ref["config"], ref["overrides"])
+    return load_config(ref["config"], ref["overrides"], trusted=False)
+
+
+def trusted_dirs() -> list[Path]:
+    """Where a trigger's project_dir and config may point: this project and $DIPACO_CONFIG's folder,
+    both chosen by whoever deployed the DAG, never by whoever triggers a run."""
+    return [PROJECT_DIR, Path(DEFAULT_CONFIG).resolve().parent]
 
 
 @task
@@ -90,7 +98,7 @@ def configure(params: dict | None = None) -> dict:
     from pipeline.core.config import check_dag_params
     from pipeline.tracking.tracker import get_tracker
 
-    ref = check_dag_params({k: params[k] for k in ("config", "overrides", "project_dir")})
+    ref = check_dag_params({k: params[k] for k in ("config", "overrides", "project_dir")}, trusted_dirs())
     config = _config(ref)
     preflight.check_data(config)
     stages.init_run(config)
@@ -244,7 +252,8 @@ def outer_round(ref, window, round_index: int):
                         description="the run's YAML config"),
         "overrides": Param([], type="array", maxItems=256,
                            items={"type": "string", "maxLength": 65536, "pattern": r"^[A-Za-z_][\w.]*="},
-                           description="key.path=value overrides, as `dipaco --set`"),
+                           description="key.path=value overrides of hyper-parameters, rounds and the run "
+                                       "root (docs/security.md lists the keys a trigger may set)"),
         "project_dir": Param(str(PROJECT_DIR), type="string", minLength=1, maxLength=4096,
                              description="where relative paths resolve"),
     },

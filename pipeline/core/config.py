@@ -4,7 +4,8 @@ The key names are the contract of DESIGN.md. Every value is type-checked, unknow
 errors, and every error names the key and the file so a user can fix it without reading code.
 
 Config text comes from users and, through the DAG's `overrides` param, from anyone allowed to
-trigger a run, so YAML is read with bounds: anchors and aliases are refused (nine nested aliases
+trigger a run. What such a trigger may set is the allow-list of pipeline.core.trust (`load_config(...,
+trusted=False)`); whoever wrote it, YAML is read with bounds: anchors and aliases are refused (nine nested aliases
 in 2 KB expand to 10^9 items: a "billion laughs"), nesting is capped, a file is read up to
 MAX_CONFIG_BYTES and a `--set` item up to MAX_SET_CHARS, and a value is shown in a message cut to
 pipeline.core.bounds.SHOWN_CHARS characters, so every error is one short line naming key and file.
@@ -25,6 +26,8 @@ import yaml
 
 from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
 from pipeline.core.errors import ConfigError
+from pipeline.core.trust import (check_beam_options, check_run_root, check_runner, check_trigger_override,
+                                 check_trigger_run_root)
 
 MAX_CONFIG_BYTES = 256 * 1024  # a real config is ~2 KB; PyYAML constructs ~250 KB/s
 MAX_SET_CHARS = 64 * 1024  # one --set item (or DAG override)
@@ -143,6 +146,7 @@ class AirflowConfig:
     pool_slots: int = 1  # pool slots one island takes
     retries: int = 2  # Airflow retries of an island task (a path's retries are the queue's lease attempts)
     retry_delay_s: int = 60
+    trigger_run_roots: str | None = None  # a DAG trigger may set run_root only under this prefix; null: never
 
 
 @dataclass
@@ -153,6 +157,7 @@ class BeamConfig:
     # processes (benchmarks/RESULTS.md, 10,000 documents on 2 cores: routing at 0.89x of the raw
     # embedder in memory, 0.85x with 2 worker processes; the gap widens on smaller inputs).
     options: list[str] = field(default_factory=lambda: ["--direct_running_mode=in_memory"])
+    extra_runners: list[str] = field(default_factory=list)  # runners beyond Beam's own (trust.BEAM_RUNNERS)
 
 
 @dataclass
@@ -260,19 +265,28 @@ def read_config_text(path: str | Path) -> bytes:
     return data
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Load, override and validate a config; raises ConfigError naming the key and the file."""
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), trusted: bool = True) -> Config:
+    """Load, override and validate a config; raises ConfigError naming the key and the file.
+
+    trusted=False: the overrides come from a DAG trigger and may set only trust.TRIGGER_KEYS (a
+    run root only under the file's airflow.trigger_run_roots). Whoever sets them, options that
+    choose what Beam's workers run must come from the file itself."""
     source = str(path) if path else "<defaults>"
     raw: dict[str, Any] = {}
     if path:
         raw = parse_yaml(read_config_text(path), source) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    for item in overrides:
-        _apply_override(raw, item, source)
+    beam_section = raw.get("beam")
+    file_options = beam_section.get("options") if isinstance(beam_section, dict) else None
+    file_options = [o for o in file_options if isinstance(o, str)] if isinstance(file_options, list) else []
+    keys = [_apply_override(raw, item, source, trusted) for item in overrides]
     config = _build(Config, raw, "", source)
     config.source = source
     validate(config)
+    check_beam_options(config.beam.options, file_options if path else BeamConfig().options, source)
+    if not trusted and "run_root" in keys:
+        check_trigger_run_root(config.run_root, config.airflow.trigger_run_roots, source)
     return config
 
 
@@ -305,10 +319,15 @@ def dump_yaml(config: Config) -> str:
     return yaml.dump(config.to_dict(), Dumper=_NoAliasDumper, sort_keys=False)
 
 
-def check_dag_params(params: dict[str, Any]) -> dict[str, Any]:
+def check_dag_params(params: dict[str, Any], trusted_dirs: list[str | Path] | None = None) -> dict[str, Any]:
     """The DAG's run params (`config`, `overrides`, `project_dir`) checked before any use, as the
     reference every task loads the config from. The DAG declares the same bounds as a JSON schema
-    (Airflow checks it when a run is triggered); this is the check that holds for any caller."""
+    (Airflow checks it when a run is triggered); this is the check that holds for any caller.
+
+    Params come from whoever triggers the run: an override may set only trust.TRIGGER_KEYS, and
+    with `trusted_dirs` (the DAG passes its project and $DIPACO_CONFIG's directory) project_dir
+    must be one of them and the config file must lie inside one, since a config file chosen by a
+    trigger, or one whose relative paths resolve in a directory it chose, would be its config."""
     where = "DAG params"
     if not isinstance(params, dict):
         raise ConfigError(f"{where}: must be a mapping, got {type(params).__name__}")
@@ -326,18 +345,36 @@ def check_dag_params(params: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(item, str) or len(item) > MAX_SET_CHARS or not _SET_RE.match(item):
             raise ConfigError(f"{where}: overrides[{index}] must be a key.path=value string of at most "
                               f"{MAX_SET_CHARS:,} characters, got {shown(item)}")
+        check_trigger_override(item, f"{where}: overrides[{index}]")
     if not Path(params["project_dir"]).is_dir():
         raise ConfigError(f"{where}: project_dir {shown(params['project_dir'])} is not a directory")
+    if trusted_dirs is not None:
+        _check_trusted_place(params["project_dir"], params["config"], [Path(d).resolve() for d in trusted_dirs], where)
     return {"config": params["config"], "overrides": list(overrides), "project_dir": params["project_dir"]}
 
 
-def _apply_override(raw: dict[str, Any], item: str, source: str) -> None:
+def _check_trusted_place(project_dir: str, config: str, trusted: list[Path], where: str) -> None:
+    """project_dir one of the trusted directories, the config file inside one of them."""
+    project = Path(project_dir).resolve()
+    if project not in trusted:
+        raise ConfigError(f"{where}: project_dir {shown(project_dir)} is not one this DAG trusts "
+                          f"({', '.join(map(str, trusted))})")
+    chosen = (project / config).resolve()
+    if not any(chosen.is_relative_to(d) for d in trusted):
+        raise ConfigError(f"{where}: config {shown(config)} lies outside the directories this DAG trusts "
+                          f"({', '.join(map(str, trusted))})")
+
+
+def _apply_override(raw: dict[str, Any], item: str, source: str, trusted: bool = True) -> str:
+    """Set one key.path=value in raw; returns the key path. Untrusted: only trust.TRIGGER_KEYS."""
     if len(item) > MAX_SET_CHARS:
         raise ConfigError(f"--set {shown(item)}: longer than {MAX_SET_CHARS:,} characters")
     match = _SET_RE.match(item)
     if not match:
         raise ConfigError(f"--set {shown(item)}: expected key.path=value")
     key_path, value_text = match.group(1), match.group(2)
+    if not trusted:
+        check_trigger_override(item, f"{source}: DAG trigger override")
     keys, name = key_path.split("."), one_line(key_path, SHOWN_CHARS)
     value = parse_yaml(value_text, f"--set {name}") if value_text.strip() else None
     node = raw
@@ -347,6 +384,7 @@ def _apply_override(raw: dict[str, Any], item: str, source: str) -> None:
             raise ConfigError(f"--set {name}: {one_line(key, SHOWN_CHARS)} is not a section (in {source})")
         node = child
     node[keys[-1]] = value
+    return key_path
 
 
 def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
@@ -413,6 +451,8 @@ def validate(config: Config) -> None:
         need(value in allowed, key, f"must be one of {', '.join(allowed)}, got {shown(value)}")
     need(bool(config.run_root.strip()), "run_root", "must not be empty")
     need(".." not in Path(config.run_root.split("://")[-1]).parts, "run_root", "must not contain '..'")
+    check_run_root(config.run_root, src)
+    check_runner(config.beam.runner, config.beam.extra_runners, src)
     need(len(m.grid) >= 1 and all(k >= 1 for k in m.grid), "model.grid", "must be a non-empty list of positive module counts")
     need(len(m.grid) <= MAX_LEVELS and config.n_paths <= MAX_PATHS, "model.grid",
          f"must have at most {MAX_LEVELS} levels and {MAX_PATHS:,} paths (the paper's largest grid has 256)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from pathlib import Path
 from pipeline.state import layout
 from pipeline.core.bounds import shown
 from pipeline.train.distributed import child_env, free_port, rank_threads, set_runtime_env  # each rank also sets its own threads
-from pipeline.core.errors import CorruptStateError, DipacoError, InputError
+from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, InputError
+from pipeline.core.trust import RUN_ROOT_RE
 from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.launch")
@@ -42,8 +44,23 @@ def launcher_command(run_root: str, round_index: int, path_id: str, train, port:
 def _deepspeed(train, port: int, module: str, args: list[str]) -> list[str]:
     launcher = Path(sys.executable).with_name("deepspeed")
     hosts = ["--hostfile", train.hostfile] if train.hostfile else []
+    if train.num_nodes > 1:
+        args = shell_args(args)
     return [str(launcher), *hosts, "--num_nodes", str(train.num_nodes), "--num_gpus", str(train.procs_per_path),
             "--master_port", str(port), "--no_local_rank", "--module", module, *args]
+
+
+def shell_args(args: list[str]) -> list[str]:
+    """The module's arguments as words of a remote shell line. DeepSpeed's multi-node runner (pdsh)
+    joins them into one line that each node's shell runs, quoting none (it wraps an argument with a
+    space in double quotes, inside which `$(...)` still runs). So each value is checked against the
+    run root's character set (trust.RUN_ROOT_RE: no whitespace, quote or shell syntax; refused
+    otherwise) and shlex-quoted, which leaves the shell nothing to interpret."""
+    for value in args:
+        if not RUN_ROOT_RE.fullmatch(value):
+            raise ConfigError(f"train.num_nodes > 1: {shown(value)} would reach the nodes' shell; a multi-node "
+                              f"launch takes only letters, digits and _ . / : + = @ , ~ - in its arguments")
+    return [shlex.quote(value) for value in args]
 
 
 def island_count(train) -> int:

@@ -248,10 +248,14 @@ class RunRoot:
                 self.put_file(file, posixpath.join(rel, file.relative_to(local_dir).as_posix()))
 
     def get_dir(self, rel: str, local_dir: str | Path) -> None:
-        for name in self.files_under(rel):
+        """Copy a committed directory to a local one: only the files its `_SUCCESS` lists, each
+        through read_committed (its checksum checked, a symbolic link refused). Model bundles and
+        MLflow artifacts are built with it, so a file slipped in beside the committed ones, or a
+        link to one outside the root (`router/extra.txt -> ~/.ssh/id_ed25519`), never ships."""
+        for name in sorted(self.marker(rel)["files"]):
             target = Path(local_dir) / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(self.read_bytes(posixpath.join(rel, name)))
+            target.write_bytes(self.read_committed(rel, name))
 
     def remove(self, rel: str) -> None:
         full = self.path(rel)
@@ -306,6 +310,7 @@ class RunRoot:
         full = self.path(rel_dir, name)
         if not isinstance(expected, dict):
             raise CorruptStateError(f"{full}: not listed in its directory's {SUCCESS}")
+        self._refuse_link(rel_dir, name)
         if max_bytes is not None and expected["bytes"] > max_bytes:
             raise CorruptStateError(f"{full}: its {SUCCESS} record says {expected['bytes']:,} bytes, more than the "
                                     f"{max_bytes:,} this file may have; refusing to read it")
@@ -316,6 +321,15 @@ class RunRoot:
                 f"({len(data)} bytes, expected {expected.get('bytes')}); refusing to load it"
             )
         return data
+
+    def _refuse_link(self, rel_dir: str, name: str) -> None:
+        """Refuse a committed file reached through a symbolic link anywhere below the root: pipeline
+        state is plain files, and a link would read (and ship) whatever it points at."""
+        if not self.is_local:
+            return
+        full = self.path(rel_dir, name)
+        if os.path.realpath(full) != os.path.join(os.path.realpath(self.root), os.path.normpath(posixpath.join(rel_dir, name))):
+            raise CorruptStateError(f"{full}: is or lies under a symbolic link; committed state is plain files, refusing it")
 
     def read_committed_json(self, rel_dir: str, name: str, expect: type | tuple[type, ...] | None = dict) -> Any:
         """A committed JSON file (router.json, manifest.json, ...), checked and parsed within bounds."""

@@ -38,7 +38,7 @@ import mlflow
 
 from models.grid import all_path_ids, parse_path_id, path_modules
 from pipeline.state import layout
-from pipeline.core.bounds import load_json
+from pipeline.core.bounds import load_json, shown
 from pipeline.core.config import parse_yaml, read_config_text, resolve_ds_config
 from pipeline.core.errors import ConfigError, CorruptStateError
 from pipeline.state.storage import SUCCESS, RunRoot
@@ -55,6 +55,9 @@ GENERATION_DEFAULTS = {"max_new_tokens": DEFAULT_NEW_TOKENS, "temperature": 0.8,
 # Not in GENERATION_DEFAULTS: its default (None) is the run's eval.reroute_every, known once loaded.
 REROUTE_PARAM = "reroute_every"
 INPUT_EXAMPLE = (["The French Revolution was"], {"max_new_tokens": 8})  # (model input, params)
+# What one request to a served model may ask for (generation_options, check_prompts).
+MIN_REROUTE_EVERY, MAX_TEMPERATURE, MAX_NEW_TOKENS, MAX_TOP_K = 8, 100.0, 1 << 20, 1 << 20
+MAX_PROMPTS, MAX_PROMPT_CHARS = 256, 100_000
 _REPO = Path(__file__).resolve().parents[2]  # pipeline/tracking/registry.py -> the repository
 _CODE = ("pipeline", "models", "preprocessing")  # the code a loaded model needs, shipped with it
 _REQUIREMENTS = (
@@ -100,8 +103,9 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
     # No type hints on predict: MLflow would derive a signature from them that drops the params.
     def predict(self, context, model_input, params=None):
         """Continuations (list[str]), one per input text; params: GENERATION_DEFAULTS' keys."""
-        texts = _texts(model_input)
-        options = generation_options(params, self.config.eval.reroute_every)
+        texts = check_prompts(_texts(model_input))
+        model = self.config.model
+        options = generation_options(params, self.config.eval.reroute_every, model.seq_len, model.vocab_size)
         return [self.continue_text(text, path_id, **options)
                 for text, path_id in zip(texts, self.router.route_texts(texts))]
 
@@ -172,19 +176,47 @@ def champion_continuation(config, prompt: str) -> str:
     return model.predict([prompt])[0]
 
 
-def generation_options(params: dict | None, reroute_every: int | None = None) -> dict[str, Any]:
+def generation_options(params: dict | None, reroute_every: int | None = None, seq_len: int | None = None,
+                       vocab_size: int | None = None) -> dict[str, Any]:
     """GENERATION_DEFAULTS updated by the caller's params, each coerced to its type; reroute_every
-    is the caller's (0: route once) or else `reroute_every` (the run's eval.reroute_every)."""
+    is the caller's (0: route once) or else `reroute_every` (the run's eval.reroute_every).
+
+    A served model takes params from whoever calls it, so each is capped by what one request may
+    cost: max_new_tokens up to the model's seq_len (the window it was trained on; `10**9` tied a
+    server up), a re-route at most every MIN_REROUTE_EVERY tokens (each one embeds and routes;
+    `1` re-routed every token) unless the run's own eval.reroute_every is smaller, top_k up to the
+    vocabulary, a finite temperature up to MAX_TEMPERATURE. A value out of range is a ValueError
+    naming the param and its bound."""
     options = dict(GENERATION_DEFAULTS)
-    for key, value in (params or {}).items():
-        if key in options and value is not None:
-            options[key] = type(GENERATION_DEFAULTS[key])(value)
-    given = (params or {}).get(REROUTE_PARAM)
-    options[REROUTE_PARAM] = reroute_every if given is None else int(given) or None
-    if (options["max_new_tokens"] < 1 or options["temperature"] < 0 or options["top_k"] < 0
-            or (options[REROUTE_PARAM] or 0) < 0):
-        raise ValueError(f"generation params out of range: {options}")
+    try:
+        for key, value in (params or {}).items():
+            if key in options and value is not None:
+                options[key] = type(GENERATION_DEFAULTS[key])(value)
+        given = (params or {}).get(REROUTE_PARAM)
+        options[REROUTE_PARAM] = reroute_every if given is None else int(given) or None
+    except (TypeError, ValueError, OverflowError) as exc:  # int(inf) overflows
+        raise ValueError(f"generation params must be numbers ({shown(str(exc))})") from None
+    fewest = min(MIN_REROUTE_EVERY, reroute_every or MIN_REROUTE_EVERY)
+    bounds = {"max_new_tokens": (1, seq_len or MAX_NEW_TOKENS), "temperature": (0.0, MAX_TEMPERATURE),
+              "top_k": (0, vocab_size or MAX_TOP_K), "seed": (0, 2**63 - 1),
+              REROUTE_PARAM: (fewest, MAX_NEW_TOKENS)}
+    for key, (low, high) in bounds.items():
+        value = options[key]
+        if value is not None and not low <= value <= high:  # also refuses a NaN temperature
+            raise ValueError(f"generation param {key}={shown(value)} must be within [{low}, {high}]"
+                             + (" (0: route once by the prompt)" if key == REROUTE_PARAM else ""))
     return options
+
+
+def check_prompts(texts: list[str]) -> list[str]:
+    """At most MAX_PROMPTS texts of at most MAX_PROMPT_CHARS characters each (a prompt is cut to
+    the model's window anyway; this bounds the tokenizer's work per request)."""
+    if len(texts) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} texts per request, got {len(texts)}")
+    longest = max((len(t) for t in texts), default=0)
+    if longest > MAX_PROMPT_CHARS:
+        raise ValueError(f"a text may have at most {MAX_PROMPT_CHARS:,} characters, got {longest:,}")
+    return texts
 
 
 def _texts(model_input) -> list[str]:

@@ -13,12 +13,32 @@ from pipeline.core.errors import ConfigError
 from pipeline.state.storage import RunRoot
 
 NEWEST, CHAMPION = "newest", "champion"  # registry aliases (MLflow reserves "latest")
-_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][\w+.-]*://)[^/@\s]+@")
+# what a query parameter (or a `name=value` anywhere in a text) is named when its value is a secret;
+# a name that ends in one of these hides its value: access_token, api_key, X-Amz-Signature, ...
+SECRET_PARAMS = ("token", "key", "keyid", "password", "passwd", "pwd", "secret", "sig", "signature", "credential")
+# userinfo: from a '://' to the authority's last '@' (urlsplit's rule, so a '@' inside a password
+# leaks nothing); the authority ends at the first '/', '?', '#' or space
+_USERINFO = re.compile(r"://[^/?#\s]*@")
+# '=' and the value after a secret name: the literal '=' first lets the engine jump from one '='
+# to the next, fixed-width lookbehinds check the name, and the replacement is a plain string (no
+# per-match Python callback); one lookbehind of the names' last letters turns most '=' away at once
+_SECRET_VALUE = re.compile(f"=(?<=[{''.join(sorted({n[-1] for n in SECRET_PARAMS}))}]=)(?:" + "|".join(f"(?<={name}=)" for name in SECRET_PARAMS) + r")[^&#;\s'\",\]]+",
+                           re.IGNORECASE)
 
 
 def redact(text: str) -> str:
-    """'https://user:pw@host/x' -> 'https://***@host/x': a tracking URI may carry a password."""
-    return _CREDENTIALS.sub(r"\g<scheme>***@", text)
+    """Credentials out of every URI in a text (a tracking URI, a data glob, a message):
+    'https://user:p@ss@host/x?token=T&n=1' -> 'https://***@host/x?token=***&n=1'.
+
+    Two regexes that never backtrack far, with plain-string replacements, so the time is linear in
+    the text (1 MB in a few ms; the regex before took 18 s on a 64 KB override). The userinfo is
+    split as urllib.parse.urlsplit splits it (up to the authority's last '@'); the tests check the
+    result against urlsplit's own netloc."""
+    if "://" in text:
+        text = _USERINFO.sub("://***@", text)
+    if "=" in text:
+        text = _SECRET_VALUE.sub("=***", text)
+    return text
 
 
 def redact_data(obj: Any) -> Any:
