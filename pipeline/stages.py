@@ -161,8 +161,8 @@ def run_island(config: Config, island: str, ds_config: str | None = None) -> dic
     process = IslandProcess(config, island, ds_config)
     try:
         returncode = process.wait()
-    except BaseException:
-        process.stop()
+    except BaseException:  # Ctrl-C, SIGTERM, an Airflow task killed: nothing the island started outlives it
+        stop_islands(config, {island: process}, "interrupted")
         raise
     if returncode != 0 and island_left(config, island):
         return {"island": island, "returncode": returncode, "left": True}
@@ -323,12 +323,38 @@ def train_on_islands(config: Config, todo: range) -> None:
                 raise IslandError(f"every island left before round {pending[0]} finished; start one with "
                                   f"`dipaco island --config ...` or rerun `dipaco run` to resume")
             time.sleep(ISLAND_POLL_S)
-    finally:
-        for process in islands.values():
-            try:
-                process.wait(timeout=60 if not pending else 0.1)
-            except Exception:
-                process.stop()
+    except BaseException:  # Ctrl-C, SIGTERM (pipeline.cli), an error: stop them all, release their tasks
+        stop_islands(config, islands, "interrupted")
+        raise
+    for process in islands.values():  # the plan is done: they are leaving by themselves
+        try:
+            process.wait(timeout=60)
+        except Exception:
+            stop_islands(config, islands, "still running after the plan was done")
+
+
+def stop_islands(config: Config, islands: dict, why: str) -> dict:
+    """Stop the island launches this process started (every launcher and rank, signalled by pid,
+    killed after a grace period) and release the tasks they held, so that a rerun started now
+    neither overlaps them nor waits out their leases. Says what it did."""
+    from pipeline.islands.launch import stop_launches
+    from pipeline.islands.task_queue import TaskQueue
+
+    if not islands:
+        return {}
+    started = time.time()
+    outcome = stop_launches(list(islands.values()))
+    root, queue, now = RunRoot(config.run_root), TaskQueue(RunRoot(config.run_root), config), time.time()
+    released = [task for name in islands for task in queue.release_running(name, why, since=started)]
+    for name in islands:  # a killed island could not say when it stopped: utilisation needs its end
+        rel = f"{ISLANDS}/{name}.json"
+        record = root.read_json(rel) if root.exists(rel) else None
+        if record and record.get("state") == "running":
+            root.write_json(rel, {**record, "state": "stopped", "finished_at": now})
+    log.warning("%s: stopped %d island(s) (%d processes, %d killed after the grace period); %s", why, len(islands),
+                outcome.get("processes", 0), outcome.get("killed", 0),
+                f"released {', '.join(released)}" if released else "they held no task")
+    return {**outcome, "released": released}
 
 
 def island_left(config: Config, name: str) -> bool:
