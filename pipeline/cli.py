@@ -161,6 +161,7 @@ def check(args: argparse.Namespace, config) -> None:
         preflight.require_modules(config, args.round)
     if args.command == "merge":
         preflight.require_trained_path(config, args.round)
+    preflight.check_run_root(config)  # last: it creates the run root, which a refusal above must not
 
 
 def dispatch(args: argparse.Namespace) -> dict | None:

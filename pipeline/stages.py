@@ -7,7 +7,10 @@ returns its recorded result at once).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
 
 from models.grid import all_job_ids
@@ -160,7 +163,8 @@ def run_island(config: Config, island: str, ds_config: str | None = None) -> dic
         return Island(config, island).run()
     process = IslandProcess(config, island, ds_config)
     try:
-        returncode = process.wait()
+        with sigterm_raises():
+            returncode = process.wait()
     except BaseException:  # Ctrl-C, SIGTERM, an Airflow task killed: nothing the island started outlives it
         stop_islands(config, {island: process}, "interrupted")
         raise
@@ -169,6 +173,28 @@ def run_island(config: Config, island: str, ds_config: str | None = None) -> dic
     if returncode != 0:
         island_failed(config, island, returncode, process.tail)
     return {"island": island, "returncode": returncode}
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """SIGTERM raises SystemExit here (after the handler it replaces ran), so the caller can stop
+    what it started. Airflow 3's task runner only calls the operator's on_kill on SIGTERM and
+    SIGKILLs the task later: the island launch, in a session of its own, would outlive it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame):
+        if callable(previous):
+            previous(signum, frame)  # the CLI's raises Interrupted; Airflow's calls on_kill
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def island_failed(config: Config, island: str, returncode: int, tail: list[str]) -> None:
@@ -189,9 +215,6 @@ def join_run(config: Config, name: str | None = None) -> dict:
     this config's ranks and ZeRO config; it leaves when the plan is done."""
     import os
     import socket
-
-    import signal
-    import threading
 
     from pipeline.islands.task_queue import read_plan
 
@@ -370,6 +393,7 @@ def run(config: Config, rounds: int | None = None) -> dict:
 
     root = RunRoot(config.run_root)
     preflight.check_data(config)  # before the lock and init_run write anything
+    preflight.check_run_root(config)
     with run_lock(root):
         init_run(config)
         tracker = get_tracker(config)

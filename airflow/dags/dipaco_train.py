@@ -93,6 +93,7 @@ def configure(params: dict | None = None) -> dict:
     ref = check_dag_params({k: params[k] for k in ("config", "overrides", "project_dir")})
     config = _config(ref)
     preflight.check_data(config)
+    preflight.check_run_root(config)
     stages.init_run(config)
     get_tracker(config).log_run_config()
     return ref

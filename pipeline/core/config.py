@@ -335,6 +335,7 @@ def _apply_override(raw: dict[str, Any], item: str, source: str) -> None:
     key_path, value_text = match.group(1), match.group(2)
     keys, name = key_path.split("."), one_line(key_path, SHOWN_CHARS)
     value = parse_yaml(value_text, f"--set {name}") if value_text.strip() else None
+    _refuse_yaml11_booleans(value_text, name)
     node = raw
     for key in keys[:-1]:
         child = node.setdefault(key, {})
@@ -342,6 +343,18 @@ def _apply_override(raw: dict[str, Any], item: str, source: str) -> None:
             raise ConfigError(f"--set {name}: {one_line(key, SHOWN_CHARS)} is not a section (in {source})")
         node = child
     node[keys[-1]] = value
+
+
+# Plain scalars YAML 1.1 (and so PyYAML) reads as booleans; YAML 1.2 and a reader of the command
+# line see words. `--set mlflow.enabled=yes` was silently true: an override must say true or false.
+_YAML11_BOOLEANS = {"yes", "no", "on", "off"}
+
+
+def _refuse_yaml11_booleans(value_text: str, name: str) -> None:
+    for event in yaml.parse(value_text, Loader=_YAML_LOADER):
+        if isinstance(event, yaml.ScalarEvent) and not event.style and event.value.lower() in _YAML11_BOOLEANS:
+            raise ConfigError(f"--set {name}: '{one_line(event.value, SHOWN_CHARS)}' is ambiguous (YAML 1.1 reads it as "
+                              f"a boolean); write true or false, or quote it for the word")
 
 
 def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
