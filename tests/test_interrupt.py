@@ -83,3 +83,25 @@ def test_ctrl_c_then_sigterm_on_dipaco_run_stop_every_island_process_and_release
     assert returncode == 143, output[-3000:]
     assert "interrupted (SIGTERM); every process it started has stopped" in output
     assert all(queue.attempts(t)[-1].record["state"] == "released" for t in holding)
+
+
+def test_a_resumed_runs_utilisation_is_within_0_05_of_an_uninterrupted_runs(tmp_path):
+    """Utilisation counts the time islands ran (their lifetimes), not the pause before a resume."""
+    warm = tiny_config(tmp_path / "warm", "train.rounds=1", "train.inner_steps=2")
+    write_synthetic_shards(stages.init_run(warm), warm.model.grid)
+    stages.run(warm)  # this process's first engine and imports (about 1 s) would count for the first run only
+    figures = {}
+    for name, plan in (("straight", [2]), ("resumed", [1, 2])):
+        for rounds in plan:
+            config = tiny_config(tmp_path / name, f"train.rounds={rounds}", "train.inner_steps=30")
+            if rounds == plan[0]:
+                write_synthetic_shards(stages.init_run(config), config.model.grid)
+            summary = stages.run(config)
+            if rounds != plan[-1]:
+                time.sleep(4)  # the pause between the stopped run and its resume
+        figures[name] = summary["utilisation"]
+    straight, resumed = figures["straight"], figures["resumed"]
+    assert straight["round"] == resumed["round"] == 1 and straight["islands"] == resumed["islands"] == 1
+    assert abs(straight["utilisation"] - resumed["utilisation"]) <= 0.05, (straight, resumed)
+    record = RunRoot(tmp_path / "resumed").read_json("queue/islands/island-0.json")
+    assert len(record["lifetimes"]) == 1 and record["lifetimes"][0][1] <= record["started_at"]
