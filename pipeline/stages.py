@@ -418,7 +418,7 @@ def run(config: Config, rounds: int | None = None) -> dict:
 def summarize(config: Config) -> dict:
     """Perplexity per path and overall by round, from the committed eval files, and where the
     registered model and the tracking store are."""
-    from pipeline.tracking.tracker import get_tracker, redact, tracking_uri
+    from pipeline.tracking.tracker import STATE_FILE, get_tracker, redact, tracking_uri
 
     root = RunRoot(config.run_root)
     rounds = evaluated_rounds(root)
@@ -440,7 +440,10 @@ def summarize(config: Config) -> dict:
         summary["reroute"] = rerouted
     if config.mlflow.enabled:
         summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
-                       model_version=get_tracker(config).newest_version())
+                       model_version=get_tracker(config).newest_version(), experiment=config.mlflow.experiment)
+        if root.exists(STATE_FILE):  # where the MLflow UI shows this run (pipeline.tracking.report)
+            state = root.read_json(STATE_FILE)
+            summary.update({k: state[k] for k in ("experiment_id", "parent_run_id") if isinstance(state.get(k), str)})
     return summary
 
 
