@@ -72,6 +72,14 @@ COMMANDS = {
         ["dipaco island --config configs/demo.yaml              # while `make demo` runs in another shell",
          "dipaco island --config configs/demo.yaml --set train.ds_config=ds_configs/zero3.json --name big"],
     ),
+    "clean": (
+        "remove this config's run root (keep its MLflow registry with --keep-registry)",
+        "Remove the run root of the config: shards, rounds, evaluations, the queue and, unless --keep-registry, "
+        "the MLflow store in it (mlflow.db, mlartifacts/) with the registered versions. Refused while a run holds "
+        "the run root, or when it holds no run.yaml. A tracking server's records are left alone.",
+        ["dipaco clean --config configs/tiny.yaml",
+         "dipaco clean --config configs/demo.yaml --keep-registry   # the champion still loads"],
+    ),
     "run": (
         "every stage not yet committed, all rounds, evaluation and registration",
         "Prepare, evaluate round 0, then for each round up to train.rounds: train every path, merge, "
@@ -104,7 +112,8 @@ CLI_MESSAGE_CHARS = 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    every_example = [e for name in ("run", "island", "prepare", "train-path", "merge", "eval") for e in COMMANDS[name][2]]
+    every_example = [e for name in ("run", "island", "prepare", "train-path", "merge", "eval", "clean")
+                     for e in COMMANDS[name][2]]
     parser = argparse.ArgumentParser(
         prog="dipaco", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="DiPaCo training pipeline: Beam routing, DeepSpeed ZeRO path trainers, DiLoCo outer merges,\n"
@@ -139,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     command("island").add_argument("--name", default=None, metavar="NAME",
                                    help="the island's name in the queue's records (default: host-pid)")
     command("run")
+    command("clean").add_argument("--keep-registry", action="store_true",
+                                  help="keep mlflow.db and mlartifacts/ (the registered model versions)")
     return parser
 
 
@@ -161,7 +172,8 @@ def check(args: argparse.Namespace, config) -> None:
         preflight.require_modules(config, args.round)
     if args.command == "merge":
         preflight.require_trained_path(config, args.round)
-    preflight.check_run_root(config)  # last: it creates the run root, which a refusal above must not
+    if args.command != "clean":
+        preflight.check_run_root(config)  # last: it creates the run root, which a refusal above must not
 
 
 def dispatch(args: argparse.Namespace) -> dict | None:
@@ -173,6 +185,8 @@ def dispatch(args: argparse.Namespace) -> dict | None:
         return stages.run(config)
     if args.command == "island":
         return stages.join_run(config, args.name)
+    if args.command == "clean":
+        return stages.clean(config, args.keep_registry)
     stages.init_run(config)
     if args.command == "prepare":
         return stages.prepare(config)

@@ -283,8 +283,56 @@ def report_round(config: Config, round_index: int) -> dict:
                  figures["utilisation"] or 0, figures["islands"], figures["task_overhead_seconds"] or 0)
     version = register(config, round_index + 1, result)
     best = early_stop(config, round_index + 1) if config.eval.early_stopping else None
+    prune_rounds(config, round_index)
     return {"merge": report, "eval": result, "model_version": version, "utilisation": figures, "reroute": rerouted,
             "early_stopping": best}
+
+
+def prune_rounds(config: Config, round_index: int) -> int:
+    """`train.keep_rounds: N` once round r is merged, evaluated and registered: the weights of all
+    but the N newest rounds go, except those a later champion or the re-routing still reads
+    (pipeline.state.retention). Returns the bytes freed (0 with keep_rounds null: keep all)."""
+    from pipeline.state.retention import prune_round, rounds_to_prune
+
+    keep, root = config.train.keep_rounds, RunRoot(config.run_root)
+    if keep is None:
+        return 0
+    protected: set[int] = set()
+    if config.eval.early_stopping:
+        from pipeline.evaluation.early_stopping import best_up_to
+
+        protected |= {entry["round"] for entry in best_up_to(root).get("paths", {}).values()}
+    after = config.router.discriminative_after
+    if after is not None and not root.exists(layout.reroute_report(after + 1)):
+        protected.add(after + 1)
+    freed = sum(prune_round(root, r, list_paths(config)) for r in rounds_to_prune(round_index + 1, keep, protected))
+    if freed:
+        log.info("train.keep_rounds=%d: freed %.1f MB of older rounds' weights", keep, freed / 1e6)
+    return freed
+
+
+def clean(config: Config, keep_registry: bool = False) -> dict:
+    """`dipaco clean`: remove this config's run root (refused while a run holds it, and unless it
+    holds a run.yaml: a typo must not delete some other directory). With `keep_registry`, the
+    MLflow store in it (mlflow.db, mlartifacts/) stays, so the registered versions still load."""
+    from pipeline.state.retention import run_root_size
+
+    root = RunRoot(config.run_root)
+    where = root.path() if root.is_local else root.url
+    if not root.exists(""):
+        return {"run_root": where, "removed": False, "why": "nothing there"}
+    if not root.exists(layout.RUN_CONFIG):
+        raise InputError(f"{where}: not a dipaco run root (no {layout.RUN_CONFIG}); remove it yourself if you mean to")
+    keep = ("mlflow.db", "mlartifacts", "tracking.json") if keep_registry else ()
+    before = run_root_size(root)
+    with run_lock(root):  # refused while a run or an island holds it
+        for name in root.listdir(""):
+            if name not in keep and name != layout.LOCK:
+                root.remove(name)
+    if not keep_registry:
+        root.remove("")
+    return {"run_root": where, "removed": True, "freed_mb": round((before - run_root_size(root)) / 1e6, 1),
+            "kept": [name for name in keep if root.exists(name)]}
 
 
 def early_stop(config: Config, round_index: int) -> dict:

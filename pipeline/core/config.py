@@ -100,6 +100,7 @@ class TrainConfig:
     seed: int = 0
     launcher: str = "deepspeed"  # deepspeed | inprocess (tests and debugging only)
     lr_decay_steps: int | None = None  # the lr decays over the run's last N steps; null: all after warmup
+    keep_rounds: int | None = None  # module and path weight files of the N newest rounds are kept; null: all
 
 
 @dataclass
@@ -470,6 +471,7 @@ def validate(config: Config) -> None:
     need(t.max_attempts >= 1, "train.max_attempts", "must be >= 1")
     need(t.islands is None or t.islands >= 1, "train.islands", "must be >= 1 (or null: train.parallel_paths)")
     need(t.lease_seconds > 0, "train.lease_seconds", "must be > 0")
+    need(t.keep_rounds is None or t.keep_rounds >= 1, "train.keep_rounds", "must be >= 1 (or null: keep every round)")
     need(_is_file(resolve_ds_config(t.ds_config)), "train.ds_config", f"names a missing file {shown(t.ds_config)}")
     need(o.lr > 0, "outer.lr", "must be positive")
     need(0 <= o.momentum < 1, "outer.momentum", "must be within [0, 1)")
