@@ -168,7 +168,7 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     data = write_c4(tmp_path / "c4")
     overrides = [
-        f"run_root={tmp_path / 'run'}", "model.vocab_size=50257", f"data.train={data['train']}",
+        f"run_root={tmp_path / 'run'}", "model.tokenizer=gpt2", "model.vocab_size=50257", f"data.train={data['train']}",
         f"data.eval={data['eval']}", "train.launcher=inprocess", "train.inner_steps=2", "eval.max_docs=4",
         "mlflow.enabled=true", "mlflow.experiment=test-dag", "airflow.rounds_per_run=1",
     ]

@@ -62,7 +62,7 @@ def _start_and_interrupt(command: list[str], queue: TaskQueue, tasks: list[Task]
 
 @pytest.mark.slow  # ~40 s: two deepspeed islands start twice
 def test_ctrl_c_then_sigterm_on_dipaco_run_stop_every_island_process_and_release_its_tasks(run_root):
-    sets = [f"run_root={run_root}", "model.vocab_size=256", "train.launcher=deepspeed", "train.islands=2",
+    sets = [f"run_root={run_root}", "model.tokenizer=gpt2", "model.vocab_size=256", "train.launcher=deepspeed", "train.islands=2",
             "train.rounds=1", "train.inner_steps=100000", "mlflow.enabled=false"]
     config = tiny_config(run_root, *sets)
     write_synthetic_shards(stages.init_run(config), config.model.grid)
