@@ -394,8 +394,9 @@ def train_on_islands(config: Config, todo: range) -> None:
                 raise IslandError(f"every island left before round {pending[0]} finished; start one with "
                                   f"`dipaco island --config ...` or rerun `dipaco run` to resume")
             time.sleep(ISLAND_POLL_S)
-    except BaseException:  # Ctrl-C, SIGTERM (pipeline.cli), an error: stop them all, release their tasks
-        stop_islands(config, islands, "interrupted")
+    except BaseException as exc:  # Ctrl-C, SIGTERM (pipeline.cli), an error: stop them all, release their tasks
+        stop_islands(config, islands, "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit))
+                     else f"stopping after {type(exc).__name__}")
         raise
     for process in islands.values():  # the plan is done: they are leaving by themselves
         try:
