@@ -105,3 +105,25 @@ def test_a_resumed_runs_utilisation_is_within_0_05_of_an_uninterrupted_runs(tmp_
     assert abs(straight["utilisation"] - resumed["utilisation"]) <= 0.05, (straight, resumed)
     record = RunRoot(tmp_path / "resumed").read_json("queue/islands/island-0.json")
     assert len(record["lifetimes"]) == 1 and record["lifetimes"][0][1] <= record["started_at"]
+
+
+def test_sigterm_to_an_airflow_island_task_unwinds_it_so_its_launch_is_stopped():
+    """Airflow 3's task runner only calls on_kill on SIGTERM (then SIGKILLs the task later): inside
+    stages.run_island SIGTERM must raise, so the island launch is stopped and its lease released."""
+    script = (
+        "import signal, time\n"
+        "from pipeline import stages\n"
+        "calls = []\n"
+        "signal.signal(signal.SIGTERM, lambda s, f: calls.append(s))  # like Airflow's: on_kill, no raise\n"
+        "try:\n"
+        "    with stages.sigterm_raises():\n"
+        "        print('ready', flush=True)\n"
+        "        time.sleep(60)\n"
+        "except SystemExit as exc:\n"
+        "    print('exit', exc.code, calls, signal.getsignal(signal.SIGTERM).__name__, flush=True)\n"
+    )
+    task = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert task.stdout.readline().strip() == "ready"
+    task.send_signal(signal.SIGTERM)
+    output, _ = task.communicate(timeout=30)
+    assert output.strip() == "exit 143 [15] <lambda>"  # Airflow's handler ran, then restored
