@@ -12,14 +12,18 @@ import argparse
 import importlib.metadata
 import json
 import logging
+import os
+import signal
 import sys
 import textwrap
+import threading
 
 from pipeline.state import layout
 from pipeline import preflight
 from pipeline.core.bounds import one_line
 from pipeline.core.config import load_config
 from pipeline.core.errors import DipacoError, IslandError, StorageError
+from pipeline.islands import processes
 from pipeline.tracking.report import format_summary
 from pipeline.state.storage import RunRoot
 
@@ -68,6 +72,14 @@ COMMANDS = {
         ["dipaco island --config configs/demo.yaml              # while `make demo` runs in another shell",
          "dipaco island --config configs/demo.yaml --set train.ds_config=ds_configs/zero3.json --name big"],
     ),
+    "clean": (
+        "remove this config's run root (keep its MLflow registry with --keep-registry)",
+        "Remove the run root of the config: shards, rounds, evaluations, the queue and, unless --keep-registry, "
+        "the MLflow store in it (mlflow.db, mlartifacts/) with the registered versions. Refused while a run holds "
+        "the run root, or when it holds no run.yaml. A tracking server's records are left alone.",
+        ["dipaco clean --config configs/tiny.yaml",
+         "dipaco clean --config configs/demo.yaml --keep-registry   # the champion still loads"],
+    ),
     "run": (
         "every stage not yet committed, all rounds, evaluation and registration",
         "Prepare, evaluate round 0, then for each round up to train.rounds: train every path, merge, "
@@ -100,7 +112,8 @@ CLI_MESSAGE_CHARS = 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    every_example = [e for name in ("run", "island", "prepare", "train-path", "merge", "eval") for e in COMMANDS[name][2]]
+    every_example = [e for name in ("run", "island", "prepare", "train-path", "merge", "eval", "clean")
+                     for e in COMMANDS[name][2]]
     parser = argparse.ArgumentParser(
         prog="dipaco", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="DiPaCo training pipeline: Beam routing, DeepSpeed ZeRO path trainers, DiLoCo outer merges,\n"
@@ -135,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     command("island").add_argument("--name", default=None, metavar="NAME",
                                    help="the island's name in the queue's records (default: host-pid)")
     command("run")
+    command("clean").add_argument("--keep-registry", action="store_true",
+                                  help="keep mlflow.db and mlartifacts/ (the registered model versions)")
     return parser
 
 
@@ -157,6 +172,8 @@ def check(args: argparse.Namespace, config) -> None:
         preflight.require_modules(config, args.round)
     if args.command == "merge":
         preflight.require_trained_path(config, args.round)
+    if args.command != "clean":
+        preflight.check_run_root(config)  # last: it creates the run root, which a refusal above must not
 
 
 def dispatch(args: argparse.Namespace) -> dict | None:
@@ -168,6 +185,8 @@ def dispatch(args: argparse.Namespace) -> dict | None:
         return stages.run(config)
     if args.command == "island":
         return stages.join_run(config, args.name)
+    if args.command == "clean":
+        return stages.clean(config, args.keep_registry)
     stages.init_run(config)
     if args.command == "prepare":
         return stages.prepare(config)
@@ -183,9 +202,47 @@ def dispatch(args: argparse.Namespace) -> dict | None:
     return stages.evaluate(config, round_index)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM: unwinds like Ctrl-C, so every stage stops what it started on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _catch_signals() -> None:
+    """The first SIGINT or SIGTERM raises Interrupted; a second one while the run stops its
+    processes (a bounded wait) is only acknowledged, so the stop is never cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    stopping = []
+
+    def handler(signum, frame):
+        if stopping:
+            print(f"dipaco: {signal.Signals(signum).name} again: still stopping the run's processes "
+                  f"(at most {processes.STOP_GRACE_S + 5:.0f} s)", file=sys.stderr)
+            return
+        stopping.append(signum)
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _stop_children() -> str:
+    """A backstop after an interrupt: whatever this process started and still runs (Beam workers,
+    a launch a stage did not stop) is stopped too. What it stopped, for the user."""
+    left = processes.tree([os.getpid()], [])
+    if not left:
+        return ""
+    outcome = processes.stop(left)
+    return f"; stopped {outcome['processes']} more processes" + (f" ({outcome['killed']} killed)" if outcome["killed"] else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     args = build_parser().parse_args(argv)
+    _catch_signals()
     try:
         result = dispatch(args)
     except DipacoError as exc:
@@ -194,9 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     except (StorageError, IslandError) as exc:
         print(f"dipaco {args.command}: {one_line(str(exc), CLI_MESSAGE_CHARS)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"dipaco {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"dipaco {args.command}: interrupted ({signal.Signals(signum).name}); every process it started has "
+              f"stopped{_stop_children()}; rerun the same command to resume", file=sys.stderr)
+        return 128 + signum
     except Exception as exc:  # anything else is a failure, reported in one line, logged in full
         logging.getLogger("dipaco").debug("failure", exc_info=True)
         print(f"dipaco {args.command}: failed: {type(exc).__name__}: {one_line(str(exc), CLI_MESSAGE_CHARS)}", file=sys.stderr)

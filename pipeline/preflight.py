@@ -10,6 +10,7 @@ run.yaml and round 0.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from models.grid import parse_job_id
@@ -92,3 +93,24 @@ def require_trained_path(config: Config, round_index: int) -> None:
     if not any(root.is_committed(layout.path_dir(round_index, job)) for job in jobs):
         raise InputError(f"{root.path(layout.round_dir(round_index))}: no path of round {round_index} has been trained; "
                          f"run `dipaco train-path --round {round_index} --path {jobs[0]}` (each path) first")
+
+
+def check_run_root(config: Config) -> None:
+    """A local run root can be created and written: a probe file is created, written, renamed (as
+    every commit renames) and removed. Without it an unwritable root (`/proc/x`, a path under a
+    file) failed 12 s later, inside the first stage, with a raw NotADirectoryError and exit 1.
+    Remote roots are left to their first write (a probe would need their credentials here)."""
+    root = RunRoot(config.run_root)
+    if not root.is_local:
+        return
+    path = Path(root.path())
+    probe = path / f".dipaco-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.with_suffix(".tmp").write_bytes(b"probe\n")
+        os.replace(probe.with_suffix(".tmp"), probe)
+        probe.unlink()
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        raise InputError(f"{config.source}: run_root {path}: cannot create and write files there ({why}); "
+                         f"choose a writable directory (--set run_root=...)") from None

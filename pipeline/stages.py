@@ -7,7 +7,10 @@ returns its recorded result at once).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
 
 from models.grid import all_job_ids
@@ -160,15 +163,38 @@ def run_island(config: Config, island: str, ds_config: str | None = None) -> dic
         return Island(config, island).run()
     process = IslandProcess(config, island, ds_config)
     try:
-        returncode = process.wait()
-    except BaseException:
-        process.stop()
+        with sigterm_raises():
+            returncode = process.wait()
+    except BaseException:  # Ctrl-C, SIGTERM, an Airflow task killed: nothing the island started outlives it
+        stop_islands(config, {island: process}, "interrupted")
         raise
     if returncode != 0 and island_left(config, island):
         return {"island": island, "returncode": returncode, "left": True}
     if returncode != 0:
         island_failed(config, island, returncode, process.tail, process.island_id)
     return {"island": island, "returncode": returncode}
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """SIGTERM raises SystemExit here (after the handler it replaces ran), so the caller can stop
+    what it started. Airflow 3's task runner only calls the operator's on_kill on SIGTERM and
+    SIGKILLs the task later: the island launch, in a session of its own, would outlive it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame):
+        if callable(previous):
+            previous(signum, frame)  # the CLI's raises Interrupted; Airflow's calls on_kill
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def island_failed(config: Config, island: str, returncode: int, tail: list[str], island_id: str) -> None:
@@ -189,9 +215,6 @@ def join_run(config: Config, name: str | None = None) -> dict:
     this config's ranks and ZeRO config; it leaves when the plan is done."""
     import os
     import socket
-
-    import signal
-    import threading
 
     from pipeline.islands.task_queue import read_plan
 
@@ -260,8 +283,56 @@ def report_round(config: Config, round_index: int) -> dict:
                  figures["utilisation"] or 0, figures["islands"], figures["task_overhead_seconds"] or 0)
     version = register(config, round_index + 1, result)
     best = early_stop(config, round_index + 1) if config.eval.early_stopping else None
+    prune_rounds(config, round_index)
     return {"merge": report, "eval": result, "model_version": version, "utilisation": figures, "reroute": rerouted,
             "early_stopping": best}
+
+
+def prune_rounds(config: Config, round_index: int) -> int:
+    """`train.keep_rounds: N` once round r is merged, evaluated and registered: the weights of all
+    but the N newest rounds go, except those a later champion or the re-routing still reads
+    (pipeline.state.retention). Returns the bytes freed (0 with keep_rounds null: keep all)."""
+    from pipeline.state.retention import prune_round, rounds_to_prune
+
+    keep, root = config.train.keep_rounds, RunRoot(config.run_root)
+    if keep is None:
+        return 0
+    protected: set[int] = set()
+    if config.eval.early_stopping:
+        from pipeline.evaluation.early_stopping import best_up_to
+
+        protected |= {entry["round"] for entry in best_up_to(root).get("paths", {}).values()}
+    after = config.router.discriminative_after
+    if after is not None and not root.exists(layout.reroute_report(after + 1)):
+        protected.add(after + 1)
+    freed = sum(prune_round(root, r, list_paths(config)) for r in rounds_to_prune(round_index + 1, keep, protected))
+    if freed:
+        log.info("train.keep_rounds=%d: freed %.1f MB of older rounds' weights", keep, freed / 1e6)
+    return freed
+
+
+def clean(config: Config, keep_registry: bool = False) -> dict:
+    """`dipaco clean`: remove this config's run root (refused while a run holds it, and unless it
+    holds a run.yaml: a typo must not delete some other directory). With `keep_registry`, the
+    MLflow store in it (mlflow.db, mlartifacts/) stays, so the registered versions still load."""
+    from pipeline.state.retention import run_root_size
+
+    root = RunRoot(config.run_root)
+    where = root.path() if root.is_local else root.url
+    if not root.exists(""):
+        return {"run_root": where, "removed": False, "why": "nothing there"}
+    if not root.exists(layout.RUN_CONFIG):
+        raise InputError(f"{where}: not a dipaco run root (no {layout.RUN_CONFIG}); remove it yourself if you mean to")
+    keep = ("mlflow.db", "mlartifacts", "tracking.json") if keep_registry else ()
+    before = run_root_size(root)
+    with run_lock(root):  # refused while a run or an island holds it
+        for name in root.listdir(""):
+            if name not in keep and name != layout.LOCK:
+                root.remove(name)
+    if not keep_registry:
+        root.remove("")
+    return {"run_root": where, "removed": True, "freed_mb": round((before - run_root_size(root)) / 1e6, 1),
+            "kept": [name for name in keep if root.exists(name)]}
 
 
 def early_stop(config: Config, round_index: int) -> dict:
@@ -324,12 +395,39 @@ def train_on_islands(config: Config, todo: range) -> None:
                 raise IslandError(f"every island left before round {pending[0]} finished; start one with "
                                   f"`dipaco island --config ...` or rerun `dipaco run` to resume")
             time.sleep(ISLAND_POLL_S)
-    finally:
-        for process in islands.values():
-            try:
-                process.wait(timeout=60 if not pending else 0.1)
-            except Exception:
-                process.stop()
+    except BaseException as exc:  # Ctrl-C, SIGTERM (pipeline.cli), an error: stop them all, release their tasks
+        stop_islands(config, islands, "interrupted" if isinstance(exc, (KeyboardInterrupt, SystemExit))
+                     else f"stopping after {type(exc).__name__}")
+        raise
+    for process in islands.values():  # the plan is done: they are leaving by themselves
+        try:
+            process.wait(timeout=60)
+        except Exception:
+            stop_islands(config, islands, "still running after the plan was done")
+
+
+def stop_islands(config: Config, islands: dict, why: str) -> dict:
+    """Stop the island launches this process started (every launcher and rank, signalled by pid,
+    killed after a grace period) and release the tasks they held, so that a rerun started now
+    neither overlaps them nor waits out their leases. Says what it did."""
+    from pipeline.islands.launch import stop_launches
+    from pipeline.islands.task_queue import TaskQueue
+
+    if not islands:
+        return {}
+    started = time.time()
+    outcome = stop_launches(list(islands.values()))
+    root, queue, now = RunRoot(config.run_root), TaskQueue(RunRoot(config.run_root), config), time.time()
+    released = [task for process in islands.values() for task in queue.release_running(process.island_id, why, since=started)]
+    for name in islands:  # a killed island could not say when it stopped: utilisation needs its end
+        rel = f"{ISLANDS}/{name}.json"
+        record = root.read_json(rel) if root.exists(rel) else None
+        if record and record.get("state") == "running":
+            root.write_json(rel, {**record, "state": "stopped", "finished_at": now})
+    log.warning("%s: stopped %d island(s) (%d processes, %d killed after the grace period); %s", why, len(islands),
+                outcome.get("processes", 0), outcome.get("killed", 0),
+                f"released {', '.join(released)}" if released else "they held no task")
+    return {**outcome, "released": released}
 
 
 def island_left(config: Config, name: str) -> bool:
@@ -345,6 +443,7 @@ def run(config: Config, rounds: int | None = None) -> dict:
 
     root = RunRoot(config.run_root)
     preflight.check_data(config)  # before the lock and init_run write anything
+    preflight.check_run_root(config)
     with run_lock(root):
         init_run(config)
         tracker = get_tracker(config)
@@ -387,7 +486,7 @@ def choose_precision(config: Config):
 def summarize(config: Config) -> dict:
     """Perplexity per path and overall by round, from the committed eval files, and where the
     registered model and the tracking store are."""
-    from pipeline.tracking.tracker import get_tracker, redact, tracking_uri
+    from pipeline.tracking.tracker import STATE_FILE, get_tracker, redact, tracking_uri
 
     root = RunRoot(config.run_root)
     rounds = evaluated_rounds(root)
@@ -409,7 +508,10 @@ def summarize(config: Config) -> dict:
         summary["reroute"] = rerouted
     if config.mlflow.enabled:
         summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
-                       model_version=get_tracker(config).newest_version())
+                       model_version=get_tracker(config).newest_version(), experiment=config.mlflow.experiment)
+        if root.exists(STATE_FILE):  # where the MLflow UI shows this run (pipeline.tracking.report)
+            state = root.read_json(STATE_FILE)
+            summary.update({k: state[k] for k in ("experiment_id", "parent_run_id") if isinstance(state.get(k), str)})
     return summary
 
 

@@ -534,8 +534,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{settings.airflow_db}, CeleryExecutor on {settings.redis_url}, queue {settings.celery_queue}; "
               f"user {AIRFLOW_ADMIN}, password in {settings.home / 'secrets' / 'airflow-admin-password'})")
         print(f"run on them:      dipaco run --config {settings.dipaco_config.relative_to(REPO)}")
-        print(f"                  . {settings.home / 'airflow.env'} && airflow dags trigger dipaco_train  "
-              f"(or the UI, http://{HOST}:{settings.airflow_port})")
+        print(f"                  . {settings.home / 'airflow.env'} && airflow dags trigger dipaco_train "
+              f"-c '{{\"overrides\": [\"run_root=runs/services-dag\"]}}'  (or the UI, http://{HOST}:{settings.airflow_port}; "
+              f"a run root other than the CLI's)")
         return 0
     if args.action == "status":
         for service in load_state(settings.home):

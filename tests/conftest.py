@@ -59,8 +59,9 @@ def write_synthetic_shards(root: RunRoot, grid: list[int], vocab: int = TINY_VOC
 
 
 def tiny_config(run_root: Path, *overrides: str) -> Config:
-    """configs/tiny.yaml on a small vocabulary, in-process launcher, tracking off."""
-    base = [f"run_root={run_root}", f"model.vocab_size={TINY_VOCAB}", "train.launcher=inprocess",
+    """configs/tiny.yaml on a small vocabulary of GPT-2 ids (synthetic shards need no trained
+    tokenizer), in-process launcher, tracking off."""
+    base = [f"run_root={run_root}", "model.tokenizer=gpt2", f"model.vocab_size={TINY_VOCAB}", "train.launcher=inprocess",
             "mlflow.enabled=false"]
     return load_config(REPO / "configs" / "tiny.yaml", [*base, *overrides])
 

@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,32 @@ def test_bad_config_values_exit_2_naming_the_key_and_write_nothing(override, key
     assert key in err and "tiny.yaml" in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert not run_root.exists()
+
+
+@pytest.mark.parametrize("word", ["yes", "no", "on", "Off"])
+def test_yaml_1_1_booleans_are_refused_in_set_and_dag_overrides_with_a_hint(word, capsys):
+    assert main(["eval", "--config", TINY, "--set", f"mlflow.enabled={word}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--set mlflow.enabled" in err and "write true or false" in err
+    with pytest.raises(ConfigError, match="write true or false"):  # the DAG's overrides param takes this path
+        load_config(TINY, [f"model.grid=[{word}]"])
+    assert load_config(TINY, ["mlflow.enabled=true"]).mlflow.enabled is True
+    assert load_config(TINY, [f"run_root='{word}'"]).run_root == word  # quoted, it is the word
+
+
+@pytest.mark.parametrize("where", ["/proc/x", "under a file"])
+def test_an_unwritable_run_root_exits_2_in_one_line_in_under_2_s(where, tmp_path):
+    root = where
+    if where == "under a file":
+        (tmp_path / "file").write_text("")
+        root = str(tmp_path / "file" / "run")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--config", TINY, "--set", f"run_root={root}"],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith(f"dipaco run: {TINY}: run_root {root}: cannot create and write files there")
+    assert len(result.stderr.strip().splitlines()) == 1 and elapsed < 2, (elapsed, result.stderr)
 
 
 def test_missing_or_broken_config_files_are_named(tmp_path, capsys):
@@ -135,8 +162,8 @@ def test_a_refused_argument_leaves_an_existing_run_root_unchanged(run_root, caps
     config = tiny_config(run_root)
     write_synthetic_shards(stages.init_run(config), config.model.grid)
     before = files_under(run_root)
-    base = ["--config", TINY, "--set", f"run_root={run_root}", "--set", "model.vocab_size=256",
-            "--set", "train.launcher=inprocess", "--set", "train.inner_steps=9"]  # would rewrite run.yaml
+    base = ["--config", TINY, "--set", f"run_root={run_root}", "--set", "model.tokenizer=gpt2",
+            "--set", "model.vocab_size=256", "--set", "train.launcher=inprocess", "--set", "train.inner_steps=9"]  # would rewrite run.yaml
     assert main(["train-path", "--round", "0", "--path", "p9-9", *base]) == 2
     assert main(["merge", "--round", "0", *base]) == 2  # no path of round 0 trained yet
     assert "dipaco train-path --round 0" in capsys.readouterr().err

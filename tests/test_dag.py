@@ -171,7 +171,7 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     run_config = AIRFLOW_HOME / f"{tmp_path.name}.yaml"
     run_config.write_text(yaml.safe_dump({
         **_raw, "data": {"train": data["train"], "eval": data["eval"]},
-        "model": {**_raw["model"], "vocab_size": 50257}, "train": {**_raw["train"], "launcher": "inprocess"},
+        "model": {**_raw["model"], "tokenizer": "gpt2", "vocab_size": 50257}, "train": {**_raw["train"], "launcher": "inprocess"},
         "mlflow": {"enabled": True, "experiment": "test-dag"},
         "airflow": {**_raw["airflow"], "trigger_run_roots": str(tmp_path)}}))
     overrides = [f"run_root={tmp_path / 'run'}", "train.inner_steps=2", "eval.max_docs=4", "airflow.rounds_per_run=1"]

@@ -27,7 +27,7 @@ from pipeline.state.module_store import load_modules
 from pipeline.state.storage import RunRoot
 from pipeline.train.train_path import CKPT, train_path
 
-TINY_SETS = [f"model.vocab_size={TINY_VOCAB}", "train.launcher=inprocess", "mlflow.enabled=false"]
+TINY_SETS = ["model.tokenizer=gpt2", f"model.vocab_size={TINY_VOCAB}", "train.launcher=inprocess", "mlflow.enabled=false"]
 
 
 def cli(args: list[str], run_root: Path, *sets: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:

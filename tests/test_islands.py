@@ -174,7 +174,8 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
 
     # Another island joins through the CLI, with a ZeRO stage of its own (the run's is 2).
     stayer = subprocess.run([sys.executable, "-m", "pipeline.cli", "island", "--config", "configs/tiny.yaml",
-                             "--name", "stayer", "--set", f"run_root={run_root}", "--set", "model.vocab_size=256",
+                             "--name", "stayer", "--set", f"run_root={run_root}", "--set", "model.tokenizer=gpt2",
+                             "--set", "model.vocab_size=256",
                              "--set", "train.launcher=inprocess", "--set", "train.ds_config=ds_configs/zero3.json",
                              "--set", "mlflow.enabled=false"],
                             cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -48,10 +48,40 @@ def test_the_summary_prints_commands_that_run_from_where_it_was_run(tmp_path, mo
                "tracking_uri": f"sqlite:///{tmp_path}/runs/demo/mlflow.db"}
     text = format_summary(summary)
     assert text.splitlines()[0] == "dipaco run: runs/demo: 2 round(s) of train.rounds=2 committed"
-    assert "--backend-store-uri sqlite:///runs/demo/mlflow.db --port 5000" in text
-    command = text.split("MLflow UI: ", 1)[1].split()[0]  # the mlflow beside this Python, as found from here
+    assert "--backend-store-uri sqlite:///runs/demo/mlflow.db --port " in text
+    command = text.split("MLflow UI: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false ", 1)[1].split()[0]  # found from here
     assert Path(command).name == "mlflow" and (tmp_path / command).is_file()
     assert "raise train.rounds" in text.splitlines()[-1]
+
+
+def test_the_mlflow_hint_fits_each_kind_of_tracking_uri_and_names_the_page(monkeypatch):
+    import socket
+
+    from pipeline.tracking.report import mlflow_hint
+
+    page = "(experiment dipaco, Model training → Training runs)"
+    with socket.socket() as busy:  # a tracking server (or anything) on 5000: the UI gets another port
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            busy.bind(("127.0.0.1", 5000))
+            busy.listen()
+        except OSError:
+            pass  # 5000 is taken already, which is the case under test too
+        local = mlflow_hint("sqlite:///runs/demo/mlflow.db", "dipaco", "1", "abc")
+    assert local[0].startswith("MLflow UI: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false ")
+    command = local[0].split("false ", 1)[1]
+    assert re.fullmatch(r"\S*mlflow ui --backend-store-uri sqlite:///runs/demo/mlflow\.db --port \d+", command), command
+    port = int(command.rsplit(" ", 1)[1])
+    assert port != 5000
+    assert local[1] == f"  then open http://127.0.0.1:{port}/#/experiments/1/runs/abc {page}"
+
+    server = mlflow_hint("http://127.0.0.1:5000", "dipaco", "1", "abc")
+    assert server == [f"MLflow UI: http://127.0.0.1:5000/#/experiments/1/runs/abc (the tracking server; {page[1:]}"]
+
+    monkeypatch.setenv("DATABRICKS_HOST", "https://adb-1.azuredatabricks.net/")
+    remote = mlflow_hint("databricks", "dipaco", "1", "abc")
+    assert remote == [f"MLflow UI: https://adb-1.azuredatabricks.net/ml/experiments/1/runs/abc {page}"]
+    assert not any("mlflow ui" in line or "--port" in line for line in server + remote)
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,7 @@ class TrainConfig:
     seed: int = 0
     launcher: str = "deepspeed"  # deepspeed | inprocess (tests and debugging only)
     lr_decay_steps: int | None = None  # the lr decays over the run's last N steps; null: all after warmup
+    keep_rounds: int | None = None  # module and path weight files of the N newest rounds are kept; null: all
 
 
 @dataclass
@@ -377,6 +378,7 @@ def _apply_override(raw: dict[str, Any], item: str, source: str, trusted: bool =
         check_trigger_override(item, f"{source}: DAG trigger override")
     keys, name = key_path.split("."), one_line(key_path, SHOWN_CHARS)
     value = parse_yaml(value_text, f"--set {name}") if value_text.strip() else None
+    _refuse_yaml11_booleans(value_text, name)
     node = raw
     for key in keys[:-1]:
         child = node.setdefault(key, {})
@@ -385,6 +387,18 @@ def _apply_override(raw: dict[str, Any], item: str, source: str, trusted: bool =
         node = child
     node[keys[-1]] = value
     return key_path
+
+
+# Plain scalars YAML 1.1 (and so PyYAML) reads as booleans; YAML 1.2 and a reader of the command
+# line see words. `--set mlflow.enabled=yes` was silently true: an override must say true or false.
+_YAML11_BOOLEANS = {"yes", "no", "on", "off"}
+
+
+def _refuse_yaml11_booleans(value_text: str, name: str) -> None:
+    for event in yaml.parse(value_text, Loader=_YAML_LOADER):
+        if isinstance(event, yaml.ScalarEvent) and not event.style and event.value.lower() in _YAML11_BOOLEANS:
+            raise ConfigError(f"--set {name}: '{one_line(event.value, SHOWN_CHARS)}' is ambiguous (YAML 1.1 reads it as "
+                              f"a boolean); write true or false, or quote it for the word")
 
 
 def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
@@ -506,6 +520,7 @@ def validate(config: Config) -> None:
          "must be >= 1 (times the round's median task time), or null: no backup attempts")
     need(t.checkpoint_every is None or t.checkpoint_every >= 1, "train.checkpoint_every",
          "must be >= 1 (inner steps), or null: no mid-task checkpoints")
+    need(t.keep_rounds is None or t.keep_rounds >= 1, "train.keep_rounds", "must be >= 1 (or null: keep every round)")
     need(_is_file(resolve_ds_config(t.ds_config)), "train.ds_config", f"names a missing file {shown(t.ds_config)}")
     need(o.lr > 0, "outer.lr", "must be positive")
     need(0 <= o.momentum < 1, "outer.momentum", "must be within [0, 1)")

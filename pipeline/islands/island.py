@@ -62,7 +62,8 @@ class Island:
         rank, world = init_distributed()
         self.rank, self.world = rank, world
         if rank == 0:
-            self._record(state="running", world_size=world, started_at=time.time())
+            self._record(state="running", world_size=world, started_at=time.time(), finished_at=None,
+                         lifetimes=self._past_lifetimes())
         while True:
             message = broadcast_json(self._next_message() if rank == 0 else None, rank, world)
             if "exit" in message:
@@ -129,6 +130,16 @@ class Island:
             os._exit(LEFT_EXIT)
         if self.rank != 0:
             os._exit(LEFT_EXIT)
+
+    def _past_lifetimes(self) -> list:
+        """The earlier lives of this island name, [started_at, finished_at or None], kept so that
+        utilisation counts the time the island ran and not the pauses between runs."""
+        rel = f"{ISLANDS}/{self.name}.json"
+        record = self.root.read_json(rel) if self.root.exists(rel) else {}
+        lives = list(record.get("lifetimes") or [])
+        if isinstance(record.get("started_at"), (int, float)):
+            lives.append([record["started_at"], record.get("finished_at")])
+        return lives
 
     def _record(self, **fields) -> None:
         rel = f"{ISLANDS}/{self.name}.json"

@@ -10,9 +10,7 @@ way, so it is not retried and its own message is raised to the caller.
 from __future__ import annotations
 
 import logging
-import os
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
+from pipeline.islands import processes
+from pipeline.islands.processes import STOP_GRACE_S
 from pipeline.state import layout
 from pipeline.core.bounds import shown
 from pipeline.train.distributed import child_env, free_port, rank_threads, set_runtime_env  # each rank also sets its own threads
@@ -98,18 +98,26 @@ class Launch:
         self.reader.join()
         return returncode
 
-    def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM to the island's process group (it releases its task and leaves), then SIGKILL."""
-        if self.process.poll() is not None:
-            return
+    def stop(self, grace_s: float = STOP_GRACE_S) -> dict:
+        """Stop the launch and every process it started (pipeline.islands.processes.stop)."""
+        return stop_launches([self], grace_s)
+
+
+def stop_launches(launches: list[Launch], grace_s: float = STOP_GRACE_S) -> dict:
+    """SIGTERM to every launch's process group and descendants at once (an island's rank 0
+    releases its task and leaves), wait up to `grace_s` for all of them, then SIGKILL; returns
+    when none of their processes runs any more, so a rerun never overlaps them."""
+    running = [launch for launch in launches if launch.process.poll() is None]
+    pids = processes.tree([launch.process.pid for launch in running], [launch.process.pid for launch in running])
+    outcome = processes.stop(pids, {launch.process.pid for launch in running}, grace_s)
+    for launch in launches:
         try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(grace_s)
+            launch.process.wait(5.0)  # reap the runner (a zombie by now)
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        except ProcessLookupError:
-            pass
+            launch.process.kill()
+            launch.process.wait()
+        launch.reader.join(5.0)
+    return outcome
 
 
 def _run_root_url(config) -> str:

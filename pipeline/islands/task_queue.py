@@ -325,6 +325,25 @@ class TaskQueue:
                                          {**attempt.record, "state": "failed", "error": reason,
                                           "finished_at": time.time() + self.clock_offset})
 
+    def release_running(self, island_id: str, reason: str, since: float = float("inf")) -> list[str]:
+        """Release the running attempts of one island process (`island_id`, as fail_running), whose
+        processes were stopped on an interrupt: like Lease.finish("released"), no attempt is lost and another island may take the task at once.
+        The tasks released, with those the island released itself at or after `since`."""
+        released = []
+        for name in self.root.listdir(LEASES):
+            attempts = self._attempts_in(f"{LEASES}/{name}")
+            last = attempts[-1] if attempts else None
+            if not last or last.record.get("island_id") != island_id:
+                continue
+            if last.record.get("state") == "running":
+                self.root.write_json(f"{LEASES}/{name}/attempt-{last.number}.json",
+                                     {**last.record, "state": "released", "reason": reason,
+                                      "finished_at": time.time() + self.clock_offset})
+                released.append(name)
+            elif last.record.get("state") == "released" and float(last.record.get("finished_at", 0)) >= since:
+                released.append(name)
+        return released
+
     # -- readiness -----------------------------------------------------------------------------
     def modules_ready(self, round_index: int, keys: list[ModuleKey]) -> bool:
         from pipeline.state.module_store import module_location

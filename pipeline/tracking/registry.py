@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import os
 import posixpath
 import shutil
 from pathlib import Path
@@ -72,8 +73,18 @@ mlflow.models.set_model(DipacoModel())
 '''
 
 
+# Quiet by default: MLflow draws a progress bar for every artifact download (each log_model
+# validates by loading, each champion continuation loads); off unless the user asked for it.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
 class DipacoModel(mlflow.pyfunc.PythonModel):
     """Route, assemble the path, generate. Path models are built on first use and kept."""
+
+    # predict has no type hints on purpose (see predict). Without this MLflow 3.17 warns, in every
+    # process that defines the class (each load), that it should have some; with it, MLflow skips
+    # the type-hint wrapper, which for an unhinted predict only passes the call through.
+    _skip_type_hint_validation = True
 
     def load_context(self, context) -> None:
         from pipeline.core.config import config_from_dict

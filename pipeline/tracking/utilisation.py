@@ -1,16 +1,23 @@
 """Compute utilisation of a run: how much of the islands' time went into inner-loop steps.
 
     utilisation(r) = sum of inner-loop seconds of every train task of rounds <= r
-                     / (islands x (round r's `_SUCCESS` committed_at - earliest inner-loop start))
+                     / sum over islands of the time each island was running before round r's
+                       `_SUCCESS` committed_at (the union of its lifetimes)
 
 The rest is overhead: launching, claiming, loading modules and inner state, building engines,
-committing, merging, evaluating, and waiting for work. OpenDiLoCo reports 90-95 %; a one-shot
-launch per (path, round) measured 0.24 on the demo. Every figure comes from committed records
-(each path's metrics.json, the round markers, the queue's lease and island records), so any
-process can compute it after the fact.
+committing, merging, evaluating, and waiting for work. Counting the islands' lifetimes (each
+island's record in queue/islands keeps its earlier lives) instead of the span from the first
+start to the commit keeps the pause between an interrupted run and its resume out of the figure
+(tests/test_interrupt.py, 4 s pause: 0.39 against 0.85 uninterrupted by the span, 0.81 against
+0.84 by lifetimes; a demo resumed after a long pause read 0.03). OpenDiLoCo reports 90-95 %; a
+one-shot launch per (path, round) measured 0.24 on the demo. Every figure comes from committed
+records (each path's metrics.json, the round markers, the queue's lease and island records), so
+any process can compute it after the fact.
 """
 
 from __future__ import annotations
+
+import time
 
 from models.grid import all_job_ids
 from pipeline.state import layout
@@ -36,17 +43,53 @@ def round_utilisation(config, round_index: int) -> dict | None:
     if not starts:
         return None
     end = float(root.marker(layout.round_dir(round_index))["committed_at"])
-    islands = islands_recorded(root) or config.train.islands or config.train.parallel_paths
-    wall = end - min(starts)
+    running = island_seconds(root, end)
+    if running:
+        islands, busy = len(running), sum(running.values())
+    else:  # a run root from before islands kept their lifetimes: the span from the first start
+        islands = islands_recorded(root) or config.train.islands or config.train.parallel_paths
+        busy = islands * (end - min(starts))
     overheads = task_overheads(config, round_index)
     return {
-        "utilisation": inner / (islands * wall) if wall > 0 else None,
+        "utilisation": inner / busy if busy > 0 else None,
         "islands": islands,
         "inner_seconds": inner,
-        "wall_seconds": wall,
+        "wall_seconds": busy / islands,  # the mean island's running time
         "task_overhead_seconds": sum(overheads) / len(overheads) if overheads else None,
         **{f"task_{phase}_seconds": v for phase, v in (overhead_breakdown(config, round_index) or {}).items()},
     }
+
+
+def island_seconds(root: RunRoot, until: float) -> dict[str, float]:
+    """Island name -> seconds it was running before `until`: the union of its lifetimes (earlier
+    lives from "lifetimes", the current one from started_at/finished_at). A life without an end
+    (its process was killed before it could write one) ends where the next life starts, else now."""
+    found = {}
+    for name in root.listdir(ISLANDS):
+        if not name.endswith(".json"):
+            continue
+        record = root.read_json(f"{ISLANDS}/{name}")
+        lives = [list(life) for life in record.get("lifetimes") or [] if isinstance(life, (list, tuple)) and len(life) == 2]
+        if isinstance(record.get("started_at"), (int, float)):
+            lives.append([record["started_at"], record.get("finished_at")])
+        lives = sorted((float(s), e) for s, e in lives if isinstance(s, (int, float)))
+        spans = []
+        for i, (start, stop) in enumerate(lives):
+            stop = float(stop) if isinstance(stop, (int, float)) else lives[i + 1][0] if i + 1 < len(lives) else time.time()
+            if start < until:
+                spans.append((start, min(stop, until)))
+        if spans:
+            found[name.removesuffix(".json")] = _union_length(spans)
+    return found
+
+
+def _union_length(spans: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > reach:
+            total += stop - max(start, reach)
+            reach = stop
+    return total
 
 
 def islands_recorded(root: RunRoot) -> int:
