@@ -232,3 +232,14 @@ def test_an_attempt_killed_mid_task_resumes_from_its_checkpoint_with_the_identic
     rel = layout.path_dir(0, "p0")
     assert root.read_committed(rel, "model.safetensors") == RunRoot(whole.run_root).read_committed(rel, "model.safetensors")
     assert not root.exists(layout.staging_dir(0, "p0"))  # published: checkpoints gone with the staging place
+
+
+@pytest.mark.parametrize("setting, key", [("train.backup_after=0.5", "train.backup_after"),
+                                          ("train.checkpoint_every=0", "train.checkpoint_every"),
+                                          ("train.backup_after=soon", "train.backup_after")])
+def test_bad_backup_and_checkpoint_settings_are_refused_naming_the_key(run_root, setting, key):
+    from pipeline.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"tiny.yaml.*{key}") as error:
+        tiny_config(run_root, setting)
+    assert "\n" not in str(error.value)
