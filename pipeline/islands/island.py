@@ -230,11 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--island-id", default=None, help="this process's unique identity (default: name + random)")
     parser.add_argument("--ds-config", default=None)
     args = parser.parse_args(argv)
-    from pipeline.train.distributed import run_rank
+    from pipeline.train.distributed import apply_rank_threads, run_rank
 
     def body() -> None:
-        from pipeline.train.distributed import apply_rank_threads
-
         config = island_config(args.run_root, args.ds_config)
         apply_rank_threads(config.train, islands=True)  # whatever the launcher's environment says
         island = Island(config, args.island, args.island_id)
