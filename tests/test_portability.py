@@ -18,7 +18,7 @@ from pipeline import stages
 from pipeline.core.config import REPO_ROOT, resolve_ds_config
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
-from pipeline.train.compiled import compile_forward
+from pipeline.train.zero import compile_forward
 from pipeline.train.distributed import rank_threads
 from pipeline.train.train_path import train_path
 

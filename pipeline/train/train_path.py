@@ -29,7 +29,6 @@ from pipeline.state import layout
 from pipeline.core.config import MAX_CONFIG_BYTES, Config, config_from_yaml
 from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
-from pipeline.train.compiled import compile_forward
 from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
 from pipeline.train.precision import agree
 from pipeline.train.precision import resolve as resolve_precision
@@ -37,7 +36,7 @@ from pipeline.core.errors import ConfigError, DipacoError, InputError
 from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_documents
 from pipeline.state.storage import RunRoot
-from pipeline.train.zero import full_state, load_ds_config, release_engine, set_full_state, wrap_with_zero
+from pipeline.train.zero import compile_forward, full_state, load_ds_config, release_engine, set_full_state, wrap_with_zero
 
 log = logging.getLogger("dipaco.train")
 CKPT = "ds_checkpoint"
