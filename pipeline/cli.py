@@ -210,12 +210,14 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def _catch_signals() -> None:
+def _catch_signals() -> dict:
     """The first SIGINT or SIGTERM raises Interrupted; a second one while the run stops its
-    processes (a bounded wait) is only acknowledged, so the stop is never cut short."""
+    processes (a bounded wait) is only acknowledged, so the stop is never cut short. Returns the
+    handlers it replaced (main restores them: a caller in-process keeps its own)."""
     if threading.current_thread() is not threading.main_thread():
-        return
+        return {}
     stopping = []
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
 
     def handler(signum, frame):
         if stopping:
@@ -227,6 +229,7 @@ def _catch_signals() -> None:
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+    return previous
 
 
 def _stop_children() -> str:
@@ -242,7 +245,15 @@ def _stop_children() -> str:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     args = build_parser().parse_args(argv)
-    _catch_signals()
+    previous = _catch_signals()
+    try:
+        return _run(args)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         result = dispatch(args)
     except DipacoError as exc:
