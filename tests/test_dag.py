@@ -269,5 +269,6 @@ def test_a_trigger_that_would_run_code_is_refused_by_configure_before_anything_r
     with pytest.raises(ConfigError, match=rf"overrides\[1\]: a DAG trigger may not set '{key}'"):
         dag.task_dict["configure"].python_callable(params=params)
     assert not (tmp_path / "run").exists()
-    with pytest.raises(ConfigError, match="outside the directories this DAG trusts"):
-        dag.task_dict["configure"].python_callable(params={**params, "config": "/etc/passwd", "overrides": []})
+    for config in ("/etc/passwd", "tests/data/c4/train/c4-train.00000-of-00002.json"):  # JSON lines parse as YAML
+        with pytest.raises(ConfigError, match="outside the directories this DAG trusts"):
+            dag.task_dict["configure"].python_callable(params={**params, "config": config, "overrides": []})

@@ -100,9 +100,15 @@ def _config(ref: dict):
 
 
 def trusted_dirs() -> list[Path]:
-    """Where a trigger's project_dir and config may point: this project and $DIPACO_CONFIG's folder,
-    both chosen by whoever deployed the DAG, never by whoever triggers a run."""
+    """Where a trigger's project_dir may point: this project and $DIPACO_CONFIG's folder, both
+    chosen by whoever deployed the DAG, never by whoever triggers a run."""
     return [PROJECT_DIR, Path(DEFAULT_CONFIG).resolve().parent]
+
+
+def config_dirs() -> list[Path]:
+    """Where a trigger's config may lie: configs/ and $DIPACO_CONFIG's folder (not the whole
+    project, whose data and run roots hold files others may write)."""
+    return [PROJECT_DIR / "configs", Path(DEFAULT_CONFIG).resolve().parent]
 
 
 @task
@@ -113,7 +119,7 @@ def configure(params: dict | None = None) -> dict:
     from pipeline.core.config import check_dag_params
     from pipeline.tracking.tracker import get_tracker
 
-    ref = check_dag_params({k: params[k] for k in ("config", "overrides", "project_dir")}, trusted_dirs())
+    ref = check_dag_params({k: params[k] for k in ("config", "overrides", "project_dir")}, trusted_dirs(), config_dirs())
     config = _config(ref)
     preflight.check_data(config)
     preflight.check_run_root(config)

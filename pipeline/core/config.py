@@ -320,15 +320,18 @@ def dump_yaml(config: Config) -> str:
     return yaml.dump(config.to_dict(), Dumper=_NoAliasDumper, sort_keys=False)
 
 
-def check_dag_params(params: dict[str, Any], trusted_dirs: list[str | Path] | None = None) -> dict[str, Any]:
+def check_dag_params(params: dict[str, Any], trusted_dirs: list[str | Path] | None = None,
+                     config_dirs: list[str | Path] | None = None) -> dict[str, Any]:
     """The DAG's run params (`config`, `overrides`, `project_dir`) checked before any use, as the
     reference every task loads the config from. The DAG declares the same bounds as a JSON schema
     (Airflow checks it when a run is triggered); this is the check that holds for any caller.
 
     Params come from whoever triggers the run: an override may set only trust.TRIGGER_KEYS, and
     with `trusted_dirs` (the DAG passes its project and $DIPACO_CONFIG's directory) project_dir
-    must be one of them and the config file must lie inside one, since a config file chosen by a
-    trigger, or one whose relative paths resolve in a directory it chose, would be its config."""
+    must be one of them and the config file must lie inside one of `config_dirs` (default: the
+    same; the DAG passes its configs/ and $DIPACO_CONFIG's directory, not the whole project, which
+    holds data and run roots), since a config file chosen by a trigger, or one whose relative paths
+    resolve in a directory it chose, would be its config."""
     where = "DAG params"
     if not isinstance(params, dict):
         raise ConfigError(f"{where}: must be a mapping, got {type(params).__name__}")
@@ -350,20 +353,21 @@ def check_dag_params(params: dict[str, Any], trusted_dirs: list[str | Path] | No
     if not Path(params["project_dir"]).is_dir():
         raise ConfigError(f"{where}: project_dir {shown(params['project_dir'])} is not a directory")
     if trusted_dirs is not None:
-        _check_trusted_place(params["project_dir"], params["config"], [Path(d).resolve() for d in trusted_dirs], where)
+        _check_trusted_place(params["project_dir"], params["config"], [Path(d).resolve() for d in trusted_dirs],
+                             [Path(d).resolve() for d in (config_dirs or trusted_dirs)], where)
     return {"config": params["config"], "overrides": list(overrides), "project_dir": params["project_dir"]}
 
 
-def _check_trusted_place(project_dir: str, config: str, trusted: list[Path], where: str) -> None:
-    """project_dir one of the trusted directories, the config file inside one of them."""
+def _check_trusted_place(project_dir: str, config: str, trusted: list[Path], config_dirs: list[Path], where: str) -> None:
+    """project_dir one of the trusted directories, the config file inside one of config_dirs."""
     project = Path(project_dir).resolve()
     if project not in trusted:
         raise ConfigError(f"{where}: project_dir {shown(project_dir)} is not one this DAG trusts "
                           f"({', '.join(map(str, trusted))})")
     chosen = (project / config).resolve()
-    if not any(chosen.is_relative_to(d) for d in trusted):
+    if not any(chosen.is_relative_to(d) for d in config_dirs):
         raise ConfigError(f"{where}: config {shown(config)} lies outside the directories this DAG trusts "
-                          f"({', '.join(map(str, trusted))})")
+                          f"({', '.join(map(str, config_dirs))})")
 
 
 def _apply_override(raw: dict[str, Any], item: str, source: str, trusted: bool = True) -> str:
