@@ -154,3 +154,18 @@ def test_a_path_records_the_precision_it_trained_in(run_root):
     assert metrics["precision"] == expected.name and metrics["precision_reason"] == expected.reason
     assert ("torch_autocast" in metrics["ds_config"]) == (expected.name != "fp32")
     assert metrics["loss"][-1] < metrics["loss"][0]
+
+
+def test_an_fp32_engine_after_an_fp16_one_in_the_same_process_has_no_grad_scaler(run_root):
+    """DeepSpeed keeps torch_autocast in module globals; an in-process run that trains fp16 and
+    then fp32 must not carry the fp16 engine's GradScaler into the fp32 one."""
+    engines = []
+    for name in ("fp16", "fp32"):
+        config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", f"train.precision={name}")
+        shape = ModelShape.from_config(config.model)
+        model = build_path_model(shape, seed=0)
+        engine = wrap_with_zero(model, adamw_for(model, config.train),
+                                load_ds_config(config.train, shape, 1, P.resolve(config.train, shape)))
+        engines.append(engine.optimizer.torch_autocast_gradscaler)
+        release_engine(engine)
+    assert engines[0] is not None and engines[1] is None

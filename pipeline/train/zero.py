@@ -109,7 +109,13 @@ def wrap_with_zero(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_
     without unpickling code (see WeightsOnlyCheckpointEngine)."""
     import deepspeed
 
+    from deepspeed.runtime import torch_autocast
+
     init_distributed()  # launched ranks join their group; anything else becomes a one-rank job
+    # DeepSpeed records torch_autocast in module globals that only an autocast engine sets and
+    # nothing clears: after one fp16 engine, every later fp32 engine of the process got a
+    # GradScaler and stepped differently (the in-process launcher, the benchmarks, the tests).
+    torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE = False, None
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     engine.checkpoint_engine = weights_only_checkpoint_engine(engine.checkpoint_engine)
     return engine
