@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,17 @@ def write_synthetic_shards(root: RunRoot, grid: list[int], vocab: int = TINY_VOC
                              shard_table(ids[n:], docs[n:]))
     root.write_json("shards/manifest.json", {"synthetic": True})
     root.commit("shards")
+
+
+def wait_for(predicate, timeout: float, what: str, every: float = 0.05):
+    """predicate()'s first truthy value, polled every `every` s; fails the test after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def tiny_config(run_root: Path, *overrides: str) -> Config:

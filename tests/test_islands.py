@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, tiny_config, write_synthetic_shards
+from conftest import REPO, tiny_config, wait_for, write_synthetic_shards
 from models.grid import ModuleKey, all_modules
 from pipeline.state import layout
 from pipeline import stages
@@ -42,7 +42,7 @@ def test_a_claim_is_exclusive_and_a_dead_holders_lease_expires(run_root):
     held._thread.join()
     stopped = time.monotonic()
     # b expires it once it saw the beat count unchanged for lease_seconds on its own clock.
-    taken = _wait_for(lambda: b.claim(task, "island-b"), 3.0, "the dead holder's lease to expire")
+    taken = wait_for(lambda: b.claim(task, "island-b"), 3.0, "the dead holder's lease to expire")
     assert time.monotonic() - stopped > 0.4
     assert taken.number == 2
     assert a.claim(task, "island-a") is None
@@ -134,14 +134,6 @@ def _island(run_root, name: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.slow  # ~40 s: three island processes
@@ -162,7 +154,7 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
                 return Task.of("train", 0, job)
         return None
 
-    task = _wait_for(running_lease, 120, "the island to claim a train task")
+    task = wait_for(running_lease, 120, "the island to claim a train task")
     time.sleep(1.0)  # inside its inner loop
     os.killpg(leaving.pid, signal.SIGTERM)
     output, _ = leaving.communicate(timeout=60)

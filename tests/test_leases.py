@@ -4,9 +4,7 @@ island identities are per process, and a straggler's task is finished by a backu
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -15,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, tiny_config, write_synthetic_shards
+from conftest import REPO, tiny_config, wait_for, write_synthetic_shards
 from pipeline import stages
 from pipeline.islands.island import Island
 from pipeline.islands.task_queue import CLOCK_OFFSET_ENV, Task, TaskQueue, write_plan
@@ -26,14 +24,6 @@ from pipeline.train.train_path import train_path
 ONE_PATH = ("model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=1")
 
 
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readable(run_root):
@@ -47,7 +37,7 @@ def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readab
     zombie = a.claim(task, "paused")
     zombie._stop.set()  # paused: no more beats (a GC pause, SIGSTOP, a VM migration)
     zombie._thread.join()
-    successor = _wait_for(lambda: b.claim(task, "successor"), 3.0, "the paused holder's lease to expire")
+    successor = wait_for(lambda: b.claim(task, "successor"), 3.0, "the paused holder's lease to expire")
     fresh = train_path(config, 0, "p0", attempt="attempt-2", may_publish=successor.held)
     late = train_path(config, 0, "p0", attempt="attempt-1", may_publish=zombie.held)  # it wakes up and finishes
     assert fresh["published"] and not late["published"]
@@ -74,7 +64,7 @@ def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_fin
     queue, task = TaskQueue(root, config), Task.of("train", 0, "p0")
     zombie = _island(run_root, "zombie")
     try:
-        _wait_for(lambda: queue.attempts(task), 120, "the island to claim the train task")
+        wait_for(lambda: queue.attempts(task), 120, "the island to claim the train task")
         time.sleep(1.0)
         os.killpg(zombie.pid, signal.SIGSTOP)
         Island(config, "successor").run()  # waits out the lease, trains, merges, evaluates
@@ -112,7 +102,7 @@ def test_clock_skew_of_two_minutes_expires_no_live_holder_and_still_expires_a_de
     assert not lease.lost.is_set()
     lease._stop.set()  # now it dies: the skewed reader still expires it, after one lease of its own clock
     lease._thread.join()
-    taken = _wait_for(lambda: other.claim(task, "skewed"), 2.0, "the dead holder's lease to expire")
+    taken = wait_for(lambda: other.claim(task, "skewed"), 2.0, "the dead holder's lease to expire")
     assert taken.number == 2
     taken.finish("released")
 
@@ -221,7 +211,7 @@ def test_an_attempt_killed_mid_task_resumes_from_its_checkpoint_with_the_identic
                                 "--round", "0", "--path", "p0"], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
                                stderr=subprocess.STDOUT)
     try:
-        _wait_for(lambda: root.glob(f"{checkpoints_dir(0, 'p0')}/*/step=*/_SUCCESS"), 120, "a mid-task checkpoint")
+        wait_for(lambda: root.glob(f"{checkpoints_dir(0, 'p0')}/*/step=*/_SUCCESS"), 120, "a mid-task checkpoint")
     finally:
         trainer.kill()  # SIGKILL: the attempt dies between two checkpoints
         trainer.wait()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, tiny_config
+from conftest import REPO, tiny_config, wait_for
 
 from pipeline.state import layout
 from pipeline.core.errors import ConfigError
@@ -276,16 +276,6 @@ class AirflowApi:
             return json.loads(response.read() or b"null")
 
 
-def wait_for(what: str, check, timeout_s: float, every_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(every_s)
-    raise TimeoutError(f"no {what} after {timeout_s:.0f}s")
-
-
 def kill_an_island_holding_a_train_lease(database: str, run_id: str, run_root: Path, timeout_s: float) -> tuple:
     """SIGKILL the task process (`airflow worker -- <ti id>`; an in-process island runs in it) of the
     first island task seen running while it holds a train task's lease; returns (island, lease file)."""
@@ -312,7 +302,7 @@ def kill_an_island_holding_a_train_lease(database: str, run_id: str, run_root: P
                         return record["island"], attempt
         return None
 
-    return wait_for("island holding a train lease to kill", holder, timeout_s, every_s=0.2)
+    return wait_for(holder, timeout_s, "an island holding a train lease to kill", every=0.2)
 
 
 @pytest.mark.slow  # ~2 min (3 min loaded 4x): migrations, 5 Airflow components, a DAG run on Celery
@@ -348,7 +338,7 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
             except OSError:  # 404 until the dag processor has serialized it
                 return None
 
-        assert wait_for("parsed DAG", dag_parsed, 120)["is_paused"] is False
+        assert wait_for(dag_parsed, 120, "the parsed DAG", every=1.0)["is_paused"] is False
         assert loopback_only(deployment) == []  # the five components, the api-server included
         # in-process islands (each in its task's process), trained long enough to be caught holding a lease
         overrides = [f"run_root={tmp_path / 'run'}", "train.inner_steps=20", "eval.max_docs=4"]
@@ -362,7 +352,7 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
             state = api.call("GET", f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"]
             return state if state in ("success", "failed") else None
 
-        assert wait_for("finished DAG run", finished, 360, every_s=2) == "success"
+        assert wait_for(finished, 360, "a finished DAG run", every=2.0) == "success"
     finally:
         svc.clear_celery_queue(REDIS_URL, queue)
 
