@@ -72,9 +72,9 @@ def synthetic_shards(root: RunRoot, grid: list[int], docs_per_path: int, seed: i
 
 def chaos_config(run_root: Path, args: argparse.Namespace) -> Config:
     return load_config(REPO / "configs" / "tiny.yaml", [
-        f"run_root={run_root}", f"model.vocab_size={VOCAB}", "mlflow.enabled=false", "train.launcher=deepspeed",
+        f"run_root={run_root}", "model.tokenizer=gpt2", f"model.vocab_size={VOCAB}", "mlflow.enabled=false", "train.launcher=deepspeed",
         f"train.rounds={args.rounds}", f"train.inner_steps={args.inner_steps}", "train.warmup_steps=5",
-        f"train.lease_seconds={args.lease_seconds}", "train.max_attempts=8", "train.backup_after=1.5",
+        f"train.lease_seconds={args.lease_seconds}", "train.max_attempts=8", f"train.backup_after={args.backup_after}",
         f"train.checkpoint_every={max(1, args.inner_steps // 4)}", "train.islands=4"])
 
 
@@ -259,7 +259,7 @@ def render(free: dict, chaos: dict, args: argparse.Namespace) -> str:
     lines = [
         f"Chaos benchmark (`python -m benchmarks.chaos`, {os.cpu_count()} CPU cores, "
         f"{time.strftime('%Y-%m-%d')}): tiny model, grid [2, 2], {args.rounds} rounds x {args.inner_steps} inner steps, "
-        f"4 islands of 1 rank, lease {args.lease_seconds} s, backup_after 1.5, checkpoint_every {max(1, args.inner_steps // 4)}.",
+        f"4 islands of 1 rank, lease {args.lease_seconds} s, backup_after {args.backup_after}, checkpoint_every {max(1, args.inner_steps // 4)}.",
         "",
         "| run | wall s | committed tokens | goodput tokens/s | vs fault-free |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=1500)
     parser.add_argument("--docs-per-path", type=int, default=60)
     parser.add_argument("--lease-seconds", type=float, default=4.0)
+    parser.add_argument("--backup-after", type=float, default=1.5, help="train.backup_after of both runs")
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between scheduled faults")
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--commit", action="store_true", help="put the table into benchmarks/RESULTS.md")
