@@ -82,7 +82,9 @@ def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_fin
     assert root.read_committed_json(layout.path_dir(0, "p0"), "metrics.json") == published  # untouched
     root.verify(layout.path_dir(0, "p0"))
     assert root.read_json(f"{layout.round_dir(0)}/merge.json")["paths_left_out"] == []
-    assert "lost the lease" in output
+    # it stops by whichever sees it first: its heartbeat (a later attempt exists) or its inner loop
+    # (the path got published meanwhile); either way it says why and publishes nothing
+    assert "lost the lease" in output or "the lease was lost" in output, output[-3000:]
 
 
 @pytest.mark.parametrize("holder, reader", [(-120, 120), (120, -120)])
