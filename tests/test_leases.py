@@ -235,3 +235,35 @@ def test_bad_backup_and_checkpoint_settings_are_refused_naming_the_key(run_root,
     with pytest.raises(ConfigError, match=rf"tiny.yaml.*{key}") as error:
         tiny_config(run_root, setting)
     assert "\n" not in str(error.value)
+
+
+def test_publishing_survives_a_backup_attempt_still_writing_its_checkpoint_beside_it(run_root):
+    """The winner cleans the path's staging place while the other attempt keeps writing its own
+    checkpoint files there; the publish must stand and the island must not crash (it did in the
+    chaos benchmark's fault-free run: "Directory not empty")."""
+    import threading
+
+    from pipeline.train.train_path import publish_path
+
+    root = RunRoot(run_root)
+    mine, other = layout.staging_dir(0, "p0", "attempt-1"), layout.staging_dir(0, "p0", "attempt-2")
+    root.write_json(f"{mine}/metrics.json", {"loss": [1.0]})
+    root.commit(mine)
+    writing, stop = root.local_path(f"{other}/checkpoints"), threading.Event()
+
+    def backup_writes() -> None:  # a live attempt writes file after file, as a DeepSpeed checkpoint does
+        n = 0
+        while not stop.is_set():
+            writing.mkdir(parents=True, exist_ok=True)
+            (writing / f"shard-{n}").write_bytes(b"x")
+            n += 1
+
+    writer = threading.Thread(target=backup_writes)
+    writer.start()
+    try:
+        time.sleep(0.05)
+        assert publish_path(root, 0, "p0", mine) is True
+    finally:
+        stop.set()
+        writer.join()
+    assert root.read_committed_json(layout.path_dir(0, "p0"), "metrics.json") == {"loss": [1.0]}
