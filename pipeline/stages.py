@@ -16,7 +16,7 @@ import time
 from models.grid import all_job_ids
 from pipeline.state import layout
 from pipeline import preflight
-from pipeline.core.config import MAX_CONFIG_BYTES, Config, config_from_yaml, dump_yaml
+from pipeline.core.config import Config, dump_yaml
 from pipeline.core.errors import ConfigError, CorruptStateError, InputError, IslandError
 from pipeline.evaluation.early_stopping import evaluated_rounds
 from pipeline.evaluation.evaluate import evaluate_round
@@ -47,7 +47,7 @@ def check_same_run(config: Config) -> None:
     those of the run root's run.yaml, if it has one."""
     root = RunRoot(config.run_root)
     if root.exists(layout.RUN_CONFIG):
-        previous = config_from_yaml(root.read_bytes(layout.RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES), root.path(layout.RUN_CONFIG))
+        previous = layout.read_run_config(root)
         for section in _FIXED:
             if getattr(previous, section) != getattr(config, section):
                 raise ConfigError(f"{config.source}: {section} differs from the run in {root.path()} "

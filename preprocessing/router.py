@@ -293,10 +293,7 @@ def load_embedder(header: dict[str, Any], root: RunRoot | None, config=None, bat
         return embedders.TfidfEmbedder.load(root, directory)
     if name == "model":
         if config is None:
-            from pipeline.core.config import MAX_CONFIG_BYTES, config_from_yaml
-
-            config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES),
-                                      root.path(layout.RUN_CONFIG))
+            config = layout.read_run_config(root)
         try:
             return embedders.PathModelEmbedder.from_run(root, config, header["model_round"], header["model_path"])
         except ValueError as exc:  # a model_path that is no path of the grid

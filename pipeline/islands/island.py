@@ -30,7 +30,7 @@ import time
 import uuid
 
 from pipeline.state import layout
-from pipeline.core.config import MAX_CONFIG_BYTES, Config, config_from_yaml
+from pipeline.core.config import Config
 from pipeline.core.errors import DipacoError
 from pipeline.state.storage import RunRoot
 from pipeline.islands.task_queue import ISLANDS, Lease, Task, TaskQueue, read_plan
@@ -216,7 +216,7 @@ def island_config(run_root: str, ds_config: str | None = None) -> Config:
     """The run's config (run.yaml), with this island's own ZeRO config when it has one: islands
     may differ in ranks and ZeRO stage, never in the model they train."""
     root = RunRoot(run_root)
-    config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES), root.path(layout.RUN_CONFIG))
+    config = layout.read_run_config(root)
     if ds_config:
         config.train.ds_config = ds_config
     return config

@@ -11,6 +11,14 @@ from dataclasses import dataclass
 from models.grid import ModuleKey
 
 RUN_CONFIG = "run.yaml"
+
+
+def read_run_config(root):
+    """The run's validated config (run.yaml), read with the config file's size bound: every stage,
+    island and rank that starts from a run root reads it this one way."""
+    from pipeline.core.config import MAX_CONFIG_BYTES, config_from_yaml
+
+    return config_from_yaml(root.read_bytes(RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES), root.path(RUN_CONFIG))
 ROUTER_DIR = "router"
 TOKENIZER_DIR = "tokenizer"  # model.tokenizer: bpe, trained by prepare
 SHARDS_DIR = "shards"

@@ -26,7 +26,7 @@ from models.grid import parse_job_id
 from models.modular import ModelShape, ModuleState, build_path_model, split_path_state
 from pipeline.outer import compression
 from pipeline.state import layout
-from pipeline.core.config import MAX_CONFIG_BYTES, Config, config_from_yaml
+from pipeline.core.config import Config
 from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         root = RunRoot(args.run_root)
-        config = config_from_yaml(root.read_bytes(layout.RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES), root.path(layout.RUN_CONFIG))
+        config = layout.read_run_config(root)
         apply_rank_threads(config.train, islands=False)  # whatever the launcher's environment says
         metrics = train_path(config, args.round, args.path)
         log.info("path %s round %d: %d tokens, %.0f tokens/s", args.path, args.round, metrics["tokens"], metrics["tokens_per_s"])

@@ -78,8 +78,8 @@ def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: in
                 raise ConfigError(f"{source}: zero_optimization.{key} cannot be \"auto\"")
             zero[key] = zero_auto[key]
     if "checkpoint" in config:
-        # DeepSpeed reads checkpoint.load_universal (and friends) at load time and then loads with
-        # torch.load(weights_only=False), i.e. unpickles; dipaco saves and loads its own checkpoints.
+        # DeepSpeed reads checkpoint.load_universal (and friends) at load time and then unpickles
+        # what it finds there; dipaco saves and loads its own checkpoints without pickle.
         raise ConfigError(f"{source}: remove the checkpoint section; dipaco saves and loads the inner optimizer "
                           f"state itself, and DeepSpeed's checkpoint options lead to a pickle load")
     if "optimizer" in config:
