@@ -46,9 +46,9 @@ def bench_prepare(n_docs: int = 10000, options: list[str] | None = None, sample_
     from pipeline.state import layout
     from pipeline.core.config import BeamConfig, config_from_dict
     from pipeline.state.storage import RunRoot
-    from preprocessing.embedders import MiniLMEmbedder
+    from pipeline.routing.embedders import MiniLMEmbedder
     from preprocessing.prepare import run_prepare
-    from preprocessing.tokenizer import encode, prefix_texts
+    from pipeline.routing.tokenizer import encode, prefix_texts
 
     options = options or BeamConfig().options
     with tempfile.TemporaryDirectory() as tmp:

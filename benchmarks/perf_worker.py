@@ -61,7 +61,7 @@ def bench_config(args: argparse.Namespace) -> Config:
 
 def load_rows(data_glob: str, n_docs: int, seq_len: int) -> np.ndarray:
     """Real sample text, tokenized and packed exactly as the trainer packs a shard."""
-    from preprocessing.tokenizer import encode
+    from pipeline.routing.tokenizer import encode
 
     texts: list[str] = []
     for file in sorted(Path().glob(data_glob)):

@@ -244,7 +244,7 @@ def reroute(config: Config, after_round: int) -> dict:
     """`router.discriminative_after`: the discriminative router fitted after round R's merge and
     the splits re-sharded with it (islands run this as their `reroute.r<R>` task); its report.
     Committed pieces are reused, so a rerun recomputes nothing."""
-    from preprocessing.discriminative import reroute as run_reroute
+    from pipeline.routing.discriminative import reroute as run_reroute
 
     return run_reroute(config, after_round)
 

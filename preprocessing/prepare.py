@@ -28,9 +28,9 @@ from pipeline.core.bounds import load_json
 from pipeline.core.errors import ConfigError, CorruptStateError
 from pipeline.core.trust import check_beam_options, check_runner
 from pipeline.state.storage import RunRoot
+from pipeline.routing.router import Router
+from pipeline.routing.tokenizer import commit_bpe, describe, encode, load_tokenizer, prefix_texts, train_bpe
 from preprocessing import c4
-from preprocessing.router import Router
-from preprocessing.tokenizer import commit_bpe, describe, encode, load_tokenizer, prefix_texts, train_bpe
 from preprocessing.transforms import (
     AssignPath,
     EmbedPrefix,
@@ -233,7 +233,7 @@ def _save_json(url: str, rel: str):
 
 
 def _new_embedder(config: Config, root: RunRoot, prefixes: list[str]):
-    from preprocessing import embedders
+    from pipeline.routing import embedders
 
     r = config.router
     if r.embedder == "tfidf":

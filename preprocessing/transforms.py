@@ -188,12 +188,12 @@ class _TokenizeFn(beam.DoFn):
         self.tokens = Metrics.counter(NAMESPACE, "tokens")
 
     def setup(self) -> None:
-        from preprocessing.tokenizer import load_tokenizer
+        from pipeline.routing.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(RunRoot(self.root_url), self.kind)  # the committed one, on every worker
 
     def process(self, batch: list[c4.Document]) -> Iterator[list[tuple[tuple[str, str, list[int]], str]]]:
-        from preprocessing.tokenizer import encode, prefix_texts
+        from pipeline.routing.tokenizer import encode, prefix_texts
 
         ids = encode([d.text for d in batch], self.tokenizer)
         self.tokens.inc(sum(len(i) for i in ids))
@@ -222,7 +222,7 @@ class RouterEmbedderHandler(ModelHandler[str, PredictionResult, Any]):
         self.root_url, self.config_dict, self.threads, self.router_dir = root_url, config_dict, threads, router_dir
 
     def load_model(self):
-        from preprocessing.router import Router
+        from pipeline.routing.router import Router
 
         if self.threads:
             import torch
@@ -266,7 +266,7 @@ class _AssignFn(beam.DoFn):
         self.routed = Metrics.counter(NAMESPACE, "documents_routed")
 
     def setup(self) -> None:
-        from preprocessing.router import Router
+        from pipeline.routing.router import Router
 
         # centroids (or classifier weights) only; no embedder loaded here
         self.router = Router.load(RunRoot(self.root_url), directory=self.router_dir)

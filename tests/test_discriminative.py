@@ -19,9 +19,9 @@ from pipeline.state.shards import read_path_doc_ids
 from pipeline.state.storage import RunRoot
 from pipeline.tracking.registry import DipacoModel, build_bundle
 from pipeline.tracking.tracker import get_tracker
+from pipeline.routing.discriminative import fit_classifier
+from pipeline.routing.router import DiscriminativeRouter, Router
 from preprocessing.c4 import doc_id_for
-from preprocessing.discriminative import fit_classifier
-from preprocessing.router import DiscriminativeRouter, Router
 
 
 def planted(n_per_class: int, centers: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

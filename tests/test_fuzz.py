@@ -35,8 +35,8 @@ from pipeline.state.lock import _heartbeat_lock
 from pipeline.state.module_store import decode, encode
 from pipeline.stages import read_eval
 from pipeline.state.storage import RunRoot
+from pipeline.routing.router import Router
 from preprocessing import c4
-from preprocessing.router import Router
 
 LONG_RUN = int(os.environ.get("DIPACO_FUZZ_EXAMPLES", "0"))
 
@@ -256,7 +256,7 @@ def test_a_trigger_sets_only_keys_of_the_allow_list(overrides):
 @pytest.fixture(scope="module")
 def good_router_files() -> dict[str, bytes]:
     """The files of a real committed tfidf router, to mutate one at a time."""
-    from preprocessing.embedders import TfidfEmbedder
+    from pipeline.routing.embedders import TfidfEmbedder
 
     texts = [json.loads(line)["text"] for line in (REPO / "tests/data/c4/train/c4-train.00000-of-00002.json").read_text().splitlines()]
     embedder = TfidfEmbedder.fit(texts, 8, 0)

@@ -24,9 +24,9 @@ from pipeline.state.lock import _heartbeat_lock
 from pipeline.outer.merge import committed_paths, merge_round
 from pipeline.state.module_store import decode, encode, init_modules, load_path_model
 from pipeline.state.storage import RunRoot
+from pipeline.routing.router import Router
 from preprocessing import c4
 from preprocessing.prepare import run_prepare
-from preprocessing.router import Router
 
 GOOD = REPO / "tests" / "data" / "c4" / "train" / "c4-train.00000-of-00002.json"
 DEEP = b"[" * 200_000  # the reported line: json's C decoder raised RecursionError and killed the job
@@ -240,7 +240,7 @@ def test_dag_params_that_pass_are_what_the_tasks_load():
 @pytest.fixture
 def routed_root(tmp_path):
     """A run root with a committed tfidf router (real files, as prepare writes them)."""
-    from preprocessing.embedders import TfidfEmbedder
+    from pipeline.routing.embedders import TfidfEmbedder
 
     texts = [line for line in (json.loads(x)["text"] for x in GOOD.read_text().splitlines())]
     embedder = TfidfEmbedder.fit(texts, 8, 0)

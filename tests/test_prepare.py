@@ -17,9 +17,9 @@ from pipeline.core.config import config_from_dict
 from pipeline.core.errors import InputError
 from pipeline.state.shards import read_path_documents
 from pipeline.state.storage import RunRoot
+from pipeline.routing.router import Router
+from pipeline.routing.tokenizer import encode
 from preprocessing.prepare import run_prepare
-from preprocessing.router import Router
-from preprocessing.tokenizer import encode
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 IN_MEMORY = ["--direct_running_mode=in_memory"]

@@ -94,8 +94,8 @@ def test_champion_loads_in_a_fresh_process_with_its_tokenizer_and_generates_like
     import torch
 
     from pipeline.state.module_store import load_path_model
-    from preprocessing.router import Router
-    from preprocessing.tokenizer import load_tokenizer
+    from pipeline.routing.router import Router
+    from pipeline.routing.tokenizer import load_tokenizer
 
     name = prepared.mlflow.registered_model
     get_tracker(prepared).register(1, {"round": 1, "perplexity": 50.0, "tokens": 10})

@@ -23,8 +23,8 @@ from pipeline.islands.task_queue import Task, TaskQueue
 from pipeline.state import layout
 from pipeline.state.module_store import load_path_model, read_module, write_states
 from pipeline.state.storage import RunRoot
-from preprocessing.router import Router
-from preprocessing.tokenizer import load_tokenizer, token_byte_lengths
+from pipeline.routing.router import Router
+from pipeline.routing.tokenizer import load_tokenizer, token_byte_lengths
 
 PROMPTS = ["The football team scored a goal in the cup match", "Bake the bread in a hot oven with butter"]
 EVERY = 4  # tiny.yaml: prefix 8, seq_len 32, so 25 scored tokens a document: 7 chunks

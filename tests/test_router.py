@@ -12,8 +12,9 @@ from sklearn.metrics import normalized_mutual_info_score
 from pipeline.state import layout
 from pipeline.core.errors import CorruptStateError, InputError
 from pipeline.state.storage import RunRoot
-from preprocessing import c4, kmeans
-from preprocessing.router import CENTROIDS, Router
+from pipeline.routing import kmeans
+from pipeline.routing.router import CENTROIDS, Router
+from preprocessing import c4
 
 
 def planted(seed: int = 0, n: int = 1200, grid=(4, 3), dim_per_level: int = 8):
@@ -119,7 +120,7 @@ def test_router_refuses_uncommitted_or_corrupted_artifacts(tmp_path):
 
 
 def test_tokenizer_is_gpt2_and_not_empty():
-    from preprocessing.tokenizer import encode, load_tokenizer, prefix_texts
+    from pipeline.routing.tokenizer import encode, load_tokenizer, prefix_texts
 
     tokenizer = load_tokenizer()
     assert len(tokenizer) == 50257 and tokenizer.eos_token_id == 50256

@@ -17,7 +17,7 @@ from pipeline import stages
 from pipeline.core.errors import ConfigError
 from pipeline.evaluation.evaluate import bits_per_byte, score_documents, scored_bytes
 from pipeline.state.storage import RunRoot
-from preprocessing.tokenizer import commit_bpe, encode, gpt2_tokenizer, load_tokenizer, token_byte_lengths, train_bpe
+from pipeline.routing.tokenizer import commit_bpe, encode, gpt2_tokenizer, load_tokenizer, token_byte_lengths, train_bpe
 
 TRAIN_FILES = sorted(str(p) for p in (REPO / "tests" / "data" / "c4" / "train").iterdir())
 MULTIBYTE = "Café au lait, naïve façade — 東京 🚀 ünïcödé text."

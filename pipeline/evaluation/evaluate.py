@@ -10,7 +10,7 @@ them with that path's model at the start of round r. As in the DiPaCo paper, the
 Token perplexity cannot be compared across tokenizers (a 4k-id BPE cuts the same text into more,
 easier tokens than GPT-2's 50k), so every result also reports **bits per UTF-8 byte** over exactly
 the scored text: the summed negative log-likelihood in bits divided by the bytes the scored tokens
-stand for (`preprocessing.tokenizer.token_byte_lengths`).
+stand for (`pipeline.routing.tokenizer.token_byte_lengths`).
 
 **Re-routing** (`eval.reroute_every: N`, DiPaCo's test-time routing of 64-token chunks): after the
 prefix a document is scored in chunks of N tokens. Chunk 0 is scored by the path its prefix routed
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from models.grid import all_path_ids
 from models.modular import EOS_TOKEN_ID, eos_token_id
-from preprocessing.tokenizer import load_tokenizer, token_byte_lengths
+from pipeline.routing.tokenizer import load_tokenizer, token_byte_lengths
 from pipeline.evaluation.early_stopping import write_best
 from pipeline.core.errors import CorruptStateError
 from pipeline.state import layout
@@ -168,7 +168,7 @@ def chunk_routes(config, root: RunRoot, routing: layout.Routing = layout.KMEANS)
     held_out_documents' order; read from eval/reroute/every=N/ when committed for this router and
     these settings, else routed and committed (deterministic, so islands racing to commit it
     write the same bytes)."""
-    from preprocessing.router import Router
+    from pipeline.routing.router import Router
 
     every = config.eval.reroute_every
     rel = layout.eval_routes_dir(every, routing)

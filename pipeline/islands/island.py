@@ -188,7 +188,7 @@ def run_task(config: Config, task: Task, rank: int, attempt: int | None = None, 
                  for p in TaskQueue(root, config).eval_paths(task.round)}
         combine_paths(config, task.round, parts)
     elif task.kind == "reroute":
-        from preprocessing.discriminative import reroute
+        from pipeline.routing.discriminative import reroute
 
         reroute(config, task.round)
     return None

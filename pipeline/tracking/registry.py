@@ -88,8 +88,8 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context) -> None:
         from pipeline.core.config import config_from_dict
-        from preprocessing.router import Router
-        from preprocessing.tokenizer import load_tokenizer
+        from pipeline.routing.router import Router
+        from pipeline.routing.tokenizer import load_tokenizer
 
         bundle = Path(context.artifacts["run_root"]).resolve()
         info = load_json((bundle / BUNDLE_INFO).read_bytes(), str(bundle / BUNDLE_INFO))

@@ -37,8 +37,8 @@ from pipeline.core.errors import InputError
 from pipeline.state import layout
 from pipeline.state.shards import read_path_doc_ids, read_path_rows
 from pipeline.state.storage import RunRoot
-from preprocessing import kmeans
-from preprocessing.router import FORMAT_VERSION, DiscriminativeRouter, Router
+from pipeline.routing import kmeans
+from pipeline.routing.router import FORMAT_VERSION, DiscriminativeRouter, Router
 
 log = logging.getLogger(__name__)
 HELDOUT_FRACTION = 0.2  # of the sample: scored for the report, never fitted
@@ -129,7 +129,7 @@ def path_losses(root: RunRoot, config: Config, round_index: int, docs: list[np.n
 def prefix_features(root: RunRoot, config: Config, kmeans_router: Router, docs: list[np.ndarray]) -> np.ndarray:
     """The k-means router's features of each document: its embedder on the text of the first
     prefix_tokens tokens, exactly as TokenizeDocs and EmbedPrefix compute them in the Beam job."""
-    from preprocessing.tokenizer import load_tokenizer, prefix_texts
+    from pipeline.routing.tokenizer import load_tokenizer, prefix_texts
 
     tokenizer = load_tokenizer(root, config.model.tokenizer)
     prefixes = prefix_texts([d.tolist() for d in docs], config.router.prefix_tokens, tokenizer)

@@ -9,11 +9,11 @@ Artifact (`<run_root>/router/`, committed with `_SUCCESS`):
 - `tfidf.json` + `tfidf_svd.npy` for the tfidf embedder.
 
 Routing a text: its first `prefix_tokens` GPT-2 tokens, decoded, are embedded; the path is the
-cheapest `sum_l ||part_l - centroid_l||^2 + bias[path]` (preprocessing.kmeans).
+cheapest `sum_l ||part_l - centroid_l||^2 + bias[path]` (pipeline.routing.kmeans).
 
 `router.json` says which kind of router it is: `"kind": "kmeans"` (the above; a header without
 "kind" reads as kmeans) or `"kind": "discriminative"` (`router.discriminative_after`: a linear
-classifier of the same features, preprocessing.discriminative), whose `classifier.npy` holds
+classifier of the same features, pipeline.routing.discriminative), whose `classifier.npy` holds
 (n_paths, dim + 1) float64 rows [weights | intercept] and whose path is the cheapest
 `-(w_p . x + b_p) + bias[path]`. Either lives in a directory of its own (`router/`, or
 `reroute/round=<r>/router/`) with the embedder's files beside it, so each is self-contained.
@@ -34,7 +34,7 @@ from pipeline.state import layout
 from pipeline.core.bounds import SHOWN_CHARS, load_npy, one_line, shown
 from pipeline.core.errors import CorruptStateError, InputError
 from pipeline.state.storage import RunRoot
-from preprocessing import kmeans
+from pipeline.routing import kmeans
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class Router:
 
     def prefixes(self, texts: list[str]) -> list[str]:
         """The text of each document's first prefix_tokens tokens (the run's tokenizer): what gets embedded."""
-        from preprocessing.tokenizer import encode, load_tokenizer, prefix_texts
+        from pipeline.routing.tokenizer import encode, load_tokenizer, prefix_texts
 
         tokenizer = load_tokenizer(self._root, self.header.get("tokenizer", "gpt2"))
         return prefix_texts(encode(texts, tokenizer), self.header["prefix_tokens"], tokenizer)
@@ -198,7 +198,7 @@ class Router:
     def route_tokens(self, token_runs: list[list[int]]) -> list[str]:
         """Path id of each run of token ids (re-routing: the N tokens before a chunk), decoded with
         the run's tokenizer and embedded and routed as a decoded prefix is."""
-        from preprocessing.tokenizer import load_tokenizer
+        from pipeline.routing.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(self._root, self.header.get("tokenizer", "gpt2"))
         texts = tokenizer.batch_decode([[int(t) for t in run] for run in token_runs])
@@ -208,7 +208,7 @@ class Router:
 class DiscriminativeRouter(Router):
     """A linear classifier of the prefix embedding (`router.discriminative_after`): the path is the
     cheapest `-(x @ W.T + b) + bias`, a pure function of the features, so the Beam job, evaluation
-    and the registered model route a document alike. Fitted by preprocessing.discriminative."""
+    and the registered model route a document alike. Fitted by pipeline.routing.discriminative."""
 
     def __init__(self, header: dict[str, Any], weights: np.ndarray, root: RunRoot | None = None, config=None,
                  directory: str = layout.ROUTER_DIR):
@@ -282,7 +282,7 @@ def _rows(grid: list[int]) -> list[list[int]]:
 def load_embedder(header: dict[str, Any], root: RunRoot | None, config=None, batch_size: int = 64,
                   directory: str = layout.ROUTER_DIR):
     """The embedder a router was fitted with, rebuilt from its artifact in `directory`."""
-    from preprocessing import embedders
+    from pipeline.routing import embedders
 
     name = header["embedder"]
     if name == "minilm":

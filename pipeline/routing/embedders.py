@@ -135,7 +135,7 @@ class PathModelEmbedder:
     name = "model"
 
     def __init__(self, model, prefix_tokens: int, batch_size: int = 64, tokenizer=None):
-        from preprocessing.tokenizer import load_tokenizer
+        from pipeline.routing.tokenizer import load_tokenizer
 
         self.model = model.eval()
         self.prefix_tokens = prefix_tokens
@@ -146,7 +146,7 @@ class PathModelEmbedder:
     @classmethod
     def from_run(cls, root: RunRoot, config, round_index: int, path_id: str) -> "PathModelEmbedder":
         from pipeline.state.module_store import load_path_model
-        from preprocessing.tokenizer import load_tokenizer
+        from pipeline.routing.tokenizer import load_tokenizer
 
         return cls(load_path_model(root, config, round_index, path_id), config.router.prefix_tokens, config.router.batch_size,
                    tokenizer=load_tokenizer(root, config.model.tokenizer))
