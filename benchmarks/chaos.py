@@ -1,7 +1,7 @@
 """`python -m benchmarks.chaos`: faults change the time a run takes, never the model it trains.
 
 Two runs of the same config and seed on the tiny model, each on 4 real island processes
-(`python -m pipeline.islands.island`, one rank each) pulling from one run root's queue:
+(`python -m pipeline.island_rank`, one rank each) pulling from one run root's queue:
 
 - **fault-free**: the 4 islands, nothing else;
 - **chaos**: the same, with faults on a schedule (`--fault-every` seconds apart, from the first
@@ -93,7 +93,7 @@ class Islands:
         self.starts[name] = self.starts.get(name, 0) + 1
         out = open(self.logs / f"{name}.{self.starts[name]}.log", "w")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.islands.island", "--run-root", str(self.run_root), "--island", name],
+            [sys.executable, "-m", "pipeline.island_rank", "--run-root", str(self.run_root), "--island", name],
             cwd=REPO, env=child_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env[name]}),
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 

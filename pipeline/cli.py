@@ -65,7 +65,7 @@ COMMANDS = {
     ),
     "island": (
         "join a running run as one more island (elastic: from any shell or host)",
-        "Start one island (a long-lived `deepspeed` launch of pipeline.islands.island) on the run root of the config: "
+        "Start one island (a long-lived `deepspeed` launch of pipeline.island_rank) on the run root of the config: "
         "it takes tasks of the rounds the run planned (queue/plan.json) until they are done, or until SIGTERM, "
         "which releases its task and leaves. Its train section may differ from the run's (procs_per_path, "
         "num_nodes, hostfile, ds_config): islands may be heterogeneous; the model is the run's.",

@@ -156,11 +156,12 @@ def plan_rounds(config: Config, rounds: int | None = None) -> range:
 def run_island(config: Config, island: str, ds_config: str | None = None) -> dict:
     """One island until the plan is done: a `deepspeed` launch of pipeline.islands.island (with
     `train.launcher: inprocess`, this process as a one-rank island). Raises when it failed."""
+    from pipeline.island_rank import reshard
     from pipeline.islands.island import Island
     from pipeline.islands.launch import IslandProcess
 
     if config.train.launcher == "inprocess":
-        return Island(config, island).run()
+        return Island(config, island, reshard=reshard).run()
     process = IslandProcess(config, island, ds_config)
     try:
         with sigterm_raises():
@@ -244,9 +245,10 @@ def reroute(config: Config, after_round: int) -> dict:
     """`router.discriminative_after`: the discriminative router fitted after round R's merge and
     the splits re-sharded with it (islands run this as their `reroute.r<R>` task); its report.
     Committed pieces are reused, so a rerun recomputes nothing."""
-    from pipeline.routing.discriminative import reroute as run_reroute
+    from pipeline.evaluation.reroute import reroute as run_reroute
+    from preprocessing.prepare import reshard
 
-    return run_reroute(config, after_round)
+    return run_reroute(config, after_round, reshard)
 
 
 def read_reroute(config: Config) -> dict | None:

@@ -1,4 +1,7 @@
-"""Beam prepare job: read C4, embed prefixes, route with (product) k-means, write shards."""
+"""The Beam app: the prepare job (read C4, embed prefixes, route with (product) k-means, write
+shards), its re-sharding for the discriminative router, and the sample builder. The routing it
+applies is pipeline.routing, shared with evaluation and inference; within pipeline/ only the top
+(stages, cli, preflight, island_rank) imports this package (tests/test_code_layout.py)."""
 
 import logging
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -137,6 +138,16 @@ def worker_threads(config: Config) -> int | None:
     if direct.direct_running_mode == "in_memory":
         workers = 1
     return max(1, (os.cpu_count() or 1) // max(1, workers))
+
+
+def in_process(config: Config) -> Config:
+    """The config with the direct runner in memory: the island's rank 0 runs the Beam job itself,
+    like its merges and evaluations, without starting worker processes beside the trainer."""
+    if config.beam.runner not in DIRECT_NAMES:
+        return config
+    options = [o for o in config.beam.options if not o.startswith(("--direct_running_mode", "--direct_num_workers"))]
+    beam = dataclasses.replace(config.beam, options=[*options, "--direct_running_mode=in_memory", "--direct_num_workers=1"])
+    return dataclasses.replace(config, beam=beam)
 
 
 def _read_plan(config: Config) -> list[tuple[str, str, int | None]]:
@@ -422,6 +433,14 @@ def run_prepare(config: Config, test_pipeline=None) -> dict:
     with quiet_beam():
         router = fit_router(config, root, plan)
     return write_shards(config, root, plan, router, test_pipeline, started=start)  # seconds: the fit included
+
+
+def reshard(config: Config, root: RunRoot, router: Router, routing: layout.Routing, test_pipeline=None) -> dict:
+    """Both splits routed again with `router` into `routing.shards` and committed (the re-routing
+    of router.discriminative_after, pipeline.evaluation.reroute): this job on the run's input
+    files, in process (in_process); returns the manifest."""
+    beam_config = in_process(config)
+    return write_shards(beam_config, root, _read_plan(beam_config), router, test_pipeline, routing=routing)
 
 
 def run(argv: list[str] | None = None, test_pipeline=None) -> dict:

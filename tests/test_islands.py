@@ -129,7 +129,7 @@ def test_merging_module_by_module_writes_bitwise_the_whole_round_merge(tmp_path)
 
 def _island(run_root, name: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.islands.island", "--run-root", str(run_root), "--island", name],
+    return subprocess.Popen([sys.executable, "-m", "pipeline.island_rank", "--run-root", str(run_root), "--island", name],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import REPO, tiny_config, wait_for, write_synthetic_shards
 from pipeline import stages
+from pipeline.island_rank import reshard
 from pipeline.islands.island import Island
 from pipeline.islands.task_queue import CLOCK_OFFSET_ENV, Task, TaskQueue, write_plan
 from pipeline.state import layout, storage
@@ -50,7 +51,7 @@ def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readab
 
 
 def _island(run_root, name: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipeline.islands.island", "--run-root", str(run_root), "--island", name],
+    return subprocess.Popen([sys.executable, "-m", "pipeline.island_rank", "--run-root", str(run_root), "--island", name],
                             cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -67,7 +68,7 @@ def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_fin
         wait_for(lambda: queue.attempts(task), 120, "the island to claim the train task")
         time.sleep(1.0)
         os.killpg(zombie.pid, signal.SIGSTOP)
-        Island(config, "successor").run()  # waits out the lease, trains, merges, evaluates
+        Island(config, "successor", reshard=reshard).run()  # waits out the lease, trains, merges, evaluates
         assert root.is_committed(layout.round_dir(0)) and root.exists(layout.eval_file(1))
         published = root.read_committed_json(layout.path_dir(0, "p0"), "metrics.json")
         os.killpg(zombie.pid, signal.SIGCONT)
@@ -172,7 +173,7 @@ def test_failing_an_islands_leases_never_touches_another_process_of_the_same_nam
     assert [a.state for a in queue.attempts(dag.task)] == ["running"] and dag.held()
     assert [a.state for a in queue.attempts(cli.task)] == ["failed"] and not cli.held()
     dag.finish("released")
-    assert Island(config, "island-0").id != Island(config, "island-0").id
+    assert Island(config, "island-0", reshard=reshard).id != Island(config, "island-0", reshard=reshard).id
 
 
 def test_a_stragglers_task_is_completed_by_a_backup_attempt(run_root):
@@ -183,7 +184,7 @@ def test_a_stragglers_task_is_completed_by_a_backup_attempt(run_root):
     write_plan(root, 1)
     queue = TaskQueue(root, config)
     straggler = queue.claim(Task.of("train", 0, "p1"), "straggler")  # beats on, never finishes
-    Island(config, "idle").run()  # trains p0, then backs p1 up once it ran 1.5x p0's time
+    Island(config, "idle", reshard=reshard).run()  # trains p0, then backs p1 up once it ran 1.5x p0's time
     attempts = queue.attempts(straggler.task)
     assert [a.number for a in attempts] == [1, 2] and attempts[1].backup and attempts[1].state == "done"
     assert root.read_json(f"{layout.round_dir(0)}/merge.json")["paths_left_out"] == []

@@ -31,8 +31,9 @@ def test_the_repository_root_is_the_repository(tmp_path, monkeypatch):
 
 def test_dipaco_run_from_another_directory_registers_a_model_with_the_pipelines_code(tmp_path):
     """`dipaco run --config <absolute>/configs/tiny.yaml` from elsewhere: the relative ds_config
-    resolves against the repository, and the registered pyfunc carries pipeline/, models/ and
-    preprocessing/ (MLflow code_paths), so it loads without this checkout."""
+    resolves against the repository, and the registered pyfunc carries pipeline/ (its router in
+    pipeline/routing/) and models/ (MLflow code_paths), so it loads without this checkout; the
+    Beam app (preprocessing/) is not needed to load it and is not shipped."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     data = REPO / "tests" / "data" / "c4"
@@ -50,8 +51,10 @@ def test_dipaco_run_from_another_directory_registers_a_model_with_the_pipelines_
 
     (mlmodel,) = run_root.glob("mlartifacts/**/MLmodel")  # one registered round
     code_dir = mlmodel.parent / yaml.safe_load(mlmodel.read_text())["flavors"]["python_function"]["code"]
-    for shipped in ("pipeline/core/config.py", "pipeline/train/precision.py", "models/modular.py", "preprocessing/router.py"):
+    for shipped in ("pipeline/core/config.py", "pipeline/train/precision.py", "models/modular.py",
+                    "pipeline/routing/router.py", "pipeline/routing/tokenizer.py", "pipeline/routing/embedders.py"):
         assert (code_dir / shipped).is_file(), shipped
+    assert not (code_dir / "preprocessing").exists()
     assert not list(code_dir.rglob("__pycache__"))
 
     # the precision it chose (auto: from this CPU and a probe) is a param of the run and what the path trained in

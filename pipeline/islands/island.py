@@ -1,7 +1,7 @@
 """An island: one `deepspeed` launch that lives for the whole run and pulls tasks from the queue.
 
     deepspeed [--hostfile H --num_nodes N] --num_gpus G --no_local_rank \
-        --module pipeline.islands.island --run-root URL --island NAME [--ds-config FILE]
+        --module pipeline.island_rank --run-root URL --island NAME [--ds-config FILE]
 
 Its ranks form one process group for their whole life, so the launch, the interpreter starts and
 DeepSpeed's first-start costs are paid once per run instead of once per (path, round). Rank 0
@@ -9,7 +9,10 @@ claims a task (pipeline.islands.task_queue) and broadcasts it; every rank runs a
 ZeRO engine per task, released after it, the path's modules and inner optimizer state loaded as
 for a one-shot launch); rank 0 alone runs the small ones (a module's merge, a round's commit,
 a path's evaluation and the round's evaluation file, the re-routing of router.discriminative_after
-with its in-memory Beam job) while the others wait for the next task.
+with its in-memory Beam job) while the others wait for the next task. That Beam job is the
+Beam app's (preprocessing), which this package may not import: the island is given it as
+`reshard` by whoever starts it (pipeline.island_rank, the entry point of each launched rank, or
+pipeline.stages for an in-process island).
 
 An island leaves when the plan (`queue/plan.json`) is done. SIGTERM makes it release the task it
 holds (another island takes it at once, no attempt lost) and leave. A task that raises ends the
@@ -19,21 +22,22 @@ whoever started the island decides whether to start it again.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import signal
 import socket
-import sys
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from pipeline.state import layout
 from pipeline.core.config import Config
 from pipeline.core.errors import DipacoError
 from pipeline.state.storage import RunRoot
 from pipeline.islands.task_queue import ISLANDS, Lease, Task, TaskQueue, read_plan
+
+if TYPE_CHECKING:
+    from pipeline.evaluation.reroute import Reshard
 
 log = logging.getLogger("dipaco.island")
 POLL_S = 0.5  # how often an idle island looks for ready work
@@ -44,10 +48,11 @@ LEFT_EXIT = 0
 class Island:
     """The loop every rank of an island runs; rank 0 talks to the queue."""
 
-    def __init__(self, config: Config, name: str, island_id: str | None = None):
+    def __init__(self, config: Config, name: str, island_id: str | None = None, *, reshard: Reshard):
         # The name is what people read (queue/islands/<name>.json); the id is this process's own,
         # so failing "island-0"'s leases never fails another run's island-0 (a DAG beside the CLI).
-        self.config, self.name = config, name
+        # `reshard` is the Beam job of a reroute task: required, so an island can run every task.
+        self.config, self.name, self.reshard = config, name, reshard
         self.id = island_id or new_island_id(name)
         self.root = RunRoot(config.run_root)
         self.queue = TaskQueue(self.root, config)
@@ -95,7 +100,8 @@ class Island:
 
         claimed = time.time()
         try:
-            outcome = run_task(self.config, task, self.rank, attempt, self.lease if self.rank == 0 else None)
+            outcome = run_task(self.config, task, self.rank, attempt, self.lease if self.rank == 0 else None,
+                               reshard=self.reshard)
         except AttemptCancelled as exc:  # another attempt published first, or this one lost its lease
             if self.rank == 0 and self.lease is not None:
                 self.lease.finish("cancelled", seconds=time.time() - claimed, error=str(exc)[:2000])
@@ -153,9 +159,11 @@ def new_island_id(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
-def run_task(config: Config, task: Task, rank: int, attempt: int | None = None, lease: Lease | None = None) -> dict | None:
+def run_task(config: Config, task: Task, rank: int, attempt: int | None = None, lease: Lease | None = None,
+             reshard: Reshard | None = None) -> dict | None:
     """Do one task on this rank; what the lease records of it (rank 0). A train task writes into
-    its attempt's staging directory and publishes only while rank 0's `lease` is held."""
+    its attempt's staging directory and publishes only while rank 0's `lease` is held; a reroute
+    task re-shards with `reshard` (the Beam job)."""
     root = RunRoot(config.run_root)
     if task.kind == "train":
         from pipeline.train.train_path import train_path
@@ -188,9 +196,12 @@ def run_task(config: Config, task: Task, rank: int, attempt: int | None = None, 
                  for p in TaskQueue(root, config).eval_paths(task.round)}
         combine_paths(config, task.round, parts)
     elif task.kind == "reroute":
-        from pipeline.routing.discriminative import reroute
+        from pipeline.evaluation.reroute import reroute
 
-        reroute(config, task.round)
+        if reshard is None:
+            raise DipacoError(f"{task.name}: this island was started without the Beam job that re-shards "
+                              f"(start islands with `python -m pipeline.island_rank`)")
+        reroute(config, task.round, reshard)
     return None
 
 
@@ -220,27 +231,3 @@ def island_config(run_root: str, ds_config: str | None = None) -> Config:
     if ds_config:
         config.train.ds_config = ds_config
     return config
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of each launched rank."""
-    parser = argparse.ArgumentParser(prog="python -m pipeline.islands.island")
-    parser.add_argument("--run-root", required=True)
-    parser.add_argument("--island", required=True)
-    parser.add_argument("--island-id", default=None, help="this process's unique identity (default: name + random)")
-    parser.add_argument("--ds-config", default=None)
-    args = parser.parse_args(argv)
-    from pipeline.train.distributed import apply_rank_threads, run_rank
-
-    def body() -> None:
-        config = island_config(args.run_root, args.ds_config)
-        apply_rank_threads(config.train, islands=True)  # whatever the launcher's environment says
-        island = Island(config, args.island, args.island_id)
-        signal.signal(signal.SIGTERM, island.on_sigterm)
-        island.run()
-
-    return run_rank("island", body)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

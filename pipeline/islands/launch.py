@@ -3,7 +3,7 @@ orchestrator (the CLI or an Airflow worker): islands (IslandProcess: one launch 
 pulling tasks) and one-shot path launches (train_path_job: `dipaco train-path`, one path for one
 round, retried up to `train.max_attempts`; leftovers of a failed attempt are removed before the
 next, so no partial file is read). A launch that exits with status 2 hit a config or input error
-(pipeline.train.train_path.main, pipeline.islands.island.main): another attempt would fail the same
+(pipeline.train.train_path.main, pipeline.island_rank.main): another attempt would fail the same
 way, so it is not retried and its own message is raised to the caller.
 """
 
@@ -70,8 +70,8 @@ def island_count(train) -> int:
 def island_command(run_root: str, island: str, train, port: int, ds_config: str | None = None,
                    island_id: str | None = None) -> list[str]:
     """The `deepspeed` launcher command of one island: it lives for the whole run and pulls tasks
-    (pipeline.islands.island); the same ranks and hosts as a one-shot path launch."""
-    return _deepspeed(train, port, "pipeline.islands.island",
+    (pipeline.island_rank); the same ranks and hosts as a one-shot path launch."""
+    return _deepspeed(train, port, "pipeline.island_rank",
                       ["--run-root", run_root, "--island", island, *(["--island-id", island_id] if island_id else []),
                        *(["--ds-config", ds_config] if ds_config else [])])
 

