@@ -5,6 +5,7 @@ function alike, so a lazy import breaks the rule as surely as a top-level one.""
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,17 +22,20 @@ LAYERS = ["models", *(f"pipeline.{p}" for p in ORDER), "preprocessing", "pipelin
 # routes (pipeline.routing) and writes shards (pipeline.state), and needs nothing that trains.
 INDEPENDENT = {("pipeline.evaluation", "pipeline.train"), ("pipeline.evaluation", "pipeline.outer"),
                *(("preprocessing", f"pipeline.{p}") for p in ("outer", "train", "evaluation", "islands", "tracking"))}
-NOT_CODE = ("tests", ".")  # the test suite, and hidden folders (.venv, .ci, .git)
+NOT_CODE = ("tests/",)  # the test suite
 
 
 def _module_files(root: Path) -> dict[str, Path]:
-    """Dotted module name -> file, for every .py file of the repository outside the tests."""
+    """Dotted module name -> file, for every .py file of the repository outside the tests: tracked
+    or new, never ignored (a run root under runs/ holds copies of the code in its registered models)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+                            capture_output=True, text=True, cwd=root, check=True).stdout.split()
     files = {}
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).with_suffix("").parts
-        if parts[0].startswith(NOT_CODE):
+    for rel in sorted(listed):
+        path = root / rel
+        if rel.startswith(NOT_CODE) or not path.is_file():  # not_file: deleted, not yet staged
             continue
-        files[".".join(parts).removesuffix(".__init__")] = path
+        files[".".join(Path(rel).with_suffix("").parts).removesuffix(".__init__")] = path
     return files
 
 
