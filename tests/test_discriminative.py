@@ -12,8 +12,9 @@ import pytest
 from conftest import REPO, tiny_config
 from models.grid import all_path_ids
 from pipeline import stages
-from pipeline.core.errors import ConfigError, CorruptStateError
-from pipeline.islands.task_queue import TaskQueue
+from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError
+from pipeline.islands.island import run_task
+from pipeline.islands.task_queue import Task, TaskQueue
 from pipeline.state import layout
 from pipeline.state.shards import read_path_doc_ids
 from pipeline.state.storage import RunRoot
@@ -89,6 +90,14 @@ def test_discriminative_after_must_leave_a_round_to_train_on_the_new_shards(tmp_
             tiny_config(tmp_path, "train.rounds=2", f"router.discriminative_after={bad}")
     assert tiny_config(tmp_path, "train.rounds=2", "router.discriminative_after=0").router.discriminative_after == 0
     assert tiny_config(tmp_path).router.discriminative_after is None
+
+
+def test_a_reroute_task_without_the_beam_job_says_so(tmp_path):
+    """pipeline.islands may not import the Beam app: an island's entry point (pipeline.island_rank)
+    or the stages hand it the re-sharding job; a task run without it names what is missing."""
+    config = tiny_config(tmp_path, "train.rounds=2", "router.discriminative_after=0")
+    with pytest.raises(DipacoError, match=r"reroute.r0: this island was started without the Beam job .*island_rank"):
+        run_task(config, Task.of("reroute", 0), 0)
 
 
 def _stamps(run) -> dict[str, bytes]:
