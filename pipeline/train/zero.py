@@ -187,7 +187,7 @@ def set_full_state(engine, state: dict[str, torch.Tensor]) -> None:
     """Write parameters so that they persist: DeepSpeed's master copy and the module's tensors.
 
     Call on every rank. This is what makes merged modules win over the weights inside a resumed
-    DeepSpeed checkpoint (DESIGN.md, known traps).
+    DeepSpeed checkpoint (docs/design.md, known traps).
     """
     from deepspeed.utils import safe_set_full_fp32_param
 
