@@ -110,9 +110,11 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     grad_clip: float = 1.0  # gradient clipping by global norm
     ds_config: str = "ds_configs/zero2.json"  # ZeRO only (zero1, zero2, zero3, zero2_offload or your own): the
-    #                                           precision blocks come from train.precision and its "auto" keys are
-    #                                           filled per model and island (pipeline/train/zero.py); relative
-    #                                           names are also looked up in the repository
+    #                                           precision blocks come from train.precision, and its "auto" keys are
+    #                                           filled per model and island (pipeline/train/zero.py): buckets from
+    #                                           the hidden size; on one rank ZeRO-3 all-reduces one bucket as large
+    #                                           as the largest tensor instead of reduce-scattering, and keeps
+    #                                           torch's linear. Relative names are also looked up in the repository
     precision: str = "auto"  # DeepSpeed's precision blocks; auto: bf16 on a GPU that has it (else fp16 with loss
     #                          scaling), on a CPU fp32 unless it computes bfloat16 natively and a few timed steps find
     #                          bf16 faster (cached per host and shape in ~/.cache/dipaco; pipeline/train/precision.py)
@@ -131,6 +133,7 @@ class TrainConfig:
     checkpoint_every: int | None = None  # mid-task checkpoint every N inner steps (a new attempt resumes); null: off
     threads_per_proc: int | None = None  # OMP threads per rank; default: cores / busy ranks
     max_attempts: int = 2  # failed or expired attempts of a path's train task before its round merges without it
+    #                        (a config or input error is not retried)
     seed: int = 0  # the inner loop's data order and torch seed (offset by the round and the worker)
     launcher: str = "deepspeed"  # inprocess: this process is a one-rank island, no launch (tests and debugging only)
     lr_decay_steps: int | None = None  # the cosine runs over the run's last N steps only, the lr constant before it
