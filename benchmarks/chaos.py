@@ -16,7 +16,8 @@ Reported: goodput (committed inner-loop tokens per wall second, the chaos run ag
 fault-free one), the work each fault cost (seconds of attempts that published nothing, and the step
 their successor resumed from), backup attempts, and whether the final modules and momentum
 buffers are bitwise identical. Written to benchmarks/out/chaos/results.json and .md; with
-`--commit`, the table is put into benchmarks/RESULTS.md between its chaos markers.
+`--commit`, the table is put into benchmarks/RESULTS.md between its `chaos` markers (the notes
+around them stay).
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ from pipeline.state.shards import shard_table, write_shard_file
 from pipeline.state.storage import RunRoot
 from pipeline.train.distributed import child_env
 
+from benchmarks.results import commit_block
+
 log = logging.getLogger("dipaco.bench.chaos")
 OUT = Path("benchmarks/out/chaos")
-COMMITTED = Path("benchmarks/RESULTS.md")
-MARKERS = ("<!-- chaos -->", "<!-- /chaos -->")
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 256
 
@@ -308,14 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     (OUT / "results.md").write_text(table + "\n")
     print(table)
     if args.commit:
-        text = COMMITTED.read_text()
-        block = f"{MARKERS[0]}\n{table}\n{MARKERS[1]}"
-        if MARKERS[0] in text:
-            head, rest = text.split(MARKERS[0], 1)
-            text = head + block + rest.split(MARKERS[1], 1)[1]
-        else:
-            text = text.rstrip("\n") + "\n\n## Faults and stragglers\n\n" + block + "\n"
-        COMMITTED.write_text(text)
+        commit_block("chaos", table, heading="## Faults and stragglers")
     return 0 if free["modules"] == chaos["modules"] else 1
 
 

@@ -50,7 +50,7 @@ MERGE_HIDDEN = 64
 
 # -- trainer throughput and MFU ------------------------------------------------------------------
 def default_path_shape() -> dict[str, int]:
-    """The path `dipaco run` trains when a config says nothing (DESIGN.md: hidden 256, 4 heads,
+    """The path `dipaco run` trains when a config says nothing (docs/config.md: hidden 256, 4 heads,
     2 + 2 blocks, seq_len 256, micro batch 8): the trainer figure is measured on it."""
     defaults = Config()
     model, train = defaults.model, defaults.train
@@ -278,7 +278,7 @@ def run_perf(args: argparse.Namespace) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     result: dict = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     # The figure: the default path at its default step (2,048 tokens). The diagnostic: the quality
-    # runs' path at a 768-token step, where DeepSpeed's fixed per-step work shows (see README).
+    # runs' path at a 768-token step, where DeepSpeed's fixed per-step work shows (benchmarks/RESULTS.md).
     toy = {"hidden": args.hidden, "heads": 4, "blocks": 4, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
            "accum": 1}
     stages_ = [("merge", lambda: merge_vs_io(args)),

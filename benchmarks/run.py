@@ -2,9 +2,9 @@
 
 `python -m benchmarks.run [quality flags] [--skip-perf] [--skip-quality] [--quick]` writes
 `benchmarks/out/results.md` (+ `results.json`, `*.png`), logs everything to the MLflow experiment
-`dipaco-bench` at `sqlite:///benchmarks/out/mlflow.db`, and copies the table to
-`benchmarks/RESULTS.md` (the committed copy the README links to; the quality targets table also
-goes into README.md between its `bench-targets` markers). Every figure is a ratio of two
+`dipaco-bench` at `sqlite:///benchmarks/out/mlflow.db`, and puts the table into
+`benchmarks/RESULTS.md` between its `bench` markers (the committed copy, the one place benchmark
+results live; the notes written by hand around the markers stay). Every figure is a ratio of two
 measurements taken in this one run on this machine, printed with its core count, because absolute
 numbers on a shared 2-core box mean little and ratios measured side by side do.
 """
@@ -18,18 +18,15 @@ import logging
 import os
 import platform
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
 
 from benchmarks import perf, quality
+from benchmarks.results import commit_block
 
 log = logging.getLogger("dipaco.bench")
 OUT = Path("benchmarks/out")
-COMMITTED = Path("benchmarks/RESULTS.md")
-README = Path("README.md")
-README_MARKERS = ("<!-- bench-targets -->", "<!-- /bench-targets -->")
 TARGETS = {"trainer": 0.95, "prepare": 0.85, "merge": 1.5}
 
 
@@ -284,9 +281,7 @@ def publish(result: dict, command: str, out: Path = OUT, commit: bool = True, tr
     text = render(result, command)
     (out / "results.md").write_text(text)
     if commit:
-        shutil.copyfile(out / "results.md", COMMITTED)
-        if "quality" in result:
-            update_readme(result)
+        commit_block("bench", text)
     if not track:  # a re-render: the run is in MLflow already
         return text
     try:
@@ -294,18 +289,6 @@ def publish(result: dict, command: str, out: Path = OUT, commit: bool = True, tr
     except Exception:  # the table on disk matters more than the tracking copy
         log.exception("MLflow logging failed; results are in %s", OUT)
     return text
-
-
-def update_readme(result: dict, readme: Path = README) -> None:
-    """The quality targets, met or missed, between the README's two markers (the default run only)."""
-    text = readme.read_text()
-    begin, end = text.find(README_MARKERS[0]), text.find(README_MARKERS[1])
-    if begin < 0 or end < begin:
-        log.warning("%s has no %s ... %s markers; its targets table is not updated", readme, *README_MARKERS)
-        return
-    table = [f"Measured by `{result['command']}` on {result['date']} ({result['machine']}); "
-             f"every number in [benchmarks/RESULTS.md](benchmarks/RESULTS.md).", "", *targets_table(result["quality"])]
-    readme.write_text(text[: begin + len(README_MARKERS[0])] + "\n" + "\n".join(table) + "\n" + text[end:])
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

@@ -1,7 +1,7 @@
 """The module grid: which modules exist, which paths run through them, and how paths are named.
 
 A grid `[4, 2]` has 4 modules at level 0 and 2 at level 1; a path picks one module per level,
-so there are 8 paths, named `p<k_0>-<k_1>` (DESIGN.md). With `model.path_specific_blocks` > 0
+so there are 8 paths, named `p<k_0>-<k_1>` (docs/design.md, vocabulary). With `model.path_specific_blocks` > 0
 each path also owns a private module, `ModuleKey(len(grid), <the path's index in all_paths>)`:
 one level past the grid, one module per path (the `private` arguments below). Path ids arrive from configs, shard
 directory names and CLI arguments, so parsing them is also where untrusted names are checked.

@@ -1,7 +1,7 @@
 """A path is a standard `LlamaForCausalLM`; a module is the slice of its state dict one level owns.
 
 Level l owns a run of consecutive decoder blocks; level 0 also owns the token embedding and the
-last level the final norm and LM head (DESIGN.md, vocabulary). With `model.path_specific_blocks`
+last level the final norm and LM head (docs/design.md, vocabulary). With `model.path_specific_blocks`
 N > 0 a path also has a private module: N blocks after the grid's, before the final norm (DiPaCo's
 path-specific parameters), held as one more level, `n_levels`, past the grid's. Splitting and assembling is an
 explicit key map, so a path assembled from modules gives exactly the logits of the path it came
@@ -177,5 +177,5 @@ def path_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 def initial_level_states(shape: ModelShape, seed: int) -> list[ModuleState]:
     """Round-0 weights, one state per level: every module of a level starts from the same tensors,
-    so every path starts from the same shared model (DESIGN.md, module store); private modules too."""
+    so every path starts from the same shared model (docs/design.md, round numbering); private modules too."""
     return split_path_state(shape, path_state(build_path_model(shape, seed=seed)))

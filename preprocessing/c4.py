@@ -65,7 +65,7 @@ class Rejection(NamedTuple):
 
 
 def doc_id_for(record: dict, text: str) -> str:
-    """The document's url when it has one, else a hash of its text (DESIGN.md)."""
+    """The document's url when it has one, else a hash of its text (the shards' doc_id, docs/design.md)."""
     url = record.get("url")
     if isinstance(url, str) and url.strip():
         return url

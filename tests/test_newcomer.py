@@ -1,5 +1,5 @@
-"""A newcomer's first hour: what the README shows runs as written, in a fresh process, on a fresh
-clone (no file outside the repository, no path of the machine the README was written on)."""
+"""A newcomer's first hour: what the README and docs/ show runs as written, in a fresh process, on a
+fresh clone (no file outside the repository, no path of the machine the docs were written on)."""
 
 from __future__ import annotations
 
@@ -17,27 +17,40 @@ from conftest import REPO
 from pipeline.tracking.report import format_summary
 
 README = (REPO / "README.md").read_text()
+DOCS = {path: path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+                                            REPO / "benchmarks" / "RESULTS.md"]}
 
 
 def code_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+    """The fenced blocks of one language in the README and every doc it maps."""
+    return [block for text in DOCS.values() for block in re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)]
 
 
-def test_the_readme_links_only_to_files_in_the_repository():
-    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README)
-    local = [link for link in links if "://" not in link]
-    assert "docs/design.md" in local
-    for link in local:
-        target = (REPO / link).resolve()
-        assert target.is_relative_to(REPO) and target.exists(), link
-    assert "../shared" not in README
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors of a markdown file's headings: lower case, punctuation dropped, spaces as -."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
-def test_the_readme_shows_no_machine_path_and_commands_that_need_no_activated_venv():
-    assert not re.search(r"/(work|home|Users|tmp)/\w", README), "an absolute path of some machine"
-    for line in README.splitlines():
-        if re.search(r"\bmlflow ui\b", line):
-            assert ".venv/bin/mlflow ui" in line, line
+def test_the_docs_link_only_to_files_and_headings_in_the_repository():
+    for path, text in DOCS.items():
+        links = re.findall(r"\]\(([^)#\s]*)(?:#([^)]*))?\)", text)
+        local = [(link, anchor) for link, anchor in links if "://" not in link]
+        for link, anchor in local:
+            target = (path.parent / link).resolve() if link else path
+            assert target.is_relative_to(REPO) and target.exists(), f"{path.name}: {link}"
+            if anchor and target.suffix == ".md":
+                assert anchor in heading_anchors(target.read_text()), f"{path.name}: {link}#{anchor}"
+        assert "../shared" not in text, path.name
+    assert "docs/design.md" in README
+
+
+def test_the_docs_show_no_machine_path_and_commands_that_need_no_activated_venv():
+    for path, text in DOCS.items():
+        assert not re.search(r"/(work|home|Users|tmp)/\w", text), f"{path.name}: an absolute path of some machine"
+        for line in text.splitlines():
+            if re.search(r"\bmlflow ui\b", line):
+                assert ".venv/bin/mlflow ui" in line, f"{path.name}: {line}"
     assert "sqlite:///runs/demo/mlflow.db" in README
 
 
@@ -105,7 +118,7 @@ def demo_clone(tmp_path_factory):
 
 
 @pytest.mark.slow  # ~30 s: a Beam prepare, a registration and a fresh process loading the model
-def test_the_readme_pyfunc_snippet_runs_as_written_in_a_fresh_process(demo_clone):
+def test_the_documented_pyfunc_snippet_runs_as_written_in_a_fresh_process(demo_clone):
     (snippet,) = [block for block in code_blocks("python") if "pyfunc.load_model" in block]
     before = sorted(p.name for p in demo_clone.iterdir())
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}

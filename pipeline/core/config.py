@@ -1,7 +1,10 @@
 """The run configuration: one YAML file loaded into dataclasses and validated before any work starts.
 
-The key names are the contract of DESIGN.md. Every value is type-checked, unknown keys are
-errors, and every error names the key and the file so a user can fix it without reading code.
+The dataclasses below are the one description of every key: a field's help is its trailing comment
+and the comment lines right below it, a section's its class docstring, and docs/config.md is
+generated from them (`python -m pipeline.core.configdoc`; tests/test_docs.py fails when it is stale).
+Every value is type-checked, unknown keys are errors, and every error names the key and the file so
+a user can fix it without reading code.
 
 Config text comes from users and, through the DAG's `overrides` param, from anyone allowed to
 trigger a run. What such a trigger may set is the allow-list of pipeline.core.trust (`load_config(...,
@@ -39,91 +42,125 @@ MAX_LEVELS, MAX_PATHS = 64, 65536  # a grid is listed path by path; 10^12 paths 
 
 @dataclass
 class DataConfig:
-    train: str | list[str] = "data/sample/train/*.json.gz"  # globs of C4-format files
-    eval: str | list[str] | None = "data/sample/validation/*.json.gz"  # held-out split
-    max_docs: int | None = None  # optional cap per split, for quick runs
-    max_doc_bytes: int = 1_000_000  # longer documents are rejected, never silently truncated
+    """Where the documents come from: C4-format JSON lines (`text`, `url`, `timestamp`), gzipped or not."""
+
+    train: str | list[str] = "data/sample/train/*.json.gz"  # globs of C4-format `*.json` / `*.json.gz` files (real C4
+    #                                                          file names work as is); relative ones resolve against the
+    #                                                          current directory
+    eval: str | list[str] | None = "data/sample/validation/*.json.gz"  # the held-out split, globbed alike; null: none
+    max_docs: int | None = None  # cap per split, for quick runs
+    max_doc_bytes: int = 1_000_000  # a line is read at most this much at a time; longer documents are rejected
+    #                                 `too_large` (kept in shards/rejected/), never silently truncated
     parts_per_path: int = 1  # Parquet parts per path shard; raise it so no worker holds a whole shard
 
 
 @dataclass
 class RouterConfig:
-    embedder: str = "minilm"  # minilm | model | tfidf
-    prefix_tokens: int = 32  # DiPaCo routes on the first 32 tokens
-    sample_docs: int = 20000  # documents used to fit the k-means
-    balanced: bool = True  # cap shard sizes so that no path starves
-    seed: int = 0
-    kmeans_iters: int = 50
+    """How prepare routes each document to a path by its prefix (docs/algorithm.md, routing)."""
+
+    embedder: str = "minilm"  # minilm: all-MiniLM-L6-v2 through Beam's RunInference, offline; tfidf: tf-idf and
+    #                           truncated SVD (c-BTM style); model: a path model's mean last hidden state (the paper's)
+    prefix_tokens: int = 32  # DiPaCo routes on the first 32 tokens; evaluation scores only the tokens after them
+    sample_docs: int = 20000  # documents of the seeded sample the k-means is fitted on (and discriminative_after labels)
+    balanced: bool = True  # cap shard sizes (capacity_factor) so that no path starves
+    seed: int = 0  # the seeded sample and the k-means initialisation
+    kmeans_iters: int = 50  # Lloyd iterations of each k-means
     batch_size: int = 64  # embedder batch size inside RunInference
     capacity_factor: float = 1.5  # balanced: a path holds between 1/f and f times an equal share
     tfidf_dim: int = 64  # tfidf embedder: truncated-SVD dimensions (c-BTM style)
     model_round: int = 0  # model embedder: the committed round whose path model embeds
     model_path: str | None = None  # model embedder: that path's id; default the first path
-    discriminative_after: int | None = None  # after round R's merge: re-route by lowest-loss path (DiPaCo 2.4.2)
+    discriminative_after: int | None = None  # R: after round R's merge, label a sample by its lowest-loss path, fit a
+    #                                          linear router on the same features and re-shard; rounds > R train
+    #                                          there (DiPaCo 2.4.2); null: k-means for the whole run
 
 
 @dataclass
 class ModelConfig:
-    grid: list[int] = field(default_factory=lambda: [4, 4])  # modules per level
-    blocks_per_level: list[int] = field(default_factory=lambda: [2, 2])
-    hidden_size: int = 256
-    num_heads: int = 4
+    """The module grid and the Llama shape of one path; a run root refuses a config that changes it."""
+
+    grid: list[int] = field(default_factory=lambda: [4, 4])  # modules per level; paths = their product ([1]: dense)
+    blocks_per_level: list[int] = field(default_factory=lambda: [2, 2])  # Llama decoder blocks per level
+    hidden_size: int = 256  # a path model's width
+    num_heads: int = 4  # attention heads; divides hidden_size
     intermediate_size: int | None = None  # default: the Llama ratio, 8/3 * hidden rounded to 64
-    seq_len: int = 256
-    tokenizer: str = "gpt2"  # gpt2 (offline GPT-2 BPE) | bpe (trained by prepare on the run's own text)
-    vocab_size: int = 50257  # GPT-2's; with bpe the size to train (a small model learns more per
-    #                          second with a small head: 8,192 ids ran 4.2x the steps of GPT-2's 50,257)
+    seq_len: int = 256  # tokens a training row predicts (documents packed with EOS); more than router.prefix_tokens
+    tokenizer: str = "gpt2"  # gpt2: GPT-2's 50,257-id BPE, shipped offline; bpe: a byte-level BPE of vocab_size ids
+    #                          that prepare trains on the run's own text, since a small model learns more per second
+    #                          with a small LM head (docs/algorithm.md, tokenizer)
+    vocab_size: int = 50257  # GPT-2's; with bpe the size to train (>= 512; the demo: 4,096)
     tokenizer_sample_docs: int = 10000  # bpe: training documents (a seeded sample) it is trained on
     init_seed: int = 0  # round 0 modules: every path starts from the same shared weights
-    path_specific_blocks: int = 0  # DiPaCo: blocks per path after the grid's, its own (never averaged)
+    path_specific_blocks: int = 0  # DiPaCo: N decoder blocks per path after the grid's, its own: trained on its shard
+    #                                only, never averaged (needs train.workers_per_path 1)
 
 
 @dataclass
 class TrainConfig:
-    rounds: int = 4
+    """The inner loop on DeepSpeed ZeRO, and the islands that run it."""
+
+    rounds: int = 4  # outer rounds; raise it to continue a run root whose rounds are all committed
     inner_steps: int = 50  # H: inner AdamW steps per outer round (paper: 150 DiPaCo, 500 DiLoCo)
-    micro_batch_size: int = 8  # sequences per process per micro step
-    gradient_accumulation_steps: int = 1
-    lr: float = 4.0e-4
+    micro_batch_size: int = 8  # sequences per rank per micro step; DeepSpeed's "auto" batch keys come from it
+    gradient_accumulation_steps: int = 1  # micro steps per optimizer step
+    lr: float = 4.0e-4  # inner AdamW peak lr: linear warmup, then a cosine decay over all rounds' steps
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    grad_clip: float = 1.0
-    ds_config: str = "ds_configs/zero2.json"  # ZeRO only: the precision blocks come from train.precision
-    precision: str = "auto"  # auto | fp32 | bf16 | fp16; auto: what this machine runs fastest (pipeline/train/precision.py)
-    compile: bool = False  # torch.compile the path model's forward: -15 to -19% per CPU step, ~5-30 s to compile
-    procs_per_path: int = 1  # DeepSpeed processes per node and path (GPUs per node on GPU hosts)
+    warmup_steps: int = 20  # linear warmup at the run's first steps
+    weight_decay: float = 0.1  # AdamW weight decay, on matrices only
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    grad_clip: float = 1.0  # gradient clipping by global norm
+    ds_config: str = "ds_configs/zero2.json"  # ZeRO only (zero1, zero2, zero3, zero2_offload or your own): the
+    #                                           precision blocks come from train.precision, and its "auto" keys are
+    #                                           filled per model and island (pipeline/train/zero.py): buckets from
+    #                                           the hidden size; on one rank ZeRO-3 all-reduces one bucket as large
+    #                                           as the largest tensor instead of reduce-scattering, and keeps
+    #                                           torch's linear. Relative names are also looked up in the repository
+    precision: str = "auto"  # DeepSpeed's precision blocks; auto: bf16 on a GPU that has it (else fp16 with loss
+    #                          scaling), on a CPU fp32 unless it computes bfloat16 natively and a few timed steps find
+    #                          bf16 faster (cached per host and shape in ~/.cache/dipaco; pipeline/train/precision.py)
+    compile: bool = False  # torch.compile the path model's forward (ZeRO-1/2): faster CPU steps after a one-off
+    #                        compile per host (docs/algorithm.md, inner loop); the demo turns it on
+    procs_per_path: int = 1  # DeepSpeed ranks per node of an island (GPUs per node on GPU hosts)
     num_nodes: int = 1  # nodes per island; more than 1 needs a hostfile
     hostfile: str | None = None  # DeepSpeed hostfile ("host slots=N" lines) for multi-node islands
-    workers_per_path: int = 1  # DiLoCo workers per path, each on an iid part of the shard
-    parallel_paths: int = 2  # path jobs at once on this machine (one-shot launches: train-path, the DAG)
-    islands: int | None = None  # long-lived island launches `dipaco run` starts (default: parallel_paths)
+    workers_per_path: int = 1  # DiLoCo workers per path, each on an iid part of the shard (grid [1] + M workers: DiLoCo)
+    parallel_paths: int = 2  # path jobs at once on this machine (one-shot launches) and the default of islands;
+    #                          OMP threads per rank are the cores shared by the ranks running at once
+    islands: int | None = None  # long-lived island launches `dipaco run` and the DAG start (default: parallel_paths)
     lease_seconds: float = 60.0  # an island's claim on a task expires when its beats stop this long (reader's clock)
-    backup_after: float | None = None  # backup attempt of a train task running this x its round's median; null: off
+    backup_after: float | None = None  # backup attempt of a train task running this x its round's median; first to
+    #                                    publish wins (docs/design.md, faults and stragglers); null: off
     checkpoint_every: int | None = None  # mid-task checkpoint every N inner steps (a new attempt resumes); null: off
     threads_per_proc: int | None = None  # OMP threads per rank; default: cores / busy ranks
-    max_attempts: int = 2  # launches per path and round before the round commits without it
-    seed: int = 0
-    launcher: str = "deepspeed"  # deepspeed | inprocess (tests and debugging only)
-    lr_decay_steps: int | None = None  # the lr decays over the run's last N steps; null: all after warmup
-    keep_rounds: int | None = None  # module and path weight files of the N newest rounds are kept; null: all
+    max_attempts: int = 2  # failed or expired attempts of a path's train task before its round merges without it
+    #                        (a config or input error is not retried)
+    seed: int = 0  # the inner loop's data order and torch seed (offset by the round and the worker)
+    launcher: str = "deepspeed"  # inprocess: this process is a one-rank island, no launch (tests and debugging only)
+    lr_decay_steps: int | None = None  # the cosine runs over the run's last N steps only, the lr constant before it
+    #                                    (warmup-stable-decay; the demo: its last round); null: all after warmup
+    keep_rounds: int | None = None  # module and path weight files of the N newest rounds are kept (and the rounds
+    #                                 early stopping or a pending re-routing reads); null: all
 
 
 @dataclass
 class OuterConfig:
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
-    weighting: str = "tokens"  # tokens | uniform
+    """The DiLoCo outer step of the merge (docs/algorithm.md, outer merge)."""
+
+    lr: float = 0.7  # outer SGD lr (1 with momentum 0: plain averaging, as the demo does)
+    momentum: float = 0.9  # outer momentum; its buffers are kept per module across rounds
+    nesterov: bool = True  # Nesterov momentum, DiLoCo's outer optimizer
+    weighting: str = "tokens"  # tokens: each path's share of the tokens that trained the module; uniform: equal
     sqrt_paths_rescale: bool = False  # DiPaCo 2.7: rescale by sqrt(paths through the module)
-    compression: str = "none"  # none | bf16 | int8 | int4: outer gradients as islands send them (Streaming DiLoCo)
+    compression: str = "none"  # outer gradients as islands send them (Streaming DiLoCo): the merge reads those
+    #                            instead of the trained weights (docs/algorithm.md, compressed outer gradients)
 
 
 @dataclass
 class EvalConfig:
+    """Held-out evaluation: routed perplexity and bits per byte of each round's modules."""
+
     max_docs: int | None = None  # cap on held-out documents scored per path
-    batch_size: int = 8
+    batch_size: int = 8  # documents per forward pass
     sample_prompt: str | None = None  # `dipaco run` ends by showing the champion's continuation of it
     early_stopping: bool = False  # each path keeps its round of lowest validation perplexity (eval/best.json, champion)
     reroute_every: int | None = None  # re-route every N scored tokens by the N before (DiPaCo: 64); null: route once by the prefix
@@ -131,10 +168,12 @@ class EvalConfig:
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str | None = None  # default: sqlite:///<run_root>/mlflow.db
-    experiment: str = "dipaco"
-    registered_model: str = "dipaco"
-    enabled: bool = True
+    """Tracking and the Model Registry (docs/operations.md, MLflow)."""
+
+    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///<run_root>/mlflow.db
+    experiment: str = "dipaco"  # the experiment of the run root's parent run
+    registered_model: str = "dipaco"  # each evaluated round's modules become a version of it
+    enabled: bool = True  # false: a null tracker, nothing logged or registered
 
 
 @dataclass
@@ -146,24 +185,27 @@ class AirflowConfig:
     pool: str = "dipaco_paths"  # caps islands at once: `airflow pools set dipaco_paths 2 ...`
     pool_slots: int = 1  # pool slots one island takes
     retries: int = 2  # Airflow retries of an island task (a path's retries are the queue's lease attempts)
-    retry_delay_s: int = 60
+    retry_delay_s: int = 60  # seconds between those retries
     trigger_run_roots: str | None = None  # a DAG trigger may set run_root only under this prefix; null: never
 
 
 @dataclass
 class BeamConfig:
-    runner: str = "DirectRunner"
-    # One in-process worker: torch already spreads the embedder over every core, while the
-    # multi-processing mode loads the model once per worker and ships every element between
-    # processes (benchmarks/RESULTS.md, 10,000 documents on 2 cores: routing at 0.89x of the raw
-    # embedder in memory, 0.85x with 2 worker processes; the gap widens on smaller inputs).
-    options: list[str] = field(default_factory=lambda: ["--direct_running_mode=in_memory"])
+    """The Beam runner of prepare (docs/operations.md, scaling out)."""
+
+    runner: str = "DirectRunner"  # a runner Beam ships (DaskRunner, DataflowRunner, ...) or one in extra_runners
+    options: list[str] = field(default_factory=lambda: ["--direct_running_mode=in_memory"])  # the runner's pipeline
+    #                                  options; the default is one in-process worker, since torch already spreads the
+    #                                  embedder over every core while multi-processing loads the model once per worker
+    #                                  and ships every element between processes (benchmarks/RESULTS.md)
     extra_runners: list[str] = field(default_factory=list)  # runners beyond Beam's own (trust.BEAM_RUNNERS)
 
 
 @dataclass
 class Config:
-    run_root: str = "runs/demo"  # local path or fsspec URL
+    """One YAML file: run_root at the top level, then one section per part of the pipeline."""
+
+    run_root: str = "runs/demo"  # local path or fsspec URL (s3://, gs://, file://) holding all of the run's state
     data: DataConfig = field(default_factory=DataConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -1,4 +1,4 @@
-"""Relative paths of the run-root layout (DESIGN.md, storage layout): the contract between stages.
+"""Relative paths of the run-root layout (docs/design.md, storage layout): the contract between stages.
 
 Every stage names its inputs and outputs through these functions and nothing else, so the
 layout lives in one place.

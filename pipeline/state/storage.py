@@ -1,6 +1,6 @@
 """The run root: every read and write of pipeline state goes through here.
 
-Two rules make every stage crash-safe and rerunnable (DESIGN.md, storage layout):
+Two rules make every stage crash-safe and rerunnable (docs/design.md, storage layout):
 - a file is written under a temporary name and renamed into place, so a reader sees the old
   file or the new one, never half of one;
 - a directory counts only once its `_SUCCESS` marker exists. The marker is written last and

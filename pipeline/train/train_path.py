@@ -47,8 +47,7 @@ def lr_at(step: int, total_steps: int, train) -> float:
     `train.lr_decay_steps` steps (all rounds; null: every step after warmup, a plain cosine).
 
     A short decay at the end (warmup-stable-decay) lets a run far from convergence keep its full lr
-    while it learns and still anneal: on the demo, a cosine over all 600 steps of a path gave up
-    learning early, a constant lr never annealed (README, tuning table)."""
+    while it learns and still anneal (the demo's tuning, benchmarks/RESULTS.md)."""
     if step < train.warmup_steps:
         return train.lr * (step + 1) / train.warmup_steps
     after_warmup = max(1, total_steps - train.warmup_steps)

@@ -63,8 +63,8 @@ def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: in
         # DeepSpeed's memory-efficient linear lets ZeRO-3 free a gathered weight right after its
         # forward. On one rank nothing is gathered (every parameter is its own whole partition), so
         # it saves nothing there, yet it replaces torch.nn.functional.linear for the rest of the
-        # process and made a one-rank ZeRO-3 step of the default path 0.5% slower (30 paired
-        # steps). DeepSpeed's default (true) wherever parameters are really partitioned.
+        # process and slows the step (benchmarks/RESULTS.md). DeepSpeed's default (true) wherever
+        # parameters are really partitioned.
         "memory_efficient_linear": world_size > 1,
         # ZeRO-3 averages gradients by a reduce-scatter, which on one rank scatters to itself: gloo
         # still copies every gradient through it (13 ms for the default path's 12.9M-element
@@ -187,7 +187,7 @@ def set_full_state(engine, state: dict[str, torch.Tensor]) -> None:
     """Write parameters so that they persist: DeepSpeed's master copy and the module's tensors.
 
     Call on every rank. This is what makes merged modules win over the weights inside a resumed
-    DeepSpeed checkpoint (DESIGN.md, known traps).
+    DeepSpeed checkpoint (docs/design.md, known traps).
     """
     from deepspeed.utils import safe_set_full_fp32_param
 
