@@ -19,10 +19,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(BIN)/python -m pipeline.train.warmup
 	touch $@
 
-sample: install data/sample/_SUCCESS
+sample: install data/sample/_SUCCESS data/mixed/_SUCCESS
 
 data/sample/_SUCCESS:
 	$(BIN)/python -m preprocessing.sample --out data/sample
+
+data/mixed/_SUCCESS:
+	$(BIN)/python -m preprocessing.mixed --out data/mixed
 
 demo: sample
 	$(BIN)/dipaco run --config configs/demo.yaml

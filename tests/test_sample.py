@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 
 from preprocessing.c4 import Document, list_input_files, parse_line, read_lines
 from preprocessing.sample import build_sample, load_articles
@@ -33,3 +34,23 @@ def test_sample_is_c4_format_with_topics_and_reproducible(tmp_path):
         assert gzip.decompress(open(file, "rb").read()) == gzip.decompress(open(twin, "rb").read())
     assert lines == 300
     assert build_sample(tmp_path / "a") == info  # complete: not rebuilt
+
+
+def test_mixed_corpus_has_four_sources_each_kept_on_its_lines_and_is_reproducible(tmp_path):
+    from preprocessing.mixed import build_mixed
+
+    info = build_mixed(tmp_path / "a", per_source=60)
+    build_mixed(tmp_path / "b", per_source=60)
+    assert info["sources"] == {"licenses": 60, "python_code": 60, "python_docs": 60, "wikipedia": 60}
+    assert info["train"] + info["validation"] == 240 and sum(info["validation_sources"].values()) == info["validation"]
+    seen = Counter()
+    for file in list_input_files(str(tmp_path / "a/*/*.json.gz")):
+        for number, raw in read_lines(file):
+            doc = json.loads(raw)
+            seen[doc["source"]] += 1
+            assert isinstance(parse_line(raw, "train", file, number, 1_000_000), Document)
+            if doc["source"] == "python_code":  # a function without its docstring: that is python_docs' text
+                assert doc["text"].startswith(("def ", "async def ")) and '"""' not in doc["text"].split("\n")[1]
+        twin = file.replace(str(tmp_path / "a"), str(tmp_path / "b"))
+        assert gzip.decompress(open(file, "rb").read()) == gzip.decompress(open(twin, "rb").read())
+    assert seen == info["sources"]
