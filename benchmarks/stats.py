@@ -11,6 +11,7 @@ A single seed has no interval: its verdict is the plain comparison, marked as on
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 from scipy import stats
@@ -38,7 +39,7 @@ def estimate(values: list[float], level: float = 0.95) -> Estimate:
     mean = sum(values) / n
     if n < 2:
         return Estimate(mean, math.nan, n)
-    sd = stats.tstd(values)
+    sd = statistics.stdev(values)
     return Estimate(mean, stats.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n), n)
 
 
@@ -50,7 +51,7 @@ def difference(a: dict[int, float], b: dict[int, float], factor: float = 1.0, le
     mean = ea.mean - eb.mean
     if ea.n < 2 or eb.n < 2:
         return Estimate(mean, math.nan, min(ea.n, eb.n))
-    va, vb = stats.tvar(list(a.values())) / ea.n, stats.tvar([factor * v for v in b.values()]) / eb.n
+    va, vb = statistics.variance(list(a.values())) / ea.n, statistics.variance([factor * v for v in b.values()]) / eb.n
     dof = (va + vb) ** 2 / (va**2 / (ea.n - 1) + vb**2 / (eb.n - 1)) if va + vb > 0 else ea.n + eb.n - 2
     return Estimate(mean, stats.t.ppf(0.5 + level / 2, dof) * math.sqrt(va + vb), min(ea.n, eb.n))
 
