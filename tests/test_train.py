@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from conftest import REPO, tiny_config, write_synthetic_shards
 from models.grid import ModuleKey
@@ -98,6 +99,29 @@ def test_zero_stages_give_the_same_loss_curve_on_a_two_process_gloo_launch(run_r
     assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= workspaces_before  # both ranks unlinked theirs
     assert curves[2] == pytest.approx(curves[1], rel=1e-5)
     assert curves[3] == pytest.approx(curves[1], rel=1e-5)
+
+
+@pytest.mark.slow  # ~20 s: a two-rank gloo launch and a one-rank one
+def test_sync_by_gradient_accumulation_on_one_rank_equals_two_ranks_all_reducing_every_step(run_root):
+    """The benchmark's `sync` row (M x the batch, gradients averaged every step) runs as
+    train.gradient_accumulation_steps = M on one rank: the same global batches, the same update."""
+    curves, states = {}, {}
+    for name, ranks, accum in (("ranks", 2, 1), ("accumulation", 1, 2)):
+        config = tiny_config(run_root / name, "model.grid=[1]", "model.blocks_per_level=[1]", "train.launcher=deepspeed",
+                             f"train.procs_per_path={ranks}", f"train.gradient_accumulation_steps={accum}",
+                             "train.inner_steps=5", "train.lr=0.003", "train.ds_config=ds_configs/zero1.json")
+        root = stages.init_run(config)
+        write_synthetic_shards(root, config.model.grid)
+        metrics = train_path_job(config, 0, "p0")
+        assert metrics is not None and metrics["world_size"] == ranks
+        assert metrics["ds_config"]["train_batch_size"] == 2 * config.train.micro_batch_size
+        assert metrics["tokens"] == 5 * 2 * config.train.micro_batch_size * config.model.seq_len
+        curves[name] = metrics["loss"]
+        states[name] = load_file(root.path(f"{layout.path_dir(0, 'p0')}/model.safetensors"))
+    assert curves["ranks"][-1] < curves["ranks"][0]  # it learns
+    assert curves["accumulation"] == pytest.approx(curves["ranks"], rel=1e-5)
+    for name, tensor in states["ranks"].items():  # the same update, step after step
+        torch.testing.assert_close(states["accumulation"][name], tensor, rtol=1e-4, atol=1e-6)
 
 
 def one_rank_engine(run_root, ds_config: str, blocks: int = 1):
