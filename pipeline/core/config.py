@@ -124,6 +124,10 @@ class TrainConfig:
     num_nodes: int = 1  # nodes per island; more than 1 needs a hostfile
     hostfile: str | None = None  # DeepSpeed hostfile ("host slots=N" lines) for multi-node islands
     workers_per_path: int = 1  # DiLoCo workers per path, each on an iid part of the shard (grid [1] + M workers: DiLoCo)
+    worker_data: str = "iid"  # iid: worker k of M reads every M-th document of its path's shard; clustered: its own
+    #                           k-means cluster of the shard (the router's embedder), the DiLoCo paper's non-iid workers
+    workers_schedule: list[int] | None = None  # DiLoCo workers per round (one entry a round, the largest is
+    #                                            workers_per_path): a compute pool that changes size; null: constant
     parallel_paths: int = 2  # path jobs at once on this machine (one-shot launches) and the default of islands;
     #                          OMP threads per rank are the cores shared by the ranks running at once
     islands: int | None = None  # long-lived island launches `dipaco run` and the DAG start (default: parallel_paths)
@@ -140,6 +144,12 @@ class TrainConfig:
     #                                    (warmup-stable-decay; the demo: its last round); null: all after warmup
     keep_rounds: int | None = None  # module and path weight files of the N newest rounds are kept (and the rounds
     #                                 early stopping or a pending re-routing reads); null: all
+
+    def workers_in_round(self, round_index: int) -> int:
+        """DiLoCo workers of each path in round r: train.workers_schedule's entry, else workers_per_path."""
+        if self.workers_schedule is None or round_index >= len(self.workers_schedule):
+            return self.workers_per_path
+        return self.workers_schedule[round_index]
 
 
 @dataclass
@@ -252,6 +262,7 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "outer.compression": ("none", "bf16", "int8", "int4"),  # pipeline/outer/compression.py KINDS
     "train.launcher": ("deepspeed", "inprocess"),
     "train.precision": ("auto", "fp32", "bf16", "fp16"),  # pipeline/train/precision.py
+    "train.worker_data": ("iid", "clustered"),  # pipeline/routing/worker_split.py
 }
 _SET_RE = re.compile(r"^([A-Za-z_][\w.]*)=(.*)$", re.S)
 
@@ -555,6 +566,13 @@ def validate(config: Config) -> None:
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "must be two numbers in [0, 1)")
     need(t.procs_per_path >= 1, "train.procs_per_path", "must be >= 1")
     need(t.workers_per_path >= 1, "train.workers_per_path", "must be >= 1")
+    if t.workers_schedule is not None:
+        schedule = t.workers_schedule
+        need(all(m >= 1 for m in schedule), "train.workers_schedule", f"needs at least 1 worker a round, got {schedule!r}")
+        need(len(schedule) == t.rounds, "train.workers_schedule", f"has {len(schedule)} entries for {t.rounds} rounds "
+             "(train.rounds): one a round")
+        need(max(schedule) == t.workers_per_path, "train.workers_schedule", f"its largest entry {max(schedule)} must "
+             f"equal train.workers_per_path ({t.workers_per_path}): job ids are numbered up to it")
     need(t.num_nodes >= 1, "train.num_nodes", "must be >= 1")
     need(t.num_nodes == 1 or t.hostfile is not None, "train.hostfile", "must be set when train.num_nodes > 1")
     need(t.hostfile is None or _is_file(t.hostfile), "train.hostfile", f"names a missing file {shown(t.hostfile)}")

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +35,7 @@ from pipeline.train.precision import agree
 from pipeline.train.precision import resolve as resolve_precision
 from pipeline.core.errors import ConfigError, DipacoError, InputError
 from pipeline.state.module_store import encode, load_path_modules
-from pipeline.state.shards import read_path_documents
+from pipeline.state.shards import read_path_rows
 from pipeline.state.storage import RunRoot
 from pipeline.train.zero import compile_forward, full_state, load_ds_config, release_engine, set_full_state, wrap_with_zero
 
@@ -68,6 +69,21 @@ def adamw_for(model: torch.nn.Module, train) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas))
 
 
+def worker_documents(root: RunRoot, config: Config, routing: layout.Routing, shard_path: str, worker: int,
+                     workers: int) -> list[np.ndarray]:
+    """Worker k of the round's M workers: every M-th document of the path's shard (train.worker_data
+    iid), or its own k-means cluster of it (clustered: the DiLoCo paper's non-iid workers)."""
+    rows = read_path_rows(root, shard_path, shards=routing.shards)
+    if worker >= workers:
+        raise ConfigError(f"--path: worker {worker} does not train in a round of {workers} worker(s) (train.workers_schedule)")
+    if workers == 1 or config.train.worker_data == "iid":
+        return [tokens for _, tokens in rows[worker::workers]]
+    from pipeline.routing.worker_split import worker_labels
+
+    labels = worker_labels(root, config, routing, shard_path, [i for i, _ in rows], [t for _, t in rows], workers)
+    return [tokens for (_, tokens), label in zip(rows, labels) if label == worker]
+
+
 class AttemptCancelled(Exception):
     """This attempt stopped early: another attempt's output is committed, or its lease was lost."""
 
@@ -89,8 +105,9 @@ def train_path(config: Config, round_index: int, path_id: str, attempt: str | No
         raise ConfigError(f"--path: {exc}") from None
     # Input first, the process group after: a missing or unreadable shard fails the job in seconds.
     began = time.perf_counter()
-    shards = layout.routing(config.router.discriminative_after, round_index).shards  # k-means or re-routed
-    docs = read_path_documents(root, shard_path, shards=shards)[worker::workers]  # worker k: its iid part
+    routing = layout.routing(config.router.discriminative_after, round_index)  # k-means or re-routed
+    shards = routing.shards
+    docs = worker_documents(root, config, routing, shard_path, worker, config.train.workers_in_round(round_index))
     rank, world = init_distributed()
     train, shape = config.train, ModelShape.from_config(config.model)
     torch.manual_seed(train.seed + round_index)
