@@ -106,6 +106,12 @@ def all_job_ids(grid: list[int], workers_per_path: int) -> list[str]:
     return [job_id(p, w, workers_per_path) for p in all_path_ids(grid) for w in range(workers_per_path)]
 
 
+def round_job_ids(grid: list[int], workers_per_path: int, workers: int) -> list[str]:
+    """The jobs of a round that trains `workers` of the run's workers_per_path DiLoCo workers per path
+    (train.workers_schedule): each path's first `workers`, named as in every other round."""
+    return [job_id(p, w, workers_per_path) for p in all_path_ids(grid) for w in range(workers)]
+
+
 def parse_job_id(text: str, grid: list[int], workers_per_path: int) -> tuple[str, tuple[int, ...], int]:
     """'p3-1.w2' -> ('p3-1', (3, 1), 2), refusing ids that are not jobs of this run."""
     match = _JOB_ID.match(text)

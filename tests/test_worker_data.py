@@ -4,6 +4,7 @@ pool of workers that changes size from round to round (train.workers_schedule)."
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 
 from conftest import tiny_config
@@ -63,3 +64,34 @@ def test_workers_schedule_is_validated_against_the_rounds_and_workers(tmp_path):
         tiny_config(tmp_path, "train.worker_data=random")
     config = tiny_config(tmp_path, "train.rounds=3", "train.workers_per_path=4", "train.workers_schedule=[2, 4, 1]")
     assert [config.train.workers_in_round(r) for r in range(3)] == [2, 4, 1]
+
+
+@pytest.mark.slow  # ~15 s: three rounds of one or two in-process workers
+def test_a_changing_pool_trains_the_rounds_workers_and_merges_only_those_that_ran(run_root):
+    from safetensors.torch import load_file
+
+    from conftest import write_synthetic_shards
+    from models.grid import ModuleKey
+    from pipeline.state.module_store import load_modules
+
+    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=3", "train.inner_steps=2",
+                         "train.workers_per_path=2", "train.workers_schedule=[1, 2, 1]", "train.islands=1",
+                         "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false", "outer.weighting=uniform")
+    root = stages.init_run(config)
+    write_synthetic_shards(root, config.model.grid)
+    assert stages.run(config)["rounds_committed"] == 3
+    ran = {r: sorted(j for j in ("p0.w0", "p0.w1") if root.is_committed(layout.path_dir(r, j))) for r in range(3)}
+    assert ran == {0: ["p0.w0"], 1: ["p0.w0", "p0.w1"], 2: ["p0.w0"]}
+    for r in range(3):
+        assert root.read_json(f"{layout.round_dir(r)}/merge.json")["paths_left_out"] == []  # w1 was not due in rounds 0, 2
+    # plain averaging (outer lr 1, no momentum): round r+1's module is the mean of round r's workers that ran
+    checked = 0
+    for r, workers in ran.items():
+        trained = [load_file(root.path(f"{layout.path_dir(r, j)}/model.safetensors")) for j in workers]
+        merged = load_modules(root, r + 1, [ModuleKey(0, 0)])[ModuleKey(0, 0)]
+        for name, value in merged.items():
+            mean = sum(t[name].float() for t in trained if name in t) / len(workers) if all(name in t for t in trained) else None
+            checked += mean is not None
+            if mean is not None:
+                torch.testing.assert_close(value.float(), mean, rtol=1e-5, atol=1e-6)
+    assert checked > 0

@@ -41,7 +41,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules
+from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules, round_job_ids
 from pipeline.state import layout
 from pipeline.core.bounds import shown
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, StorageError
@@ -180,6 +180,10 @@ class TaskQueue:
         self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
         self._shards_ready: set[str] = set()
 
+    def jobs_of(self, round_index: int) -> list[str]:
+        """The jobs round r trains: every path's first train.workers_in_round(r) DiLoCo workers."""
+        return round_job_ids(self.grid, self.config.train.workers_per_path, self.config.train.workers_in_round(round_index))
+
     # -- leases --------------------------------------------------------------------------------
     def attempts(self, task: Task) -> list[Attempt]:
         return self._attempts_in(f"{LEASES}/{task.name}")
@@ -265,7 +269,7 @@ class TaskQueue:
         """Median seconds (each holder's own measure) of round r's finished train attempts that ran
         every step (one resumed from a mid-task checkpoint ran fewer, and would make peers look slow)."""
         seconds = []
-        for job in self.jobs:
+        for job in self.jobs_of(round_index):
             for attempt in self.attempts(Task.of("train", round_index, job)):
                 value = attempt.record.get("seconds")
                 if (attempt.state == "done" and not attempt.record.get("resumed_from_step")
@@ -376,12 +380,13 @@ class TaskQueue:
             if self.root.is_committed(layout.round_dir(r)):
                 continue
             staged = {key: self.root.is_committed(layout.merged_module_dir(r, key)) for key in self.jobs_through}
-            settled = {job: self.job_settled(r, job) for job in self.jobs}
+            jobs = self.jobs_of(r)
+            settled = {job: self.job_settled(r, job) for job in jobs}
             shards_ready = self.shards_ready(r)
-            tasks += [Task.of("train", r, job) for job in self.jobs
+            tasks += [Task.of("train", r, job) for job in jobs
                       if not settled[job] and shards_ready and self.modules_ready(r, self.job_modules[job])]
             tasks += [Task.of("merge", r, module_target(key)) for key, done in staged.items()
-                      if not done and all(settled[j] for j in self.jobs_through[key])]
+                      if not done and all(settled[j] for j in self.jobs_through[key] if j in settled)]
             if all(staged.values()):
                 tasks.append(Task.of("commit", r))
         for r in range(1, until_round + 1):

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from models.grid import ModuleKey, all_job_ids, all_modules, is_private, parse_job_id, path_modules
+from models.grid import ModuleKey, all_modules, is_private, parse_job_id, path_modules, round_job_ids
 from models.modular import ModelShape, ModuleState, split_path_state
 from pipeline.outer import compression
 from pipeline.state import layout
@@ -391,7 +391,8 @@ def finish_round(config, round_index: int) -> dict:
 def committed_paths(root: RunRoot, config, round_index: int) -> tuple[dict[str, int], list[str]]:
     """({path id: tokens trained} for paths that committed, [path ids that did not])."""
     committed, left_out = {}, []
-    for path_id in all_job_ids(config.model.grid, config.train.workers_per_path):
+    jobs = round_job_ids(config.model.grid, config.train.workers_per_path, config.train.workers_in_round(round_index))
+    for path_id in jobs:  # the round's workers only (train.workers_schedule): its merge averages those that ran
         rel = layout.path_dir(round_index, path_id)
         if root.is_committed(rel):
             tokens = root.marker(rel).get("tokens")
