@@ -1,9 +1,8 @@
 """Islands: long-lived trainers pulling tasks from the run root's queue, leases that expire,
-per-module merges as paths arrive (bitwise the whole-round merge), utilisation, SIGTERM."""
+per-module merges as paths arrive (tests/test_merge.py checks their numbers), utilisation, SIGTERM."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,19 +11,13 @@ import time
 import pytest
 
 from conftest import REPO, tiny_config, wait_for, write_synthetic_shards
-from models.grid import ModuleKey, all_modules
+from models.grid import ModuleKey
 from pipeline.state import layout
 from pipeline import stages
-from pipeline.outer.merge import finish_round, merge_module, merge_round
+from pipeline.outer.merge import merge_module
 from pipeline.state.storage import RunRoot
 from pipeline.islands.task_queue import Task, TaskQueue, write_plan
 from pipeline.train.train_path import train_path
-
-
-def _files(run, round_index: int) -> dict[str, bytes]:
-    base = run / "rounds" / f"round={round_index}"
-    return {str(p.relative_to(base)): p.read_bytes() for d in ("modules", "outer_state")
-            for p in sorted((base / d).rglob("*.safetensors"))}
 
 
 def test_a_claim_is_exclusive_and_a_dead_holders_lease_expires(run_root):
@@ -100,31 +93,6 @@ def test_a_module_is_merged_as_soon_as_its_paths_are_in_and_round_1_starts_befor
     assert "train.r1.p0-1" not in ready and not root.is_committed(layout.round_dir(0))
     metrics = train_path(config, 1, "p0-0")  # trains from the modules merged on their own
     assert metrics["round"] == 1
-
-
-def test_merging_module_by_module_writes_bitwise_the_whole_round_merge(tmp_path):
-    config = tiny_config(tmp_path / "whole", "train.rounds=2", "train.inner_steps=2", "train.lr=0.01")
-    write_synthetic_shards(stages.init_run(config), config.model.grid)
-    for job in stages.list_paths(config):
-        train_path(config, 0, job)
-    shutil.copytree(tmp_path / "whole", tmp_path / "modules")
-    per_module = tiny_config(tmp_path / "modules", "train.rounds=2", "train.inner_steps=2", "train.lr=0.01")
-    for r in (0, 1):  # round 1 merges with the momentum round 0 left: both code paths read it
-        merge_round(config, r)
-        for key in reversed(all_modules(config.model.grid)):  # any order of arrival
-            merge_module(per_module, r, key)
-        finish_round(per_module, r)
-        assert _files(tmp_path / "whole", r + 1) == _files(tmp_path / "modules", r + 1)
-        assert len(_files(tmp_path / "whole", r + 1)) == 2 * len(all_modules(config.model.grid))
-        if r == 0:
-            for job in stages.list_paths(config):
-                train_path(config, 1, job)
-                shutil.rmtree(tmp_path / "modules" / layout.path_dir(1, job), ignore_errors=True)
-                shutil.copytree(tmp_path / "whole" / layout.path_dir(1, job), tmp_path / "modules" / layout.path_dir(1, job))
-    whole, parts = RunRoot(config.run_root), RunRoot(per_module.run_root)
-    a, b = whole.read_json(f"{layout.round_dir(1)}/merge.json"), parts.read_json(f"{layout.round_dir(1)}/merge.json")
-    assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
-    assert not parts.exists(layout.merged_dir(0))  # gathered into round 1, then removed with round 1
 
 
 def _island(run_root, name: str) -> subprocess.Popen:

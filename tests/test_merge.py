@@ -11,8 +11,8 @@ from models.grid import ModuleKey, all_modules
 from models.modular import ModelShape, assemble_path_state, split_path_state
 from pipeline.state import layout
 from pipeline import stages
-from pipeline.outer.merge import OuterOptimizer, merge_round
-from pipeline.state.module_store import load_modules, load_path_modules
+from pipeline.outer.merge import OuterOptimizer, finish_round, merge_module, merge_round
+from pipeline.state.module_store import load_modules, load_path_modules, read_state
 from pipeline.state.storage import RunRoot
 from pipeline.train.train_path import train_path
 
@@ -76,6 +76,41 @@ def test_merge_of_two_paths_sharing_a_module_over_two_rounds(run_root):
         assert report["module_paths"][str(shared)] == ["p0-0", "p1-0"]
         assert report["tokens"] == {"p0-0": 30, "p1-0": 10}
         before = merged
+
+
+def test_modules_merged_one_by_one_in_any_order_take_the_hand_computed_steps_before_their_round_commits(run_root):
+    """What islands do: each module merged on its own as its paths come in, round 1's before round
+    0 is committed (its modules and momentum then come from round 0's staged merges); finish_round
+    commits each round with the same numbers and removes the round before's staged modules."""
+    config = tiny_config(run_root, "model.grid=[2, 1]")
+    root = stages.init_run(config)
+    shared, keys = ModuleKey(1, 0), all_modules([2, 1])
+    before = load_modules(root, 0, [shared])[shared]
+    buffers = {k: None for k in before}
+    for round_index in range(2):
+        a = fake_path(root, config, round_index, "p0-0", shift=0.01 * (round_index + 1), tokens=30)
+        b = fake_path(root, config, round_index, "p1-0", shift=-0.03, tokens=10)
+        for key in reversed(keys):
+            marker = merge_module(config, round_index, key)
+        assert marker["paths"] == ["p0-0"] and marker["module"] == [0, 0]  # the last one merged: (0, 0)
+        expected = {}
+        for name, theta in before.items():
+            grad = 0.75 * (theta - a[1][name]) + 0.25 * (theta - b[1][name])
+            expected[name], buffers[name] = nesterov_by_hand(theta, grad, buffers[name])
+        merged = load_modules(root, round_index + 1, [shared])[shared]  # staged: round r is not committed
+        for name in before:
+            torch.testing.assert_close(merged[name], expected[name], rtol=1e-5, atol=1e-6)
+        before = merged
+    assert not root.is_committed(layout.round_dir(0)) and not root.is_committed(layout.round_dir(1))
+    for round_index in range(2):
+        report = finish_round(config, round_index)
+        assert report["module_paths"][str(shared)] == ["p0-0", "p1-0"] and report["tokens"] == {"p0-0": 30, "p1-0": 10}
+    committed = load_modules(root, 2, [shared])[shared]
+    momentum = read_state(root, layout.outer_state_dir(2), shared)
+    for name in before:
+        assert torch.equal(committed[name], before[name])  # gathered bitwise
+        torch.testing.assert_close(momentum[name], buffers[name], rtol=1e-5, atol=1e-6)
+    assert not root.exists(layout.merged_dir(0)) and root.is_committed(layout.merged_module_dir(1, shared))
 
 
 def test_left_out_path_is_named_and_a_module_no_path_trained_keeps_its_parameters(run_root):

@@ -1,8 +1,6 @@
 """model.path_specific_blocks: each path's own blocks after the grid's (DiPaCo's path-specific
 parameters), a private module per path that the merge carries over from the path, never averaged."""
 
-import shutil
-
 import pytest
 import torch
 from safetensors.torch import save as st_save
@@ -15,7 +13,7 @@ from pipeline import stages
 from pipeline.core.config import ModelConfig
 from pipeline.core.errors import ConfigError
 from pipeline.islands.task_queue import Task, TaskQueue
-from pipeline.outer.merge import finish_round, merge_module, merge_round
+from pipeline.outer.merge import merge_round
 from pipeline.state import layout
 from pipeline.state.module_store import decode, load_modules, load_path_modules
 from pipeline.state.storage import RunRoot
@@ -100,18 +98,11 @@ def _fake_path(root: RunRoot, config, round_index: int, path_id: str, shift: flo
     return trained
 
 
-def test_the_merge_carries_private_modules_over_module_by_module_as_in_one_whole_round_merge(tmp_path):
+def test_the_merge_carries_each_paths_private_module_over_and_steps_the_shared_ones(tmp_path):
     config = tiny_config(tmp_path / "whole", "model.grid=[2, 1]", "model.path_specific_blocks=1")
     root = stages.init_run(config)
     trained = {p: _fake_path(root, config, 0, p, shift, tokens) for p, shift, tokens in (("p0-0", 0.01, 30), ("p1-0", -0.02, 10))}
-    shutil.copytree(tmp_path / "whole", tmp_path / "modules")
-    per_module = tiny_config(tmp_path / "modules", "model.grid=[2, 1]", "model.path_specific_blocks=1")
     report = merge_round(config, 0)
-    for key in reversed(all_modules([2, 1], private=True)):
-        merge_module(per_module, 0, key)
-    finish_round(per_module, 0)
-    assert _module_files(tmp_path / "whole", 1) == _module_files(tmp_path / "modules", 1)
-    assert _module_files(tmp_path / "whole", 1, "outer_state") == _module_files(tmp_path / "modules", 1, "outer_state")
     after = load_modules(root, 1, all_modules([2, 1], private=True))
     for index, path_id in enumerate(("p0-0", "p1-0")):
         mine = after[ModuleKey(2, index)]
