@@ -45,6 +45,7 @@ from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse
 from pipeline.state import layout
 from pipeline.core.bounds import shown
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, StorageError
+from pipeline.islands.attempts import Attempts
 from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.queue")
@@ -162,7 +163,7 @@ class TaskQueue:
         self.grid = config.model.grid
         self.jobs = all_job_ids(self.grid, config.train.workers_per_path)
         self.lease_seconds = float(config.train.lease_seconds)
-        self.max_attempts = config.train.max_attempts
+        self.allowed = Attempts.of_tasks(config.train)  # train.max_attempts (pipeline.islands.attempts)
         # Fixed by the config: worked out once, not on every poll of ready().
         # A path's private module (model.path_specific_blocks) is one of its modules like any other.
         self.private = config.model.path_specific_blocks > 0
@@ -222,7 +223,7 @@ class TaskQueue:
 
     def given_up(self, task: Task) -> bool:
         """Every allowed attempt failed or expired: the round goes on without this task."""
-        return self._failures(self.attempts(task)) >= self.max_attempts
+        return not self.allowed.may_try_again(self._failures(self.attempts(task)))
 
     @staticmethod
     def _failures(attempts: list[Attempt]) -> int:
@@ -237,7 +238,7 @@ class TaskQueue:
         attempts = self.attempts(task)
         if any(a.live or a.state == "done" for a in attempts) or self.output_committed(task):
             return None
-        if task.kind == "train" and self._failures(attempts) >= self.max_attempts:
+        if task.kind == "train" and not self.allowed.may_try_again(self._failures(attempts)):
             return None
         return self._create_attempt(task, attempts, island, island_id)
 
