@@ -40,6 +40,7 @@ from pipeline import stages
 from pipeline.core.config import Config, config_from_dict
 from pipeline.train.distributed import free_port, set_runtime_env
 from pipeline.outer.merge import merge_round
+from pipeline.run import Run
 from pipeline.state.module_store import load_path_modules
 from pipeline.state.storage import RunRoot
 
@@ -237,7 +238,7 @@ def merge_vs_io(args: argparse.Namespace) -> dict:
     run_root = OUT / "merge"
     shutil.rmtree(run_root, ignore_errors=True)
     config = merge_config(args, run_root)
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     fake_round(root, config, 0)
     merge_round(config, 0)
     fake_round(root, config, 1)

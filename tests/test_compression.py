@@ -18,6 +18,7 @@ from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.outer import compression
 from pipeline.outer.merge import merge_round, read_outer_gradient, read_path_levels
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.module_store import load_modules
 from pipeline.state.storage import RunRoot
@@ -79,7 +80,7 @@ def test_a_private_module_stays_lossless_under_compression(run_root):
     """Path-specific blocks never leave their island: no gradient file is written for them, and the
     merge carries each path's trained private module over bitwise, while shared modules are int4."""
     config = tiny_config(run_root, *SETS, "model.path_specific_blocks=1", "outer.compression=int4")
-    root, shape = stages.init_run(config), ModelShape.from_config(config.model)
+    root, shape = stages.init_run(Run(config)), ModelShape.from_config(config.model)
     write_synthetic_shards(root, config.model.grid)
     for path_id in stages.list_paths(config):
         train_path(config, 0, path_id)
@@ -100,7 +101,7 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     for kind in ("none", "bf16", "int8", "int4"):
         run = tmp_path_factory.mktemp(kind) / "run"
         config = tiny_config(run, *SETS, f"outer.compression={kind}")
-        write_synthetic_shards(stages.init_run(config), config.model.grid)
+        write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
         for path_id in stages.list_paths(config):
             train_path(config, 0, path_id)
         roots[kind] = run

@@ -14,6 +14,7 @@ from pipeline.core.config import ModelConfig
 from pipeline.core.errors import ConfigError
 from pipeline.islands.task_queue import Task, TaskQueue
 from pipeline.outer.merge import merge_round
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.module_store import decode, load_modules, load_path_modules
 from pipeline.state.storage import RunRoot
@@ -69,8 +70,8 @@ def test_bad_values_are_refused_by_key(run_root):
 def test_zero_blocks_keep_todays_module_files_and_one_block_adds_a_private_module_per_path(tmp_path):
     plain = tiny_config(tmp_path / "plain", "model.path_specific_blocks=0")
     private = tiny_config(tmp_path / "private", "model.path_specific_blocks=1")
-    stages.init_run(plain)
-    root = stages.init_run(private)
+    stages.init_run(Run(plain))
+    root = stages.init_run(Run(private))
     shared_names = [f"level={lvl}/module={k}.safetensors" for lvl in (0, 1) for k in (0, 1)]
     assert list(_module_files(tmp_path / "plain", 0)) == shared_names
     assert RunRoot(plain.run_root).marker(layout.modules_dir(0))["modules"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
@@ -100,7 +101,7 @@ def _fake_path(root: RunRoot, config, round_index: int, path_id: str, shift: flo
 
 def test_the_merge_carries_each_paths_private_module_over_and_steps_the_shared_ones(tmp_path):
     config = tiny_config(tmp_path / "whole", "model.grid=[2, 1]", "model.path_specific_blocks=1")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     trained = {p: _fake_path(root, config, 0, p, shift, tokens) for p, shift, tokens in (("p0-0", 0.01, 30), ("p1-0", -0.02, 10))}
     report = merge_round(config, 0)
     after = load_modules(root, 1, all_modules([2, 1], private=True))
@@ -122,10 +123,10 @@ def test_the_merge_carries_each_paths_private_module_over_and_steps_the_shared_o
 def test_a_round_on_islands_carries_each_paths_blocks_over_and_a_failed_paths_blocks_stay(run_root):
     config = tiny_config(run_root, "model.grid=[3, 1]", "model.path_specific_blocks=1", "train.rounds=1",
                          "train.inner_steps=2", "train.max_attempts=1")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     TaskQueue(root, config).claim(Task.of("train", 0, "p2-0"), "crashed").finish("failed", error="killed")
-    stages.run(config)
+    stages.run(Run(config))
     report = root.read_json(f"{layout.round_dir(0)}/merge.json")
     assert report["paths_merged"] == ["p0-0", "p1-0"] and report["paths_left_out"] == ["p2-0"]
     assert report["modules_untouched"] == ["level=0/module=2", "level=2/module=2"]

@@ -65,8 +65,9 @@ def shell_args(args: list[str]) -> list[str]:
     return [shlex.quote(value) for value in args]
 
 
-def island_count(train) -> int:
-    return train.islands or train.parallel_paths
+def island_names(train) -> list[str]:
+    """The islands a run starts on this machine: `train.islands` (default `train.parallel_paths`)."""
+    return [f"island-{i}" for i in range(train.islands or train.parallel_paths)]
 
 
 def island_command(run_root: str, island: str, train, port: int, ds_config: str | None = None,

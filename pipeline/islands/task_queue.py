@@ -407,12 +407,17 @@ class TaskQueue:
                                         or self.config.eval.reroute_every is not None]  # re-routed chunks reach any path
         return self._eval_paths[shards]
 
+    def round_finished(self, round_index: int) -> bool:
+        """Round r merged, the modules it wrote evaluated and, when r is router.discriminative_after,
+        the splits re-routed: ready to report and register."""
+        rerouted = round_index != self.after or self.root.exists(layout.reroute_report(round_index + 1))
+        return (self.root.is_committed(layout.round_dir(round_index))
+                and self.root.exists(layout.eval_file(round_index + 1)) and rerouted)
+
     def finished(self, until_round: int) -> bool:
-        """Every round of the plan committed and evaluated (and re-routed, if the plan reaches
+        """Every round of the plan finished (and re-routed, if the plan reaches
         router.discriminative_after): islands may leave."""
-        return until_round == 0 or (self.root.is_committed(layout.round_dir(until_round - 1))
-                                    and self.root.exists(layout.eval_file(until_round))
-                                    and not self.reroute_pending(until_round))
+        return until_round == 0 or (self.round_finished(until_round - 1) and not self.reroute_pending(until_round))
 
     def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
         """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler."""
