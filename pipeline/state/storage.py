@@ -201,23 +201,33 @@ class RunRoot:
         self._replace(rel, lambda handle: handle.write(data))
 
     def _replace(self, rel: str, fill: Callable[[IO[bytes]], Any]) -> str:
-        """Fill a temporary file, make it durable and rename it over `rel`; returns the full path.
-        A failed write leaves the old file (or none) and raises StorageError naming the file,
-        never a half-written one."""
-        final = self.path(rel)
-        _fault_point(final)
-        tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+        """Fill a temporary file, make it durable and rename it over `rel`; returns the full path."""
+
+        def make(tmp: str) -> None:
             if self.is_local:
                 with open(tmp, "wb") as handle:
                     fill(handle)
                     handle.flush()
                     os.fsync(handle.fileno())
-                os.replace(tmp, final)
             else:
                 with self.fs.open(tmp, "wb") as handle:
                     fill(handle)
+
+        return self._put(rel, make)
+
+    def _put(self, rel: str, make: Callable[[str], Any]) -> str:
+        """`make` a file at a temporary name, then rename it over `rel`; returns the full path.
+        A failure leaves the old file (or none) and raises StorageError naming the file, never a
+        half-written one."""
+        final = self.path(rel)
+        _fault_point(final)
+        tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+            make(tmp)
+            if self.is_local:
+                os.replace(tmp, final)
+            else:
                 self.fs.mv(tmp, final)
         except OSError as exc:
             self._discard(tmp)
@@ -332,16 +342,11 @@ class RunRoot:
         record = self.marker(rel_dir)["files"].get(name)
         if self.is_local and isinstance(record, dict):
             self._refuse_link(rel_dir, name)
-            final = self.path(rel)
-            _fault_point(final)
-            tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
             try:
-                self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
-                os.link(self.path(rel_dir, name), tmp)
-                os.replace(tmp, final)
+                self._put(rel, lambda tmp: os.link(self.path(rel_dir, name), tmp))
                 return record
-            except OSError:  # a filesystem without hard links: copy it
-                self._discard(tmp)
+            except StorageError:  # a filesystem without hard links: copy it (a real failure recurs there)
+                pass
         self.write_bytes(rel, self.read_committed(rel_dir, name))
         return None
 
