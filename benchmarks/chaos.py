@@ -40,6 +40,7 @@ from models.grid import all_path_ids
 from pipeline import stages
 from pipeline.core.config import Config, load_config
 from pipeline.islands.task_queue import LEASES, TaskQueue, write_plan
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.shards import shard_table, write_shard_file
 from pipeline.state.storage import RunRoot
@@ -144,7 +145,7 @@ def run_once(args: argparse.Namespace, name: str, faults: bool) -> dict:
     logs = OUT / f"{name}-logs"
     logs.mkdir(parents=True, exist_ok=True)
     config = chaos_config(run_root, args)
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     synthetic_shards(root, config.model.grid, args.docs_per_path)
     write_plan(root, config.train.rounds)
     queue = TaskQueue(root, config)

@@ -17,6 +17,7 @@ import json
 import re
 
 from pipeline.core.config import load_config
+from pipeline.run import Run
 from pipeline.stages import summarize
 
 PROMPTS = [
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     continuations = model.predict(PROMPTS, params={"max_new_tokens": NEW_TOKENS})
     known = training_words(config.data.train)
     words = [w for text in continuations for w in continuation_words(text)]
-    evals = summarize(config)["eval"]
+    evals = summarize(Run(config))["eval"]
     last = evals[max(evals)]
     result = {
         "bits_per_byte": last.get("bits_per_byte"),

@@ -40,6 +40,7 @@ from pipeline import stages
 from pipeline.core.config import Config, config_from_dict
 from pipeline.train.distributed import free_port, set_runtime_env
 from pipeline.outer.merge import merge_round
+from pipeline.run import Run
 from pipeline.state.module_store import load_path_modules
 from pipeline.state.storage import RunRoot
 
@@ -170,6 +171,7 @@ def timed_merge(root: RunRoot, config: Config, round_index: int) -> float:
     """One merge from scratch, as a round meets it: round r+1's outputs do not exist yet (the
     plain I/O baseline writes new files too; overwriting costs an unlink per file)."""
     root.remove(f"{layout.round_dir(round_index)}/_SUCCESS")  # make the committed merge run again
+    root.remove(layout.merged_dir(round_index))  # each module's merge too
     root.remove(layout.modules_dir(round_index + 1))
     root.remove(layout.outer_state_dir(round_index + 1))
     start = time.perf_counter()
@@ -197,11 +199,27 @@ def hash_speeds(paths: list[Path]) -> dict:
 
 
 def merge_profile(root: RunRoot, config: Config, round_index: int) -> list[dict]:
-    """Where one merge spends its time: the functions with the most cumulative seconds."""
+    """Where one merge spends its time: the functions with the most cumulative seconds, on the
+    thread that runs merge_round and on the threads that merge its modules (each merge_module
+    call profiled on its own thread: cProfile sees one thread only)."""
+    from pipeline.outer import merge
+
     root.remove(f"{layout.round_dir(round_index)}/_SUCCESS")
-    profiler = cProfile.Profile()
-    profiler.runcall(merge_round, config, round_index)
-    stats = pstats.Stats(profiler)
+    for rel in (layout.merged_dir(round_index), layout.modules_dir(round_index + 1), layout.outer_state_dir(round_index + 1)):
+        root.remove(rel)  # every module merged again, as in timed_merge
+    profiler, module_profilers = cProfile.Profile(), []
+    merge_module = merge.merge_module
+
+    def profiled(*args, **kwargs):
+        module_profilers.append(cProfile.Profile())
+        return module_profilers[-1].runcall(merge_module, *args, **kwargs)
+
+    merge.merge_module = profiled  # merge_round looks the name up at each call
+    try:
+        profiler.runcall(merge_round, config, round_index)
+    finally:
+        merge.merge_module = merge_module
+    stats = pstats.Stats(profiler, *module_profilers)
     wanted = ("crc32", "fsync", "map_io", "read_committed", "decode", "encode", "outer_gradient", "outer_step",
               "write_bytes", "commit", "load_modules", "write_states", "split_path_state", "_file_record",
               "module_grad", "read_state", "write_state", "read_bytes", "st_save", "save", "load")
@@ -220,7 +238,7 @@ def merge_vs_io(args: argparse.Namespace) -> dict:
     run_root = OUT / "merge"
     shutil.rmtree(run_root, ignore_errors=True)
     config = merge_config(args, run_root)
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     fake_round(root, config, 0)
     merge_round(config, 0)
     fake_round(root, config, 1)

@@ -73,6 +73,7 @@ import numpy as np
 from pipeline import stages
 from pipeline.core.config import Config, RouterConfig, config_from_dict
 from pipeline.evaluation.evaluate import evaluate_round
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
@@ -224,11 +225,12 @@ def prepare_all(args: QualityArgs, rows: list[Variant], eval_glob: str) -> dict[
         prep_root = Path(args.out) / f"prep-{v.prep_key}"
         shutil.rmtree(prep_root, ignore_errors=True)  # another run's sizes would not match; and honest timings
         config = variant_config(args, dataclasses.replace(v, discriminative=False), str(prep_root), eval_glob)
-        root = stages.init_run(config)
+        run = Run(config)
+        root = stages.init_run(run)
         if tokenizer_root:
             copy_committed(root, tokenizer_root, (layout.TOKENIZER_DIR,))
         start = time.perf_counter()
-        manifest = stages.prepare(config)
+        manifest = stages.prepare(run)
         tokenizer_root = tokenizer_root or config.run_root
         preps[v.prep_key] = {"root": config.run_root, "seconds": time.perf_counter() - start, "manifest": manifest}
         log.info("prepare %s: %.0f s", v.prep_key, preps[v.prep_key]["seconds"])
@@ -249,10 +251,11 @@ def run_variant(args: QualityArgs, v: Variant, prep: dict, eval_glob: str) -> di
     run_root = Path(args.out) / v.run_name
     shutil.rmtree(run_root, ignore_errors=True)  # timings are only honest from a clean start
     config = variant_config(args, v, str(run_root), eval_glob)
-    root = stages.init_run(config)
+    run = Run(config)
+    root = stages.init_run(run)
     copy_committed(root, prep["root"], (layout.TOKENIZER_DIR, layout.ROUTER_DIR, layout.SHARDS_DIR))
     start = time.time()
-    stages.run(config)
+    stages.run(run)
     seconds = time.time() - start
     evals = read_curve(root, config, v, start)
     result = {

@@ -185,8 +185,8 @@ def render(result: dict, command: str) -> str:
         lines += [f"## Performance ({title})", "", *perf_table(result["perf"]), ""]
         lines += zero_cost_table(result["perf"])
         prof = result["perf"]["merge"]["profile"]
-        lines += ["Merge profile (cProfile of the merging thread, cumulative seconds; the reads and writes on the I/O "
-                  "threads overlap it and are not in it):", "",
+        lines += ["Merge profile (cProfile of the merging threads: merge_round's and each module's merge_module; "
+                  "cumulative seconds; the reads on the I/O threads overlap them and are not in it):", "",
                   "| function | s |", "|---|---|", *[f"| `{r['function']}` | {r['seconds']} |" for r in prof], ""]
     if "quality" in result:
         when = result["quality"].get("carried_over_from")

@@ -25,7 +25,6 @@ from pipeline.core.config import load_config
 from pipeline.core.errors import DipacoError, IslandError, StorageError
 from pipeline.islands import processes
 from pipeline.tracking.report import format_summary
-from pipeline.state.storage import RunRoot
 
 ROUNDS = """\
 rounds: round R trains every path from the modules of round R, and `merge --round R` turns the
@@ -180,26 +179,27 @@ def dispatch(args: argparse.Namespace) -> dict | None:
     config = load_config(args.config, args.overrides)
     check(args, config)
     from pipeline import stages  # torch and DeepSpeed load here, once the arguments are known good
+    from pipeline.run import Run
 
+    run = Run(config)
     if args.command == "run":
-        return stages.run(config)
+        return stages.run(run)
     if args.command == "island":
-        return stages.join_run(config, args.name)
+        return stages.join_run(run, args.name)
     if args.command == "clean":
-        return stages.clean(config, args.keep_registry)
-    stages.init_run(config)
+        return stages.clean(run, args.keep_registry)
+    stages.init_run(run)
     if args.command == "prepare":
-        return stages.prepare(config)
+        return stages.prepare(run)
     if args.command == "train-path":
-        metrics = stages.train_path(config, args.round, args.path)
+        metrics = stages.train_path(run, args.round, args.path)
         if metrics is None:
-            attempts = RunRoot(config.run_root).path(layout.attempts_dir(args.round, args.path))
+            attempts = run.root.path(layout.attempts_dir(args.round, args.path))
             raise RuntimeError(f"path {args.path} round {args.round}: every attempt failed (records in {attempts})")
         return {k: metrics[k] for k in ("round", "path", "tokens", "tokens_per_s", "seconds")} | {"final_loss": metrics["loss"][-1]}
     if args.command == "merge":
-        return stages.merge(config, args.round)
-    round_index = stages.next_round(config) if args.round is None else args.round
-    return stages.evaluate(config, round_index)
+        return stages.merge(run, args.round)
+    return stages.evaluate(run, layout.next_round(run.root) if args.round is None else args.round)
 
 
 class Interrupted(KeyboardInterrupt):

@@ -15,6 +15,7 @@ from pipeline import stages
 from pipeline.cli import main
 from pipeline.core.config import config_from_dict, load_config
 from pipeline.core.errors import ConfigError
+from pipeline.run import Run
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 
@@ -92,7 +93,7 @@ def test_a_path_id_outside_the_grid_is_refused(tmp_path, capsys):
 def test_overrides_parse_as_yaml_and_run_yaml_round_trips(run_root):
     config = tiny_config(run_root, "model.grid=[2, 3]", "model.blocks_per_level=[1, 2]", "outer.nesterov=false")
     assert config.model.grid == [2, 3] and config.outer.nesterov is False and config.n_paths == 6
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     again = config_from_dict(yaml.safe_load(root.read_bytes(layout.RUN_CONFIG)))
     assert again.to_dict() == config.to_dict()
     assert root.is_committed(layout.modules_dir(0))
@@ -100,9 +101,9 @@ def test_overrides_parse_as_yaml_and_run_yaml_round_trips(run_root):
 
 
 def test_a_run_root_refuses_a_config_that_changes_the_model(run_root):
-    stages.init_run(tiny_config(run_root))
+    stages.init_run(Run(tiny_config(run_root)))
     with pytest.raises(ConfigError, match="model differs"):
-        stages.init_run(tiny_config(run_root, "model.hidden_size=64"))
+        stages.init_run(Run(tiny_config(run_root, "model.hidden_size=64")))
 
 
 def test_the_installed_console_script_exits_2_without_a_traceback(tmp_path):
@@ -160,7 +161,7 @@ def test_a_refused_command_writes_nothing(args, why, tmp_path, capsys):
 
 def test_a_refused_argument_leaves_an_existing_run_root_unchanged(run_root, capsys):
     config = tiny_config(run_root)
-    write_synthetic_shards(stages.init_run(config), config.model.grid)
+    write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
     before = files_under(run_root)
     base = ["--config", TINY, "--set", f"run_root={run_root}", "--set", "model.tokenizer=gpt2",
             "--set", "model.vocab_size=256", "--set", "train.launcher=inprocess", "--set", "train.inner_steps=9"]  # would rewrite run.yaml
@@ -197,7 +198,7 @@ def test_a_path_jobs_input_error_is_not_retried_and_reaches_the_caller(launcher,
     from pipeline.islands.launch import train_path_job
 
     config = tiny_config(run_root, "train.max_attempts=3", f"train.launcher={launcher}")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid, docs_per_path={"p0-0": 0, "p0-1": 8, "p1-0": 8, "p1-1": 8})
     with pytest.raises(InputError, match=r"path p0-0 round 0: .*path=p0-0: too few tokens for one row"):
         train_path_job(config, 0, "p0-0")

@@ -17,7 +17,8 @@ from pipeline import stages
 from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.outer import compression
-from pipeline.outer.merge import finish_round, merge_module, merge_round, read_path_levels
+from pipeline.outer.merge import merge_round, read_outer_gradient, read_path_levels
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.module_store import load_modules
 from pipeline.state.storage import RunRoot
@@ -79,7 +80,7 @@ def test_a_private_module_stays_lossless_under_compression(run_root):
     """Path-specific blocks never leave their island: no gradient file is written for them, and the
     merge carries each path's trained private module over bitwise, while shared modules are int4."""
     config = tiny_config(run_root, *SETS, "model.path_specific_blocks=1", "outer.compression=int4")
-    root, shape = stages.init_run(config), ModelShape.from_config(config.model)
+    root, shape = stages.init_run(Run(config)), ModelShape.from_config(config.model)
     write_synthetic_shards(root, config.model.grid)
     for path_id in stages.list_paths(config):
         train_path(config, 0, path_id)
@@ -100,7 +101,7 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     for kind in ("none", "bf16", "int8", "int4"):
         run = tmp_path_factory.mktemp(kind) / "run"
         config = tiny_config(run, *SETS, f"outer.compression={kind}")
-        write_synthetic_shards(stages.init_run(config), config.model.grid)
+        write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
         for path_id in stages.list_paths(config):
             train_path(config, 0, path_id)
         roots[kind] = run
@@ -148,19 +149,19 @@ def test_a_compressed_merge_is_close_to_the_uncompressed_one_and_sends_fewer_byt
     assert report["bytes_outer"] / reference["bytes_outer"] < data_ratio * 1.4  # headers weigh on a tiny model
 
 
-def test_whole_round_merge_is_bitwise_the_per_module_merge_with_compression(trained, tmp_path):
-    whole, parts = _copy(trained, "int4", tmp_path / "whole"), _copy(trained, "int4", tmp_path / "parts")
-    merge_round(whole, 0)
-    for key in reversed(all_modules(parts.model.grid)):
-        merge_module(parts, 0, key)
-    finish_round(parts, 0)
-    a, b = _round_files(tmp_path / "whole"), _round_files(tmp_path / "parts")
-    assert a == b and len(a) == 2 * len(all_modules(parts.model.grid))
-    reports = [RunRoot(c.run_root).read_json(f"{layout.round_dir(0)}/merge.json") for c in (whole, parts)]
-    assert [{k: v for k, v in r.items() if k != "seconds"} for r in reports][0] == \
-        {k: v for k, v in reports[1].items() if k != "seconds"}
-
-
-def _round_files(run: Path) -> dict[str, bytes]:
-    """Round 1's module and momentum files, by name."""
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted((run / "rounds" / "round=1").rglob("*.safetensors"))}
+def test_a_compressed_merge_takes_the_outer_step_on_the_decoded_gradients(trained, tmp_path):
+    """g_m = sum_p alpha_p * decode(delta_p), then the first Nesterov step (buffer = g):
+    theta - lr * (g + momentum * g), computed here from the gradient files the paths wrote."""
+    config = _copy(trained, "int4", tmp_path / "int4")
+    root, shape = RunRoot(config.run_root), ModelShape.from_config(config.model)
+    report = merge_round(config, 0)
+    keys = all_modules(config.model.grid)
+    before, after = load_modules(root, 0, keys), load_modules(root, 1, keys)
+    lr, momentum = config.outer.lr, config.outer.momentum
+    for key in keys:
+        through = report["module_paths"][str(key)]
+        tokens = [report["tokens"][p] for p in through]
+        deltas = [read_outer_gradient(root, shape, 0, p, key.level) for p in through]
+        for name, theta in before[key].items():
+            grad = sum(t / sum(tokens) * delta[name] for t, delta in zip(tokens, deltas))
+            torch.testing.assert_close(after[key][name], theta - lr * (grad + momentum * grad), rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ from pipeline import stages
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError
 from pipeline.islands.island import run_task
 from pipeline.islands.task_queue import Task, TaskQueue
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.shards import read_path_doc_ids
 from pipeline.state.storage import RunRoot
@@ -111,7 +112,7 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
     config = tiny_config(run, "router.discriminative_after=0", "train.rounds=2", "train.inner_steps=2",
                          "model.tokenizer=bpe", "model.vocab_size=512", "data.max_docs=48")
     torch.set_num_threads(1)  # the in-process island, sized to one core
-    stages.run(config, rounds=1)  # round 0, then the re-routing: the plan reaches round R
+    stages.run(Run(config), rounds=1)  # round 0, then the re-routing: the plan reaches round R
     assert torch.get_num_threads() == 1  # the re-sharding Beam job's embedder left it as it was
     root = RunRoot(config.run_root)
     new = layout.reroute_routing(1)
@@ -127,7 +128,7 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
     assert "reroute.r0" in waiting and not any(n.startswith("train.r1") for n in waiting)
     assert {f"train.r1.{p}" for p in all_path_ids([2, 2])} <= {t.name for t in TaskQueue(root, config).ready(2)}
 
-    summary = stages.run(config)
+    summary = stages.run(Run(config))
     assert summary["rounds_committed"] == 2
     router = Router.load(root, directory=new.router)
     assert isinstance(router, DiscriminativeRouter) and router.header["after_round"] == 0
@@ -164,8 +165,8 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
 
     stamps = _stamps(run)
     attempts = sorted(p.name for p in (run / "queue" / "leases" / "reroute.r0").iterdir())
-    stages.run(config)  # nothing left to do
-    assert stages.reroute(config, 0) == report
+    stages.run(Run(config))  # nothing left to do
+    assert stages.reroute(Run(config), 0) == report
     assert _stamps(run) == stamps  # nothing recomputed once committed
     assert sorted(p.name for p in (run / "queue" / "leases" / "reroute.r0").iterdir()) == attempts == ["attempt-1.json"]
 

@@ -13,6 +13,7 @@ from conftest import tiny_config
 from pipeline import stages
 from pipeline.evaluation import evaluate
 from pipeline.evaluation.early_stopping import BEST_FILE, choose_rounds, early_stopped, write_best
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
@@ -111,7 +112,7 @@ def test_a_run_registers_the_early_stopped_model_as_champion(tmp_path, monkeypat
                               "train.inner_steps=2",
                               "eval.early_stopping=true", "mlflow.experiment=test-early-stopping",
                               "mlflow.registered_model=dipaco-es")
-    summary = stages.run(config)
+    summary = stages.run(Run(config))
     root = RunRoot(config.run_root)
 
     best = root.read_json(BEST_FILE)

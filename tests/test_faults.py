@@ -23,6 +23,7 @@ from pipeline import stages
 from pipeline.train.distributed import child_env
 from pipeline.core.errors import CorruptStateError, StorageError
 from pipeline.outer.merge import merge_round
+from pipeline.run import Run
 from pipeline.state.module_store import load_modules
 from pipeline.state.storage import RunRoot
 from pipeline.train.train_path import CKPT, train_path
@@ -74,7 +75,7 @@ def test_a_path_killed_mid_round_is_retried_or_left_out_and_trained_again_next_r
     launched = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]", "train.launcher=deepspeed",
                            "train.inner_steps=60", "train.max_attempts=2", "train.rounds=3")
     inprocess = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]", "train.inner_steps=60", "train.rounds=3")
-    root = stages.init_run(launched)
+    root = stages.init_run(Run(launched))
     write_synthetic_shards(root, [2])
     logger = logging.getLogger("dipaco.launch")
     logger.setLevel(logging.INFO)
@@ -84,7 +85,7 @@ def test_a_path_killed_mid_round_is_retried_or_left_out_and_trained_again_next_r
     killer = KillAtStep("p0", kills=1)
     logger.addHandler(killer)
     try:
-        metrics = stages.train_path(launched, 0, "p0")
+        metrics = stages.train_path(Run(launched), 0, "p0")
     finally:
         logger.removeHandler(killer)
     assert killer.killed_at, "the trainer was never killed"
@@ -98,7 +99,7 @@ def test_a_path_killed_mid_round_is_retried_or_left_out_and_trained_again_next_r
     killer = KillAtStep("p0", kills=1)
     logger.addHandler(killer)
     try:
-        assert stages.train_path(replace(launched, train=replace(launched.train, max_attempts=1)), 1, "p0") is None
+        assert stages.train_path(Run(replace(launched, train=replace(launched.train, max_attempts=1))), 1, "p0") is None
     finally:
         logger.removeHandler(killer)
     assert not root.is_committed(layout.path_dir(1, "p0"))  # whatever it wrote is never read
@@ -113,18 +114,20 @@ def test_a_path_killed_mid_round_is_retried_or_left_out_and_trained_again_next_r
     assert again["resumed_inner_state_from"] == 0
 
 
-MERGE_WRITES = 11  # run.yaml, 3 modules + marker, 3 buffers + marker, merge.json + round marker
+# run.yaml; each of 3 modules merged on its own (module, buffer, marker); gathered into round 1
+# (3 modules and 3 buffers linked, 2 markers); merge.json and the round's marker.
+MERGE_WRITES = 20
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression,points", [("none", (2, 4, 6, 9, MERGE_WRITES)), ("int4", (3, 7, MERGE_WRITES))])
+@pytest.mark.parametrize("compression,points", [("none", (2, 5, 10, 13, 18, MERGE_WRITES)), ("int4", (4, 12, MERGE_WRITES))])
 def test_merge_killed_at_several_points_reruns_to_bitwise_identical_files(tmp_path, compression, points):
     """kill -9 of `dipaco merge` before its Nth write; the rerun writes the reference's bytes, also
     when the merge reads compressed outer gradients (outer.compression)."""
     sets = ["model.grid=[2, 1]", f"outer.compression={compression}"]
     base = tmp_path / "base"
     config = tiny_config(base, *sets, "train.inner_steps=2", "train.lr=0.01")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     for path_id in stages.list_paths(config):
         train_path(config, 0, path_id)
@@ -152,7 +155,7 @@ def _merge_outputs(run: Path) -> list[str]:
 
 def test_a_second_run_is_refused_and_a_killed_holder_leaves_no_stale_lock(run_root):
     config = tiny_config(run_root)
-    stages.init_run(config)
+    stages.init_run(Run(config))
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from pipeline.state.lock import run_lock; from pipeline.state.storage import RunRoot\n"
         f"with run_lock(RunRoot({str(run_root)!r})):\n    print('held', flush=True); time.sleep(120)")],
@@ -184,7 +187,7 @@ def _corrupt(path: Path, how: str) -> None:
 @pytest.mark.parametrize("how", ["flip", "truncate", "swap"])
 def test_a_corrupted_module_file_is_refused_by_name_never_loaded(how, run_root):
     config = tiny_config(run_root, "model.grid=[2, 1]")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     target = run_root / layout.modules_dir(0) / "level=0" / "module=0.safetensors"
     _corrupt(target, how)
     with pytest.raises(CorruptStateError, match="level=0/module=0.safetensors"):
@@ -201,7 +204,7 @@ def test_a_corrupted_module_file_is_refused_by_name_never_loaded(how, run_root):
 
 def test_a_corrupted_path_output_stops_the_merge_naming_the_file(run_root):
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     train_path(config, 0, "p0")
     _corrupt(run_root / layout.path_dir(0, "p0") / "model.safetensors", "flip")
@@ -213,7 +216,7 @@ def test_a_corrupted_path_output_stops_the_merge_naming_the_file(run_root):
 
 def test_a_corrupted_inner_state_is_not_loaded_and_the_path_still_trains(run_root, caplog):
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     train_path(config, 0, "p0")
     merge_round(config, 0)
@@ -227,7 +230,7 @@ def test_a_corrupted_inner_state_is_not_loaded_and_the_path_still_trains(run_roo
 
 def test_unsafe_names_in_a_commit_record_are_refused(run_root):
     config = tiny_config(run_root)
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     marker = root.read_json("shards/_SUCCESS")
     marker["files"]["path=p0-0/../../../../etc/passwd"] = {"sha256": "0", "bytes": 1}
@@ -250,7 +253,7 @@ def test_disk_full_during_a_merge_is_a_clear_error_and_the_previous_round_stays_
         pytest.skip("cannot mount a small tmpfs here (needs root); test_storage covers the write-error path with a kernel file-size limit")
     try:
         config = tiny_config(mount / "run", "model.grid=[2, 1]", "train.inner_steps=1")
-        root = stages.init_run(config)
+        root = stages.init_run(Run(config))
         write_synthetic_shards(root, config.model.grid)
         for path_id in stages.list_paths(config):
             train_path(config, 0, path_id)

@@ -33,7 +33,7 @@ from pipeline.core.errors import DipacoError
 from pipeline.islands.launch import read_metrics
 from pipeline.state.lock import _heartbeat_lock
 from pipeline.state.module_store import decode, encode
-from pipeline.stages import read_eval
+from pipeline.tracking.report import read_eval
 from pipeline.state.storage import RunRoot
 from pipeline.routing.router import Router
 from preprocessing import c4

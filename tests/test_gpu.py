@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_config, write_synthetic_shards
 from pipeline import stages
 from pipeline.islands.launch import train_path_job
+from pipeline.run import Run
 from pipeline.state import layout
 
 pytestmark = [pytest.mark.gpu,
@@ -21,7 +22,7 @@ def test_a_tiny_path_trains_on_cuda_in_the_precision_auto_picks(run_root, monkey
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[2]", "model.hidden_size=64",
                          "train.launcher=deepspeed", "train.procs_per_path=1", "train.inner_steps=20",
                          "train.lr=0.003", "train.precision=auto", f"train.ds_config=ds_configs/zero{stage}.json")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     metrics = train_path_job(config, 0, "p0")
     assert metrics is not None, f"launch failed: {root.path(layout.attempts_dir(0, 'p0'))}"

@@ -22,6 +22,7 @@ from pipeline.core.errors import ConfigError, CorruptStateError
 from pipeline.islands.launch import read_metrics
 from pipeline.state.lock import _heartbeat_lock
 from pipeline.outer.merge import committed_paths, merge_round
+from pipeline.run import Run
 from pipeline.state.module_store import decode, encode, init_modules, load_path_model
 from pipeline.state.storage import RunRoot
 from pipeline.routing.router import Router
@@ -396,7 +397,7 @@ def test_a_hostile_eval_file_and_lock_are_refused_naming_them(run_root):
     root.write_json(layout.eval_file(0), {"perplexity": "low", "paths": {}})
     root.write_bytes("eval/round=x.json", b"{}")  # not an eval file: ignored, not an int() crash
     with pytest.raises(CorruptStateError, match=r"eval/round=0.json: perplexity"):
-        stages.summarize(config)
+        stages.summarize(Run(config))
     root.write_json(layout.LOCK, {"heartbeat": "soon", "pad": "x" * 100_000})
     with pytest.raises(CorruptStateError) as error, _heartbeat_lock(root):
         pass
@@ -411,7 +412,7 @@ def test_an_oversized_run_yaml_is_refused_after_reading_only_the_bound(tmp_path)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / layout.RUN_CONFIG).write_bytes(b"#" * (MAX_CONFIG_BYTES + 1))
     with pytest.raises(CorruptStateError, match=f"run.yaml: larger than {MAX_CONFIG_BYTES:,} bytes"):
-        stages.init_run(config)
+        stages.init_run(Run(config))
 
 
 def test_the_router_sample_keeps_a_bounded_start_of_each_document():

@@ -14,6 +14,7 @@ from conftest import REPO, tiny_config, write_synthetic_shards
 from pipeline import stages
 from pipeline.islands import processes
 from pipeline.islands.task_queue import Task, TaskQueue
+from pipeline.run import Run
 from pipeline.state.storage import RunRoot
 
 
@@ -65,7 +66,7 @@ def test_ctrl_c_then_sigterm_on_dipaco_run_stop_every_island_process_and_release
     sets = [f"run_root={run_root}", "model.tokenizer=gpt2", "model.vocab_size=256", "train.launcher=deepspeed", "train.islands=2",
             "train.rounds=1", "train.inner_steps=100000", "mlflow.enabled=false"]
     config = tiny_config(run_root, *sets)
-    write_synthetic_shards(stages.init_run(config), config.model.grid)
+    write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
     command = [sys.executable, "-m", "pipeline.cli", "run", "--config", "configs/tiny.yaml"]
     command += [arg for s in sets for arg in ("--set", s)]
     queue = TaskQueue(RunRoot(config.run_root), config)
@@ -88,16 +89,16 @@ def test_ctrl_c_then_sigterm_on_dipaco_run_stop_every_island_process_and_release
 def test_a_resumed_runs_utilisation_is_within_0_05_of_an_uninterrupted_runs(tmp_path):
     """Utilisation counts the time islands ran (their lifetimes), not the pause before a resume."""
     warm = tiny_config(tmp_path / "warm", "train.rounds=1", "train.inner_steps=2")
-    write_synthetic_shards(stages.init_run(warm), warm.model.grid)
-    stages.run(warm)  # this process's first engine and imports (about 1 s) would count for the first run only
+    write_synthetic_shards(stages.init_run(Run(warm)), warm.model.grid)
+    stages.run(Run(warm))  # this process's first engine and imports (about 1 s) would count for the first run only
     figures = {}
     for name, plan in (("straight", [2]), ("resumed", [1, 2])):
         for rounds in plan:
             # 150 steps a task: the resume's second island start (~0.3 s) is ~1.5 % of the islands' time
             config = tiny_config(tmp_path / name, f"train.rounds={rounds}", "train.inner_steps=150")
             if rounds == plan[0]:
-                write_synthetic_shards(stages.init_run(config), config.model.grid)
-            summary = stages.run(config)
+                write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
+            summary = stages.run(Run(config))
             if rounds != plan[-1]:
                 time.sleep(4)  # the pause between the stopped run and its resume
         figures[name] = summary["utilisation"]
@@ -110,14 +111,14 @@ def test_a_resumed_runs_utilisation_is_within_0_05_of_an_uninterrupted_runs(tmp_
 
 def test_sigterm_to_an_airflow_island_task_unwinds_it_so_its_launch_is_stopped():
     """Airflow 3's task runner only calls on_kill on SIGTERM (then SIGKILLs the task later): inside
-    stages.run_island SIGTERM must raise, so the island launch is stopped and its lease released."""
+    supervisor.run_island SIGTERM must raise, so the island launch is stopped and its lease released."""
     script = (
         "import signal, time\n"
-        "from pipeline import stages\n"
+        "from pipeline.islands import supervisor\n"
         "calls = []\n"
         "signal.signal(signal.SIGTERM, lambda s, f: calls.append(s))  # like Airflow's: on_kill, no raise\n"
         "try:\n"
-        "    with stages.sigterm_raises():\n"
+        "    with supervisor.sigterm_raises():\n"
         "        print('ready', flush=True)\n"
         "        time.sleep(60)\n"
         "except SystemExit as exc:\n"

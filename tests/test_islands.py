@@ -1,9 +1,8 @@
 """Islands: long-lived trainers pulling tasks from the run root's queue, leases that expire,
-per-module merges as paths arrive (bitwise the whole-round merge), utilisation, SIGTERM."""
+per-module merges as paths arrive (tests/test_merge.py checks their numbers), utilisation, SIGTERM."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,24 +11,22 @@ import time
 import pytest
 
 from conftest import REPO, tiny_config, wait_for, write_synthetic_shards
-from models.grid import ModuleKey, all_modules
+from models.grid import ModuleKey
 from pipeline.state import layout
 from pipeline import stages
-from pipeline.outer.merge import finish_round, merge_module, merge_round
+from pipeline.outer.merge import merge_module
 from pipeline.state.storage import RunRoot
+from pipeline.core.errors import InputError, IslandError
+from pipeline.islands import supervisor
+from pipeline.islands.attempts import Attempts
 from pipeline.islands.task_queue import Task, TaskQueue, write_plan
+from pipeline.run import Run
 from pipeline.train.train_path import train_path
-
-
-def _files(run, round_index: int) -> dict[str, bytes]:
-    base = run / "rounds" / f"round={round_index}"
-    return {str(p.relative_to(base)): p.read_bytes() for d in ("modules", "outer_state")
-            for p in sorted((base / d).rglob("*.safetensors"))}
 
 
 def test_a_claim_is_exclusive_and_a_dead_holders_lease_expires(run_root):
     config = tiny_config(run_root, "train.lease_seconds=0.4")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     a, b = TaskQueue(root, config), TaskQueue(root, config)
     task = Task.of("train", 0, "p0-0")
     held = a.claim(task, "island-a")
@@ -56,7 +53,7 @@ def test_a_claim_is_exclusive_and_a_dead_holders_lease_expires(run_root):
 
 def test_a_lease_holder_that_was_superseded_learns_it_lost(run_root):
     config = tiny_config(run_root, "train.lease_seconds=0.2")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     queue = TaskQueue(root, config)
     task = Task.of("train", 0, "p0-0")
     lease = queue.claim(task, "slow")
@@ -69,22 +66,59 @@ def test_a_lease_holder_that_was_superseded_learns_it_lost(run_root):
 
 def test_a_task_that_failed_max_attempts_times_is_given_up_and_the_round_merges_without_it(run_root):
     config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=2", "train.max_attempts=2")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     queue = TaskQueue(root, config)
     task = Task.of("train", 0, "p0-0")
     for island in ("crashed-1", "crashed-2"):
         queue.claim(task, island).finish("failed", error="killed")
     assert queue.given_up(task) and queue.claim(task, "island-0") is None
-    stages.run(config)
+    stages.run(Run(config))
     report = root.read_json(f"{layout.round_dir(0)}/merge.json")
     assert report["paths_left_out"] == ["p0-0"] and "p0-0" not in report["paths_merged"]
     assert not root.is_committed(layout.path_dir(0, "p0-0"))
 
 
+def test_train_max_attempts_counts_failed_tasks_and_launches_and_one_more_for_islands(run_root):
+    config = tiny_config(run_root, "train.max_attempts=2")
+    tasks, islands = Attempts.of_tasks(config.train), Attempts.of_islands(config.train)
+    assert [tasks.may_try_again(n) for n in (0, 1, 2)] == [True, True, False]
+    assert [islands.may_try_again(n) for n in (1, 2, 3)] == [True, True, False]  # outlives a task's last failure
+    assert not tasks.may_try_again(0, input_error=True) and not islands.may_try_again(0, input_error=True)
+
+
+@pytest.mark.parametrize("returncode,error,launches", [(1, IslandError, 3), (2, InputError, 1)])
+def test_a_crashing_island_is_started_again_while_its_attempts_allow_then_the_run_fails(
+        run_root, monkeypatch, returncode, error, launches):
+    """train.max_attempts=2: an island that keeps crashing is launched 3 times (two restarts),
+    its running attempt failed each time; a config or input error (status 2) is not retried."""
+    config = tiny_config(run_root, "train.launcher=deepspeed", "train.islands=1", "train.max_attempts=2")
+    root = stages.init_run(Run(config))
+    started = []
+
+    class Crashed:  # what the supervisor sees of a `deepspeed` launch that exited
+        def __init__(self, config, name, ds_config=None):
+            self.island_id, self.tail = f"{name}-{len(started)}", ["dipaco island: boom"]
+            started.append(self)
+
+        def poll(self):
+            return returncode
+
+        def wait(self, timeout=None):
+            return returncode
+
+    monkeypatch.setattr(supervisor, "IslandProcess", Crashed)
+    lease = TaskQueue(root, config).claim(Task.of("train", 0, "p0-0"), "island-0", island_id="island-0-0")
+    with pytest.raises(error, match="island-0.*boom"):
+        supervisor.Supervisor(config, root).run(range(1), report=lambda r: None)
+    assert len(started) == launches
+    assert TaskQueue(root, config).attempts(Task.of("train", 0, "p0-0"))[0].record["state"] == "failed"
+    lease.finish("failed")
+
+
 def test_a_module_is_merged_as_soon_as_its_paths_are_in_and_round_1_starts_before_round_0_commits(run_root):
     config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=2")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 2)
     queue = TaskQueue(root, config)
@@ -102,31 +136,6 @@ def test_a_module_is_merged_as_soon_as_its_paths_are_in_and_round_1_starts_befor
     assert metrics["round"] == 1
 
 
-def test_merging_module_by_module_writes_bitwise_the_whole_round_merge(tmp_path):
-    config = tiny_config(tmp_path / "whole", "train.rounds=2", "train.inner_steps=2", "train.lr=0.01")
-    write_synthetic_shards(stages.init_run(config), config.model.grid)
-    for job in stages.list_paths(config):
-        train_path(config, 0, job)
-    shutil.copytree(tmp_path / "whole", tmp_path / "modules")
-    per_module = tiny_config(tmp_path / "modules", "train.rounds=2", "train.inner_steps=2", "train.lr=0.01")
-    for r in (0, 1):  # round 1 merges with the momentum round 0 left: both code paths read it
-        merge_round(config, r)
-        for key in reversed(all_modules(config.model.grid)):  # any order of arrival
-            merge_module(per_module, r, key)
-        finish_round(per_module, r)
-        assert _files(tmp_path / "whole", r + 1) == _files(tmp_path / "modules", r + 1)
-        assert len(_files(tmp_path / "whole", r + 1)) == 2 * len(all_modules(config.model.grid))
-        if r == 0:
-            for job in stages.list_paths(config):
-                train_path(config, 1, job)
-                shutil.rmtree(tmp_path / "modules" / layout.path_dir(1, job), ignore_errors=True)
-                shutil.copytree(tmp_path / "whole" / layout.path_dir(1, job), tmp_path / "modules" / layout.path_dir(1, job))
-    whole, parts = RunRoot(config.run_root), RunRoot(per_module.run_root)
-    a, b = whole.read_json(f"{layout.round_dir(1)}/merge.json"), parts.read_json(f"{layout.round_dir(1)}/merge.json")
-    assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
-    assert not parts.exists(layout.merged_dir(0))  # gathered into round 1, then removed with round 1
-
-
 def _island(run_root, name: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "pipeline.island_rank", "--run-root", str(run_root), "--island", name],
@@ -139,7 +148,7 @@ def _island(run_root, name: str) -> subprocess.Popen:
 @pytest.mark.slow  # ~40 s: three island processes
 def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root):
     config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=400", "train.max_attempts=1")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 1)
     queue = TaskQueue(root, config)
@@ -183,8 +192,8 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
 def test_two_deepspeed_islands_train_sixteen_paths_and_report_utilisation(run_root):
     config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=10", "train.launcher=deepspeed",
                          "train.islands=2", "train.parallel_paths=2", "model.grid=[4, 4]")  # 16 paths, 2 islands
-    write_synthetic_shards(stages.init_run(config), config.model.grid)
-    summary = stages.run(config)
+    write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
+    summary = stages.run(Run(config))
     root = RunRoot(config.run_root)
     assert summary["rounds_committed"] == 2 and sorted(summary["eval"]) == [0, 1, 2]
     by_island: dict[str, list[str]] = {}
@@ -212,7 +221,7 @@ def test_utilisation_is_logged_to_mlflow_by_round_and_printed(run_root):
 
     config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=3", "mlflow.enabled=true",
                          "model.vocab_size=50257")  # the real prepare: GPT-2 ids
-    summary = stages.run(config)  # prepares tests/data/c4 with Beam, trains on one in-process island
+    summary = stages.run(Run(config))  # prepares tests/data/c4 with Beam, trains on one in-process island
     use = summary["utilisation"]
     assert use["round"] == 1 and use["islands"] == 1 and 0 < use["utilisation"] <= 1
     assert f"compute utilisation {use['utilisation']:.2f} through round 1" in format_summary(summary)
@@ -227,10 +236,10 @@ def test_an_input_error_on_a_deepspeed_island_reaches_dipaco_run_in_one_line_wit
     from pipeline.core.errors import InputError
 
     config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=2", "train.launcher=deepspeed", "train.islands=1")
-    write_synthetic_shards(stages.init_run(config), config.model.grid,
+    write_synthetic_shards(stages.init_run(Run(config)), config.model.grid,
                            docs_per_path={"p0-0": 0, "p0-1": 8, "p1-0": 8, "p1-1": 8})
     with pytest.raises(InputError, match=r"island-0: .*shards/path=p0-0: too few tokens for one row"):
-        stages.run(config)
+        stages.run(Run(config))
     queue = TaskQueue(RunRoot(config.run_root), config)
     attempts = queue.attempts(Task.of("train", 0, "p0-0"))
     assert len(attempts) == 1 and attempts[0].record["state"] == "failed" and attempts[0].record["input_error"]
@@ -240,8 +249,8 @@ def test_an_input_error_on_a_deepspeed_island_reaches_dipaco_run_in_one_line_wit
 def test_an_island_of_two_ranks_trains_every_task_with_both(run_root):
     config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=3", "train.launcher=deepspeed",
                          "train.islands=1", "train.procs_per_path=2")
-    write_synthetic_shards(stages.init_run(config), config.model.grid)
-    summary = stages.run(config)  # rank 0 broadcasts each task; both ranks train, rank 0 merges
+    write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
+    summary = stages.run(Run(config))  # rank 0 broadcasts each task; both ranks train, rank 0 merges
     root = RunRoot(config.run_root)
     assert summary["rounds_committed"] == 1 and sorted(summary["eval"]) == [0, 1]
     for job in stages.list_paths(config):

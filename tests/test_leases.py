@@ -18,6 +18,7 @@ from pipeline import stages
 from pipeline.island_rank import reshard
 from pipeline.islands.island import Island
 from pipeline.islands.task_queue import CLOCK_OFFSET_ENV, Task, TaskQueue, write_plan
+from pipeline.run import Run
 from pipeline.state import layout, storage
 from pipeline.state.storage import RunRoot
 from pipeline.train.train_path import train_path
@@ -31,7 +32,7 @@ def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readab
     """The issue's wedge: two attempts of one train task both finish. The one whose lease expired
     publishes nothing; the round's path directory is exactly the other's, and it verifies."""
     config = tiny_config(run_root, *ONE_PATH, "train.inner_steps=2", "train.lease_seconds=0.3")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     a, b = TaskQueue(root, config), TaskQueue(root, config)
     task = Task.of("train", 0, "p0")
@@ -59,7 +60,7 @@ def _island(run_root, name: str, env: dict | None = None) -> subprocess.Popen:
 @pytest.mark.slow  # ~20 s: a real island process, stopped and resumed
 def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_finishes(run_root):
     config = tiny_config(run_root, *ONE_PATH, "train.inner_steps=300", "train.lease_seconds=1.0")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 1)
     queue, task = TaskQueue(root, config), Task.of("train", 0, "p0")
@@ -92,7 +93,7 @@ def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_fin
 def test_clock_skew_of_two_minutes_expires_no_live_holder_and_still_expires_a_dead_one(run_root, monkeypatch,
                                                                                         holder, reader):
     config = tiny_config(run_root, "train.lease_seconds=0.3")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     task = Task.of("train", 0, "p0-0")
     monkeypatch.setenv(CLOCK_OFFSET_ENV, str(holder))
     lease = TaskQueue(root, config).claim(task, "holder")
@@ -112,7 +113,7 @@ def test_clock_skew_of_two_minutes_expires_no_live_holder_and_still_expires_a_de
 
 def test_a_heartbeat_survives_three_storage_errors(run_root, caplog):
     config = tiny_config(run_root, "train.lease_seconds=0.4")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     task = Task.of("train", 0, "p0-0")
     lease = TaskQueue(root, config).claim(task, "holder")
     other = TaskQueue(root, config)
@@ -133,7 +134,7 @@ def test_a_heartbeat_survives_three_storage_errors(run_root, caplog):
 
 def test_a_heartbeat_gives_the_lease_up_after_lease_seconds_without_a_write(run_root):
     config = tiny_config(run_root, "train.lease_seconds=0.3")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     lease = TaskQueue(root, config).claim(Task.of("train", 0, "p0-0"), "holder")
     storage.inject_write_errors(1000, lease.rel)
     try:
@@ -147,7 +148,7 @@ def test_a_heartbeat_gives_the_lease_up_after_lease_seconds_without_a_write(run_
                                      '{"state": "running", "heartb'])
 def test_a_malformed_lease_record_counts_as_a_failed_attempt_with_one_warning(run_root, caplog, content):
     config = tiny_config(run_root, "train.lease_seconds=60", "train.max_attempts=2")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     task = Task.of("train", 0, "p0-0")
     rel = f"queue/leases/{task.name}/attempt-1.json"
     (run_root / rel).parent.mkdir(parents=True)
@@ -165,7 +166,7 @@ def test_a_malformed_lease_record_counts_as_a_failed_attempt_with_one_warning(ru
 
 def test_failing_an_islands_leases_never_touches_another_process_of_the_same_name(run_root):
     config = tiny_config(run_root)
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     queue = TaskQueue(root, config)
     dag = queue.claim(Task.of("train", 0, "p0-0"), "island-0", "island-0-dag")
     cli = queue.claim(Task.of("train", 0, "p0-1"), "island-0", "island-0-cli")
@@ -179,7 +180,7 @@ def test_failing_an_islands_leases_never_touches_another_process_of_the_same_nam
 def test_a_stragglers_task_is_completed_by_a_backup_attempt(run_root):
     config = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]", "train.rounds=1",
                          "train.inner_steps=3", "train.lease_seconds=0.4", "train.backup_after=1.5")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 1)
     queue = TaskQueue(root, config)
@@ -203,12 +204,12 @@ def test_an_attempt_killed_mid_task_resumes_from_its_checkpoint_with_the_identic
 
     sets = (*ONE_PATH, "train.inner_steps=120", "train.checkpoint_every=30")
     whole = tiny_config(tmp_path / "whole", *sets)
-    write_synthetic_shards(stages.init_run(whole), whole.model.grid)
+    write_synthetic_shards(stages.init_run(Run(whole)), whole.model.grid)
     expected = train_path(whole, 0, "p0")
     assert expected["resumed_from_step"] == 0
 
     config = tiny_config(tmp_path / "crashed", *sets)
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     trainer = subprocess.Popen([sys.executable, "-m", "pipeline.train.train_path", "--run-root", str(tmp_path / "crashed"),
                                 "--round", "0", "--path", "p0"], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,

@@ -11,8 +11,9 @@ from models.grid import ModuleKey, all_modules
 from models.modular import ModelShape, assemble_path_state, split_path_state
 from pipeline.state import layout
 from pipeline import stages
-from pipeline.outer.merge import OuterOptimizer, merge_round
-from pipeline.state.module_store import load_modules, load_path_modules
+from pipeline.outer.merge import OuterOptimizer, finish_round, merge_module, merge_round
+from pipeline.run import Run
+from pipeline.state.module_store import load_modules, load_path_modules, read_state
 from pipeline.state.storage import RunRoot
 from pipeline.train.train_path import train_path
 
@@ -58,7 +59,7 @@ def test_outer_step_equals_torch_sgd_applied_by_hand():
 
 def test_merge_of_two_paths_sharing_a_module_over_two_rounds(run_root):
     config = tiny_config(run_root, "model.grid=[2, 1]")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     shared = ModuleKey(1, 0)
     before = load_modules(root, 0, [shared])[shared]
     buffers = {k: None for k in before}
@@ -78,9 +79,44 @@ def test_merge_of_two_paths_sharing_a_module_over_two_rounds(run_root):
         before = merged
 
 
+def test_modules_merged_one_by_one_in_any_order_take_the_hand_computed_steps_before_their_round_commits(run_root):
+    """What islands do: each module merged on its own as its paths come in, round 1's before round
+    0 is committed (its modules and momentum then come from round 0's staged merges); finish_round
+    commits each round with the same numbers and removes the round before's staged modules."""
+    config = tiny_config(run_root, "model.grid=[2, 1]")
+    root = stages.init_run(Run(config))
+    shared, keys = ModuleKey(1, 0), all_modules([2, 1])
+    before = load_modules(root, 0, [shared])[shared]
+    buffers = {k: None for k in before}
+    for round_index in range(2):
+        a = fake_path(root, config, round_index, "p0-0", shift=0.01 * (round_index + 1), tokens=30)
+        b = fake_path(root, config, round_index, "p1-0", shift=-0.03, tokens=10)
+        for key in reversed(keys):
+            marker = merge_module(config, round_index, key)
+        assert marker["paths"] == ["p0-0"] and marker["module"] == [0, 0]  # the last one merged: (0, 0)
+        expected = {}
+        for name, theta in before.items():
+            grad = 0.75 * (theta - a[1][name]) + 0.25 * (theta - b[1][name])
+            expected[name], buffers[name] = nesterov_by_hand(theta, grad, buffers[name])
+        merged = load_modules(root, round_index + 1, [shared])[shared]  # staged: round r is not committed
+        for name in before:
+            torch.testing.assert_close(merged[name], expected[name], rtol=1e-5, atol=1e-6)
+        before = merged
+    assert not root.is_committed(layout.round_dir(0)) and not root.is_committed(layout.round_dir(1))
+    for round_index in range(2):
+        report = finish_round(config, round_index)
+        assert report["module_paths"][str(shared)] == ["p0-0", "p1-0"] and report["tokens"] == {"p0-0": 30, "p1-0": 10}
+    committed = load_modules(root, 2, [shared])[shared]
+    momentum = read_state(root, layout.outer_state_dir(2), shared)
+    for name in before:
+        assert torch.equal(committed[name], before[name])  # gathered bitwise
+        torch.testing.assert_close(momentum[name], buffers[name], rtol=1e-5, atol=1e-6)
+    assert not root.exists(layout.merged_dir(0)) and root.is_committed(layout.merged_module_dir(1, shared))
+
+
 def test_left_out_path_is_named_and_a_module_no_path_trained_keeps_its_parameters(run_root):
     config = tiny_config(run_root, "model.grid=[2, 1]")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     fake_path(root, config, 0, "p0-0", shift=0.02, tokens=10)
     report = merge_round(config, 0)
     assert report["paths_left_out"] == ["p1-0"] and report["paths_merged"] == ["p0-0"]
@@ -107,7 +143,7 @@ def test_bad_outer_settings_are_refused():
 
 def test_degenerate_grid_one_path_lr_one_no_momentum_gives_the_trained_path(run_root):
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[2]", "outer.lr=1.0", "outer.momentum=0.0")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     train_path(config, 0, "p0")
     merge_round(config, 0)
@@ -124,7 +160,7 @@ def test_degenerate_grid_one_path_lr_one_no_momentum_gives_the_trained_path(run_
 
 def test_grid_2x2_averages_each_shared_module_over_exactly_two_trained_paths(run_root):
     config = tiny_config(run_root, "train.inner_steps=2", "train.lr=0.01")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid, docs_per_path={"p0-0": 20, "p0-1": 40, "p1-0": 30, "p1-1": 10})
     for path_id in stages.list_paths(config):
         train_path(config, 0, path_id)

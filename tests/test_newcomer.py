@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from pipeline.run import Run
 from pipeline.tracking.report import format_summary
 
 README = (REPO / "README.md").read_text()
@@ -111,8 +112,9 @@ def demo_clone(tmp_path_factory):
     data = write_c4(tmp_path_factory.mktemp("c4"))
     config = real_text_config(clone / "runs" / "demo", data, "mlflow.experiment=dipaco-demo",
                               "mlflow.registered_model=dipaco-demo")
-    stages.init_run(config)
-    stages.prepare(config)
+    run = Run(config)
+    stages.init_run(run)
+    stages.prepare(run)
     get_tracker(config).register(0, {"round": 0, "perplexity": 100.0, "tokens": 10})
     return clone
 

@@ -1,8 +1,6 @@
 """model.path_specific_blocks: each path's own blocks after the grid's (DiPaCo's path-specific
 parameters), a private module per path that the merge carries over from the path, never averaged."""
 
-import shutil
-
 import pytest
 import torch
 from safetensors.torch import save as st_save
@@ -15,7 +13,8 @@ from pipeline import stages
 from pipeline.core.config import ModelConfig
 from pipeline.core.errors import ConfigError
 from pipeline.islands.task_queue import Task, TaskQueue
-from pipeline.outer.merge import finish_round, merge_module, merge_round
+from pipeline.outer.merge import merge_round
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.module_store import decode, load_modules, load_path_modules
 from pipeline.state.storage import RunRoot
@@ -71,8 +70,8 @@ def test_bad_values_are_refused_by_key(run_root):
 def test_zero_blocks_keep_todays_module_files_and_one_block_adds_a_private_module_per_path(tmp_path):
     plain = tiny_config(tmp_path / "plain", "model.path_specific_blocks=0")
     private = tiny_config(tmp_path / "private", "model.path_specific_blocks=1")
-    stages.init_run(plain)
-    root = stages.init_run(private)
+    stages.init_run(Run(plain))
+    root = stages.init_run(Run(private))
     shared_names = [f"level={lvl}/module={k}.safetensors" for lvl in (0, 1) for k in (0, 1)]
     assert list(_module_files(tmp_path / "plain", 0)) == shared_names
     assert RunRoot(plain.run_root).marker(layout.modules_dir(0))["modules"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
@@ -100,18 +99,11 @@ def _fake_path(root: RunRoot, config, round_index: int, path_id: str, shift: flo
     return trained
 
 
-def test_the_merge_carries_private_modules_over_module_by_module_as_in_one_whole_round_merge(tmp_path):
+def test_the_merge_carries_each_paths_private_module_over_and_steps_the_shared_ones(tmp_path):
     config = tiny_config(tmp_path / "whole", "model.grid=[2, 1]", "model.path_specific_blocks=1")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     trained = {p: _fake_path(root, config, 0, p, shift, tokens) for p, shift, tokens in (("p0-0", 0.01, 30), ("p1-0", -0.02, 10))}
-    shutil.copytree(tmp_path / "whole", tmp_path / "modules")
-    per_module = tiny_config(tmp_path / "modules", "model.grid=[2, 1]", "model.path_specific_blocks=1")
     report = merge_round(config, 0)
-    for key in reversed(all_modules([2, 1], private=True)):
-        merge_module(per_module, 0, key)
-    finish_round(per_module, 0)
-    assert _module_files(tmp_path / "whole", 1) == _module_files(tmp_path / "modules", 1)
-    assert _module_files(tmp_path / "whole", 1, "outer_state") == _module_files(tmp_path / "modules", 1, "outer_state")
     after = load_modules(root, 1, all_modules([2, 1], private=True))
     for index, path_id in enumerate(("p0-0", "p1-0")):
         mine = after[ModuleKey(2, index)]
@@ -131,10 +123,10 @@ def test_the_merge_carries_private_modules_over_module_by_module_as_in_one_whole
 def test_a_round_on_islands_carries_each_paths_blocks_over_and_a_failed_paths_blocks_stay(run_root):
     config = tiny_config(run_root, "model.grid=[3, 1]", "model.path_specific_blocks=1", "train.rounds=1",
                          "train.inner_steps=2", "train.max_attempts=1")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     TaskQueue(root, config).claim(Task.of("train", 0, "p2-0"), "crashed").finish("failed", error="killed")
-    stages.run(config)
+    stages.run(Run(config))
     report = root.read_json(f"{layout.round_dir(0)}/merge.json")
     assert report["paths_merged"] == ["p0-0", "p1-0"] and report["paths_left_out"] == ["p2-0"]
     assert report["modules_untouched"] == ["level=0/module=2", "level=2/module=2"]

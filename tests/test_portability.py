@@ -16,6 +16,7 @@ import yaml
 from conftest import REPO, tiny_config, write_synthetic_shards
 from pipeline import stages
 from pipeline.core.config import REPO_ROOT, resolve_ds_config
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 from pipeline.train.zero import compile_forward
@@ -90,7 +91,7 @@ def test_a_launched_rank_sets_its_threads_from_its_cores_whatever_its_environmen
     or a shell might leave it) trains with 1 thread, and says so in its metrics."""
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.parallel_paths=1",
                          "train.inner_steps=1")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     env = {**os.environ, "OMP_NUM_THREADS": "7", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-m", "pipeline.train.train_path", "--run-root", str(run_root),
@@ -123,7 +124,7 @@ def test_a_compiled_path_trains_like_the_eager_one(run_root):
     for compiled in (False, True):
         config = tiny_config(run_root / str(compiled), "model.grid=[1]", "model.blocks_per_level=[1]",
                              "train.inner_steps=3", f"train.compile={str(compiled).lower()}")
-        root = stages.init_run(config)
+        root = stages.init_run(Run(config))
         write_synthetic_shards(root, config.model.grid)
         metrics = train_path(config, 0, "p0")
         assert metrics["compiled"] is compiled

@@ -14,6 +14,7 @@ from conftest import tiny_config, write_synthetic_shards
 from models.modular import ModelShape, build_path_model
 from pipeline import stages
 from pipeline.core.errors import ConfigError
+from pipeline.run import Run
 from pipeline.train import precision as P
 from pipeline.train.train_path import adamw_for, train_path
 from pipeline.train.zero import fill_ds_config, load_ds_config, release_engine, wrap_with_zero
@@ -147,7 +148,7 @@ def test_a_zero2_step_trains_in_the_resolved_precision(run_root, name):
 
 def test_a_path_records_the_precision_it_trained_in(run_root):
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.precision=auto")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     metrics = train_path(config, 0, "p0")
     expected = P.resolve(config.train, ModelShape.from_config(config.model))  # from the cache the path filled

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, tiny_config
 
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline import stages
 from pipeline.state.storage import RunRoot
@@ -55,8 +56,9 @@ def prepared(tmp_path_factory):
     base = tmp_path_factory.mktemp("registry")
     config = real_text_config(base / "run", write_c4(base / "c4"), "mlflow.experiment=test-registry",
                               "mlflow.registered_model=dipaco-test")
-    stages.init_run(config)
-    stages.prepare(config)
+    run = Run(config)
+    stages.init_run(run)
+    stages.prepare(run)
     root = RunRoot(config.run_root)
     for r in (1, 2):  # later rounds' modules, as merges would commit them
         root.put_dir(root.local_path(layout.modules_dir(0)), layout.modules_dir(r))

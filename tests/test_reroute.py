@@ -20,6 +20,7 @@ from pipeline.evaluation import evaluate
 from pipeline.evaluation.evaluate import evaluate_round
 from pipeline.islands.island import run_task
 from pipeline.islands.task_queue import Task, TaskQueue
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.module_store import load_path_model, read_module, write_states
 from pipeline.state.storage import RunRoot
@@ -36,8 +37,9 @@ def prepared(tmp_path_factory):
     modules: round 0's, each with noise of its own, so that the paths score tokens differently."""
     base = tmp_path_factory.mktemp("reroute")
     config = tiny_config(base / "run", "model.tokenizer=bpe", "model.vocab_size=512")
-    stages.init_run(config)
-    stages.prepare(config)
+    run = Run(config)
+    stages.init_run(run)
+    stages.prepare(run)
     root = RunRoot(config.run_root)
     states = {}
     for key in all_modules(config.model.grid):

@@ -8,6 +8,7 @@ import pytest
 from conftest import REPO
 from pipeline import stages
 from pipeline.cli import main
+from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.retention import run_root_size
 from pipeline.state.storage import RunRoot
@@ -24,7 +25,7 @@ def test_keep_rounds_1_keeps_the_champion_loadable_and_the_run_resumable_and_cle
     sets = ("train.keep_rounds=1", "eval.early_stopping=true", "mlflow.experiment=test-retention",
             "mlflow.registered_model=dipaco-retention")
     config = real_text_config(tmp_path / "run", data, "train.rounds=2", *sets)
-    summary = stages.run(config)
+    summary = stages.run(Run(config))
     root = RunRoot(config.run_root)
     assert summary["rounds_committed"] == 2
     best_rounds = {entry["round"] for entry in root.read_json("eval/best.json")["paths"].values()}
@@ -42,11 +43,11 @@ def test_keep_rounds_1_keeps_the_champion_loadable_and_the_run_resumable_and_cle
     continuation = champion_continuation(config, PROMPTS[0])
     assert isinstance(continuation, str)
 
-    resumed = stages.run(real_text_config(tmp_path / "run", data, "train.rounds=3", *sets))
+    resumed = stages.run(Run(real_text_config(tmp_path / "run", data, "train.rounds=3", *sets)))
     assert resumed["rounds_committed"] == 3 and not root.exists(layout.modules_dir(0))
 
     before = run_root_size(root)
-    assert stages.clean(config, keep_registry=True)["removed"]
+    assert stages.clean(Run(config), keep_registry=True)["removed"]
     assert set(os.listdir(root.path())) <= {".lock", "mlartifacts", "mlflow.db", "tracking.json"}
     assert run_root_size(root) < before
     assert isinstance(champion_continuation(config, PROMPTS[0]), str)  # loads from the registry alone

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import zlib
 
 import pytest
 
@@ -97,6 +98,26 @@ def test_commit_checksums_the_bytes_on_disk_not_the_writers_own(tmp_path):
     b.write_json("d/metrics.json", {"attempt": 2, "longer": True})
     a.commit("d")
     assert a.read_committed_json("d", "metrics.json") == {"attempt": 2, "longer": True}
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_committed_file_under_a_second_name_keeps_its_bytes_and_stays_checked(tmp_path, where):
+    """finish_round gathers staged modules this way: linked on a local root (no byte copied, the
+    record carried over), copied elsewhere (the record read again). Rewriting one name never
+    changes the other, and a later change to the bytes is refused when read, as for any file."""
+    root = RunRoot(tmp_path if where == "local" else f"memory://dipaco-copy-{tmp_path.name}/run")
+    root.write_bytes("staged/m.bin", b"module")
+    root.commit("staged")
+    record = root.copy_committed("staged", "m.bin", "final/m.bin")
+    assert record == (root.marker("staged")["files"]["m.bin"] if where == "local" else None)
+    root.write_bytes("staged/m.bin", b"rewritten")  # a write renames a new file over the name
+    root.commit("final", linked={"m.bin": record})
+    assert root.read_committed("final", "m.bin") == b"module"
+    assert root.marker("final")["files"]["m.bin"] == {"crc32": f"{zlib.crc32(b'module'):08x}", "bytes": 6}
+    if where == "local":
+        (tmp_path / "final" / "m.bin").write_bytes(b"moduLe")  # changed in place, behind the root's back
+        with pytest.raises(CorruptStateError, match="final/m.bin: checksum does not match"):
+            root.read_committed("final", "m.bin")
 
 
 def test_publishing_a_directory_is_first_wins(tmp_path):

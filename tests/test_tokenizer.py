@@ -16,6 +16,7 @@ from pipeline.state import layout
 from pipeline import stages
 from pipeline.core.errors import ConfigError
 from pipeline.evaluation.evaluate import bits_per_byte, score_documents, scored_bytes
+from pipeline.run import Run
 from pipeline.state.storage import RunRoot
 from pipeline.routing.tokenizer import commit_bpe, encode, gpt2_tokenizer, load_tokenizer, token_byte_lengths, train_bpe
 
@@ -85,12 +86,12 @@ def test_bits_per_byte_on_a_hand_computed_example():
 
 
 def test_a_run_root_refuses_a_changed_tokenizer(run_root):
-    stages.init_run(bpe_config(run_root))
+    stages.init_run(Run(bpe_config(run_root)))
     with pytest.raises(ConfigError, match="model differs"):
-        stages.init_run(tiny_config(run_root))
+        stages.init_run(Run(tiny_config(run_root)))
     with pytest.raises(ConfigError, match="model differs"):
-        stages.init_run(bpe_config(run_root, "model.vocab_size=700"))
-    stages.init_run(bpe_config(run_root))  # the same config is welcome
+        stages.init_run(Run(bpe_config(run_root, "model.vocab_size=700")))
+    stages.init_run(Run(bpe_config(run_root)))  # the same config is welcome
 
 
 def test_bpe_config_is_validated():
@@ -103,8 +104,9 @@ def test_bpe_config_is_validated():
 @pytest.mark.slow
 def test_prepare_trains_commits_and_uses_the_bpe_then_eval_reports_bits_per_byte(run_root):
     config = bpe_config(run_root)
-    stages.init_run(config)
-    manifest = stages.prepare(config)
+    run = Run(config)
+    stages.init_run(run)
+    manifest = stages.prepare(run)
     root = RunRoot(config.run_root)
     assert root.is_committed(layout.TOKENIZER_DIR)
     marker = root.marker(layout.TOKENIZER_DIR)
@@ -121,7 +123,7 @@ def test_prepare_trains_commits_and_uses_the_bpe_then_eval_reports_bits_per_byte
     assert any(tokenizer.decode(d.tolist()) in texts for d in docs)
     assert json.loads(root.read_bytes(f"{layout.ROUTER_DIR}/router.json"))["tokenizer"] == "bpe"
 
-    result = stages.evaluate(config, 0)
+    result = stages.evaluate(Run(config), 0)
     assert result["tokenizer"] == "bpe" and result["bytes"] > result["tokens"] > 0
     # an untrained model spreads its probability: about log2(600) bits per token
     bits_per_token = result["bits_per_byte"] * result["bytes"] / result["tokens"]
@@ -132,7 +134,7 @@ def test_prepare_trains_commits_and_uses_the_bpe_then_eval_reports_bits_per_byte
     assert sum(s["bytes"] for s in result["paths"].values()) == result["bytes"]
     # rerunning prepare reuses the committed tokenizer
     before = root.read_bytes(f"{layout.TOKENIZER_DIR}/tokenizer.json")
-    stages.prepare(config)
+    stages.prepare(Run(config))
     assert root.read_bytes(f"{layout.TOKENIZER_DIR}/tokenizer.json") == before
 
 

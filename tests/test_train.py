@@ -21,6 +21,7 @@ from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import child_env
 from pipeline.islands.launch import train_path_job
 from pipeline.outer.merge import OuterOptimizer, merge_round
+from pipeline.run import Run
 from pipeline.state.module_store import load_modules, load_path_modules
 from pipeline.state.shards import read_path_documents
 from pipeline.train.train_path import CKPT, adamw_for, lr_at, train_path
@@ -55,7 +56,7 @@ def test_grid_1_with_diloco_workers_equals_plain_diloco(run_root):
     step of the averaged pseudo-gradient; the pipeline's merged module must match it."""
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[2]", "train.workers_per_path=2",
                          "train.inner_steps=3", "train.lr=0.003", "outer.weighting=uniform")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid, docs_per_path=60)
     assert stages.list_paths(config) == ["p0.w0", "p0.w1"]
     ours = {job: train_path(config, 0, job) for job in stages.list_paths(config)}
@@ -84,7 +85,7 @@ def test_zero_stages_give_the_same_loss_curve_on_a_two_process_gloo_launch(run_r
         config = tiny_config(run_root / f"zero{stage}", "model.grid=[1]", "model.blocks_per_level=[1]",
                              "train.launcher=deepspeed", "train.procs_per_path=2", "train.inner_steps=4",
                              "train.lr=0.003", f"train.ds_config=ds_configs/zero{stage}.json")
-        root = stages.init_run(config)
+        root = stages.init_run(Run(config))
         write_synthetic_shards(root, config.model.grid)
         metrics = train_path_job(config, 0, "p0")
         assert metrics is not None, f"ZeRO-{stage} launch failed: {root.path(layout.attempts_dir(0, 'p0'))}"
@@ -110,7 +111,7 @@ def test_sync_by_gradient_accumulation_on_one_rank_equals_two_ranks_all_reducing
         config = tiny_config(run_root / name, "model.grid=[1]", "model.blocks_per_level=[1]", "train.launcher=deepspeed",
                              f"train.procs_per_path={ranks}", f"train.gradient_accumulation_steps={accum}",
                              "train.inner_steps=5", "train.lr=0.003", "train.ds_config=ds_configs/zero1.json")
-        root = stages.init_run(config)
+        root = stages.init_run(Run(config))
         write_synthetic_shards(root, config.model.grid)
         metrics = train_path_job(config, 0, "p0")
         assert metrics is not None and metrics["world_size"] == ranks
@@ -257,7 +258,7 @@ def test_a_rank_leaves_no_shared_memory_behind():
 def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(run_root):
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=3",
                          "train.lr=0.01", "outer.lr=0.5")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     train_path(config, 0, "p0")
     merge_round(config, 0)
@@ -298,7 +299,7 @@ def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(r
 
 def test_only_the_newest_inner_state_is_kept(run_root):
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=1")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     for round_index in range(2):
         train_path(config, round_index, "p0")
@@ -323,7 +324,7 @@ def test_a_process_that_trains_path_after_path_keeps_no_engine(ds_config, run_ro
 
     config = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]", "train.inner_steps=2",
                          f"train.ds_config=ds_configs/{ds_config}.json")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     before = live_engines()
     for path_id in ("p0", "p1"):

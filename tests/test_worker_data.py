@@ -9,6 +9,7 @@ import pytest
 
 from conftest import tiny_config
 from pipeline import stages
+from pipeline.run import Run
 from pipeline.core.errors import ConfigError
 from pipeline.routing.worker_split import cluster_labels, split_file
 from pipeline.state import layout
@@ -40,9 +41,9 @@ def test_clustered_workers_train_on_their_own_cluster_and_lose_no_document(run_r
     config = tiny_config(run_root, "model.tokenizer=bpe", "model.vocab_size=512", "model.grid=[1]",
                          "model.blocks_per_level=[2]", "train.workers_per_path=2",
                          "train.worker_data=clustered", "train.rounds=1", "train.inner_steps=2", "train.islands=1")
-    stages.init_run(config)
-    stages.prepare(config)
-    summary = stages.run(config)
+    stages.init_run(Run(config))
+    stages.prepare(Run(config))
+    summary = stages.run(Run(config))
     assert summary["rounds_committed"] == 1
     root = RunRoot(config.run_root)
     split = root.read_json(split_file(layout.KMEANS, "p0", 2))
@@ -77,9 +78,9 @@ def test_a_changing_pool_trains_the_rounds_workers_and_merges_only_those_that_ra
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=3", "train.inner_steps=2",
                          "train.workers_per_path=2", "train.workers_schedule=[1, 2, 1]", "train.islands=1",
                          "outer.lr=1.0", "outer.momentum=0.0", "outer.nesterov=false", "outer.weighting=uniform")
-    root = stages.init_run(config)
+    root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
-    assert stages.run(config)["rounds_committed"] == 3
+    assert stages.run(Run(config))["rounds_committed"] == 3
     ran = {r: sorted(j for j in ("p0.w0", "p0.w1") if root.is_committed(layout.path_dir(r, j))) for r in range(3)}
     assert ran == {0: ["p0.w0"], 1: ["p0.w0", "p0.w1"], 2: ["p0.w0"]}
     for r in range(3):

@@ -99,6 +99,14 @@ def _config(ref: dict):
     return load_config(ref["config"], ref["overrides"], trusted=False)
 
 
+def _run(ref: dict):
+    """The Run the stages take (pipeline.run), from the run's config: one per task, as each task
+    is a process of its own."""
+    from pipeline.run import Run
+
+    return Run(_config(ref))
+
+
 def trusted_dirs() -> list[Path]:
     """Where a trigger's project_dir may point: this project and $DIPACO_CONFIG's folder, both
     chosen by whoever deployed the DAG, never by whoever triggers a run."""
@@ -117,14 +125,13 @@ def configure(params: dict | None = None) -> dict:
     log it to MLflow."""
     from pipeline import preflight, stages
     from pipeline.core.config import check_dag_params
-    from pipeline.tracking.tracker import get_tracker
 
     ref = check_dag_params({k: params[k] for k in ("config", "overrides", "project_dir")}, trusted_dirs(), config_dirs())
-    config = _config(ref)
-    preflight.check_data(config)
-    preflight.check_run_root(config)
-    stages.init_run(config)
-    get_tracker(config).log_run_config()
+    run = _run(ref)
+    preflight.check_data(run.config)
+    preflight.check_run_root(run.config)
+    stages.init_run(run)
+    run.tracker.log_run_config()
     return ref
 
 
@@ -133,12 +140,11 @@ def prepare(ref: dict) -> None:
     """The Beam job; shown as skipped when the shards are committed already."""
     from pipeline.state import layout
     from pipeline import stages
-    from pipeline.state.storage import RunRoot
 
-    config = _config(ref)
-    if RunRoot(config.run_root).is_committed(layout.SHARDS_DIR):
+    run = _run(ref)
+    if run.root.is_committed(layout.SHARDS_DIR):
         raise AirflowSkipException("shards/ is committed")
-    stages.prepare(config)
+    stages.prepare(run)
 
 
 @task(trigger_rule="none_failed")
@@ -150,17 +156,17 @@ def plan(ref: dict) -> dict:
     from pipeline import stages
     from pipeline.core.errors import ConfigError
 
-    config = _config(ref)
+    run = _run(ref)
+    config = run.config
     if config.train.rounds > ROUNDS:
         raise ConfigError(f"{config.source}: train.rounds={config.train.rounds} but this DAG was parsed with "
                           f"{ROUNDS} round groups; set train.rounds in $DIPACO_CONFIG ({DEFAULT_CONFIG}) too")
     from pipeline.state.lock import run_lock
-    from pipeline.state.storage import RunRoot
 
-    with run_lock(RunRoot(config.run_root)):  # refused while a `dipaco run` orchestrates this root
-        todo = stages.plan_rounds(config, config.airflow.rounds_per_run)
+    with run_lock(run.root):  # refused while a `dipaco run` orchestrates this root
+        todo = stages.plan_rounds(run, config.airflow.rounds_per_run)
     if not todo:
-        raise AirflowSkipException(stages.nothing_to_train(config))
+        raise AirflowSkipException(stages.nothing_to_train(run))
     log.info("this DAG run trains round(s) %s", ", ".join(map(str, todo)))
     return {"first": todo.start, "stop": todo.stop}
 
@@ -170,7 +176,7 @@ def evaluate_initial(ref: dict) -> dict:
     """Routed perplexity of round 0's modules before any training (row 0 of the summary)."""
     from pipeline import stages
 
-    result = stages.evaluate_initial(_config(ref))
+    result = stages.evaluate_initial(_run(ref))
     if result is None:
         raise AirflowSkipException("round 0 is evaluated already")
     return {"round": 0, "perplexity": result["perplexity"]}
@@ -211,7 +217,7 @@ def island(ref: dict, name: str) -> dict:
     from pipeline.core.errors import DipacoError
 
     try:
-        return stages.run_island(_config(ref), name)
+        return stages.run_island(_run(ref), name)
     except DipacoError as exc:
         raise AirflowFailException(str(exc)) from None
 
@@ -225,7 +231,7 @@ def finished(ref: dict, window: dict | None, round_index: int) -> bool:
     from pipeline import stages
 
     _skip_outside(window, round_index)
-    return stages.round_finished(_config(ref), round_index)
+    return stages.round_finished(_run(ref), round_index)
 
 
 @task
@@ -234,7 +240,7 @@ def register(ref: dict, round_index: int) -> dict:
     round R+1 starts from as a model version (tagged dipaco.round=R+1)."""
     from pipeline import stages
 
-    done = stages.report_round(_config(ref), round_index)
+    done = stages.report_round(_run(ref), round_index)
     return {"round": round_index + 1, "model_version": done["model_version"],
             "perplexity": done["eval"]["perplexity"], "bits_per_byte": done["eval"].get("bits_per_byte"),
             "utilisation": (done["utilisation"] or {}).get("utilisation")}
@@ -245,11 +251,10 @@ def report(ref: dict) -> str:
     """Plots in MLflow and the summary table that `dipaco run` ends with (in the log and the XCom)."""
     from pipeline import stages
     from pipeline.tracking.report import format_summary
-    from pipeline.tracking.tracker import get_tracker
 
-    config = _config(ref)
-    summary = stages.summarize(config)
-    get_tracker(config).finish(summary)
+    run = _run(ref)
+    summary = stages.summarize(run)
+    run.tracker.finish(summary)
     table = format_summary(summary)
     print(table, flush=True)
     return table

@@ -1,5 +1,7 @@
 """Islands: long-lived DeepSpeed launches that pull train, merge, commit and eval tasks from a
-lease-based queue in the run root, and one-shot path launches. Imports the layers below it
-(core, state, routing, train, outer, evaluation), never tracking nor the Beam app: a reroute task's
-Beam job is handed to the island by its entry point (pipeline.island_rank).
+lease-based queue in the run root, the supervisor that starts and restarts them for `dipaco run`,
+one-shot path launches, and how `train.max_attempts` is counted for all of them (attempts).
+Imports the layers below it (core, state, routing, train, outer, evaluation), never tracking nor
+the Beam app: a reroute task's Beam job is handed to the island by its entry point
+(pipeline.island_rank) or by the stages.
 """

@@ -1,10 +1,11 @@
 """Start trainers as `deepspeed` subprocesses, so torch.distributed never starts inside the
 orchestrator (the CLI or an Airflow worker): islands (IslandProcess: one launch for the whole run,
 pulling tasks) and one-shot path launches (train_path_job: `dipaco train-path`, one path for one
-round, retried up to `train.max_attempts`; leftovers of a failed attempt are removed before the
-next, so no partial file is read). A launch that exits with status 2 hit a config or input error
-(pipeline.train.train_path.main, pipeline.island_rank.main): another attempt would fail the same
-way, so it is not retried and its own message is raised to the caller.
+round, retried up to `train.max_attempts`, pipeline.islands.attempts; leftovers of a failed
+attempt are removed before the next, so no partial file is read). A launch that exits with
+status 2 hit a config or input error (pipeline.train.train_path.main, pipeline.island_rank.main):
+another attempt would fail the same way, so it is not retried and its own message is raised to
+the caller.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import uuid
 from pathlib import Path
 
 from pipeline.islands import processes
+from pipeline.islands.attempts import Attempts
 from pipeline.islands.processes import STOP_GRACE_S
 from pipeline.state import layout
 from pipeline.core.bounds import shown
@@ -63,8 +65,9 @@ def shell_args(args: list[str]) -> list[str]:
     return [shlex.quote(value) for value in args]
 
 
-def island_count(train) -> int:
-    return train.islands or train.parallel_paths
+def island_names(train) -> list[str]:
+    """The islands a run starts on this machine: `train.islands` (default `train.parallel_paths`)."""
+    return [f"island-{i}" for i in range(train.islands or train.parallel_paths)]
 
 
 def island_command(run_root: str, island: str, train, port: int, ds_config: str | None = None,
@@ -141,22 +144,24 @@ def train_path_job(config, round_index: int, path_id: str) -> dict | None:
     Raises InputError, after one attempt, when the trainer refused its config or input."""
     root = RunRoot(config.run_root)
     rel = layout.path_dir(round_index, path_id)
-    for attempt in range(1, config.train.max_attempts + 1):
-        if root.is_committed(rel):
-            return read_metrics(root, rel)
+    allowed, attempt = Attempts.of_tasks(config.train), 0
+    while not root.is_committed(rel):
+        attempt += 1
         root.remove(rel)  # an earlier attempt's partial output is never read, only replaced
         started = time.perf_counter()
         returncode, tail = _run_attempt(config, round_index, path_id)
         if returncode == 0 and root.is_committed(rel):
-            return read_metrics(root, rel)
+            break
         root.write_json(f"{layout.attempts_dir(round_index, path_id)}/attempt-{attempt}.json", {
             "returncode": returncode, "seconds": time.perf_counter() - started, "output_tail": tail,
         })
         if returncode == INPUT_ERROR_EXIT:
             raise InputError(f"path {path_id} round {round_index}: {trainer_message(tail)}")
         log.warning("path %s round %d attempt %d/%d failed (exit %s)%s", path_id, round_index, attempt,
-                    config.train.max_attempts, returncode, (": " + tail[-1]) if tail else "")
-    return read_metrics(root, rel) if root.is_committed(rel) else None
+                    allowed.limit, returncode, (": " + tail[-1]) if tail else "")
+        if not allowed.may_try_again(attempt):
+            return read_metrics(root, rel) if root.is_committed(rel) else None
+    return read_metrics(root, rel)
 
 
 def read_metrics(root: RunRoot, rel: str) -> dict:

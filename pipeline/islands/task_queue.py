@@ -45,6 +45,7 @@ from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse
 from pipeline.state import layout
 from pipeline.core.bounds import shown
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, StorageError
+from pipeline.islands.attempts import Attempts
 from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.queue")
@@ -162,7 +163,7 @@ class TaskQueue:
         self.grid = config.model.grid
         self.jobs = all_job_ids(self.grid, config.train.workers_per_path)
         self.lease_seconds = float(config.train.lease_seconds)
-        self.max_attempts = config.train.max_attempts
+        self.allowed = Attempts.of_tasks(config.train)  # train.max_attempts (pipeline.islands.attempts)
         # Fixed by the config: worked out once, not on every poll of ready().
         # A path's private module (model.path_specific_blocks) is one of its modules like any other.
         self.private = config.model.path_specific_blocks > 0
@@ -226,7 +227,7 @@ class TaskQueue:
 
     def given_up(self, task: Task) -> bool:
         """Every allowed attempt failed or expired: the round goes on without this task."""
-        return self._failures(self.attempts(task)) >= self.max_attempts
+        return not self.allowed.may_try_again(self._failures(self.attempts(task)))
 
     @staticmethod
     def _failures(attempts: list[Attempt]) -> int:
@@ -241,7 +242,7 @@ class TaskQueue:
         attempts = self.attempts(task)
         if any(a.live or a.state == "done" for a in attempts) or self.output_committed(task):
             return None
-        if task.kind == "train" and self._failures(attempts) >= self.max_attempts:
+        if task.kind == "train" and not self.allowed.may_try_again(self._failures(attempts)):
             return None
         return self._create_attempt(task, attempts, island, island_id)
 
@@ -411,12 +412,17 @@ class TaskQueue:
                                         or self.config.eval.reroute_every is not None]  # re-routed chunks reach any path
         return self._eval_paths[shards]
 
+    def round_finished(self, round_index: int) -> bool:
+        """Round r merged, the modules it wrote evaluated and, when r is router.discriminative_after,
+        the splits re-routed: ready to report and register."""
+        rerouted = round_index != self.after or self.root.exists(layout.reroute_report(round_index + 1))
+        return (self.root.is_committed(layout.round_dir(round_index))
+                and self.root.exists(layout.eval_file(round_index + 1)) and rerouted)
+
     def finished(self, until_round: int) -> bool:
-        """Every round of the plan committed and evaluated (and re-routed, if the plan reaches
+        """Every round of the plan finished (and re-routed, if the plan reaches
         router.discriminative_after): islands may leave."""
-        return until_round == 0 or (self.root.is_committed(layout.round_dir(until_round - 1))
-                                    and self.root.exists(layout.eval_file(until_round))
-                                    and not self.reroute_pending(until_round))
+        return until_round == 0 or (self.round_finished(until_round - 1) and not self.reroute_pending(until_round))
 
     def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
         """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler."""

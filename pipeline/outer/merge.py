@@ -15,6 +15,10 @@ A path's private module (`model.path_specific_blocks`, DiPaCo's path-specific pa
 no outer step: its new value is its path's trained weights, read from its committed
 model.safetensors whatever the compression (it never leaves the island, so it stays lossless); a
 path that did not finish leaves it as it was.
+
+One orchestration: merge_module merges one module as soon as its paths are in (an island's merge
+task), finish_round gathers a round's merged modules and commits the round (its commit task), and
+merge_round (`dipaco merge`) is merge_module over every module followed by finish_round.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -38,7 +43,6 @@ from pipeline.state.module_store import (
     commit_states,
     decode,
     level_shapes,
-    outer_state_keys,
     read_module,
     read_state,
     write_state,
@@ -108,6 +112,9 @@ def one_torch_thread():
     """The merge's math on one torch thread: its pieces are small, and torch's spinning worker
     threads would take the cores from the threads reading and writing module files."""
     threads = torch.get_num_threads()
+    if threads == 1:  # already (merge_round's module threads): nothing to set from each of them
+        yield
+        return
     torch.set_num_threads(1)
     try:
         yield
@@ -122,103 +129,28 @@ def module_bytes(state: ModuleState) -> int:
 def merge_round(config, round_index: int) -> dict:
     """Merge round r into round r+1's modules and momentum; commits `rounds/round=<r>/_SUCCESS`.
 
-    Rerunning after a crash recomputes the same result from round r's committed state, so an
-    interrupted merge leaves nothing a rerun could misread.
+    The one merge there is: every module's merge_module (what islands run as each module's paths
+    come in), then finish_round. Here they share one RoundInputs, so every file is read once and
+    all of them at once, and the modules are computed on a few threads while others read and
+    write; the files are those of merging one module at a time, bitwise. Rerunning after a crash
+    reuses the modules already committed and recomputes the rest from round r's committed state.
     """
     root = RunRoot(config.run_root)
-    rel_round = layout.round_dir(round_index)
-    if root.is_committed(rel_round):
-        return root.read_json(f"{rel_round}/merge.json")
-    start = time.perf_counter()
-    grid, shape = config.model.grid, ModelShape.from_config(config.model)
-    keys = all_modules(grid, private=shape.path_blocks > 0)
-    committed, left_out = committed_paths(root, config, round_index)
-    modules_of = {pid: path_modules(_modules_of(pid, config), grid, private=shape.path_blocks > 0) for pid in committed}
-    next_round = round_index + 1
-    info = merged_info(config, round_index)
-    rel_before, rel_momentum = layout.modules_dir(round_index), layout.outer_state_dir(round_index)
-    rel_modules, rel_outer = layout.modules_dir(next_round), layout.outer_state_dir(next_round)
-
-    def read_path(path_id: str) -> list[ModuleState]:
-        return read_path_inputs(root, config, shape, round_index, path_id, range(shape.n_module_levels))
-
-    # One pool for the whole merge: every input is read and verified at once (file I/O and
-    # checksums release the GIL), each module is computed as soon as its inputs are in, and its
-    # files are written while the next module is computed. The math and its order of summation
-    # are those of a sequential merge, so the files are bitwise the same.
-    outer = outer_optimizer(config)
-    grad_norms, untouched, sizes, momentum_keys = {}, [], {}, []
-    merged_paths = {str(key): [pid for pid in committed if key in modules_of[pid]] for key in keys}
-    with one_torch_thread(), ThreadPoolExecutor(IO_THREADS) as pool:
-        before_f = {key: pool.submit(read_state, root, rel_before, key, shape) for key in keys}
-        momentum_f = {key: pool.submit(read_state, root, rel_momentum, key, shape)
-                      for key in outer_state_keys(root, round_index, keys)}
-        path_f = {pid: pool.submit(read_path, pid) for pid in committed}
-        writes = []
-        for key in keys:
-            before = before_f[key].result()
-            momentum = momentum_f[key].result() if key in momentum_f else None
-            sizes[key] = module_bytes(before)
-            through = merged_paths[str(key)]
-            inputs = [path_f[pid].result()[key.level] for pid in through]  # trained modules or deltas
-            new, buffers, grad_norm = update_module(outer, config, before, momentum, inputs, [committed[p] for p in through],
-                                                    private=is_private(key, grid))
-            if grad_norm is None:  # no path through this module finished: it kept its parameters
-                untouched.append(str(key))
-            else:
-                grad_norms[str(key)] = grad_norm
-            writes.append(pool.submit(write_state, root, rel_modules, key, new, info))
-            if buffers:
-                writes.append(pool.submit(write_state, root, rel_outer, key, buffers, info))
-                momentum_keys.append(key)
-        for write in writes:
-            write.result()
-    commit_states(root, rel_modules, keys, info)
-    commit_states(root, rel_outer, momentum_keys, info)
-
-    return commit_round(root, config, round_index, committed, left_out, merged_paths, grad_norms, untouched,
-                        {k: sizes[k] for k in keys}, time.perf_counter() - start)
-
-
-def commit_round(root: RunRoot, config, round_index: int, committed: dict[str, int], left_out: list[str],
-                 merged_paths: dict[str, list[str]], grad_norms: dict[str, float], untouched: list[str],
-                 sizes: dict[ModuleKey, int], seconds: float) -> dict:
-    """merge.json and the round's `_SUCCESS`, written last: the round counts from here."""
-    # Shared modules only: a path's private module stays on its island, nothing is sent for it.
-    modules_of = {pid: path_modules(_modules_of(pid, config)) for pid in committed}
-    path_bytes = {pid: sum(sizes[k] for k in modules_of[pid]) for pid in committed}
-    # Per island and round, twice what it sends (docs/design.md, communication): its outer
-    # gradient out and the averaged one back, as a ring all-reduce of it moves; uncompressed,
-    # the fp32 modules' bytes; compressed, the gradient files it wrote (scales and headers included).
-    sent = gradient_file_bytes(root, round_index, committed) if config.outer.compression != "none" else path_bytes
-    bytes_outer = 2 * sum(sent.values())
-    report = {
-        "round": round_index,
-        "paths_merged": sorted(committed),
-        "paths_left_out": left_out,
-        "modules_untouched": untouched,
-        "module_paths": merged_paths,
-        "module_grad_norms": grad_norms,
-        "tokens": {pid: int(t) for pid, t in committed.items()},
-        "bytes_outer": bytes_outer,
-        # Data-parallel training of the same islands ring-all-reduces fp32 gradients every inner
-        # step: about 2 x the gradient's bytes per island and step.
-        "bytes_data_parallel": 2 * sum(path_bytes.values()) * config.train.inner_steps,
-        "seconds": seconds,
-    }
-    if config.outer.compression != "none":
-        report.update(compression=config.outer.compression, bytes_outer_uncompressed=2 * sum(path_bytes.values()))
-    rel_round = layout.round_dir(round_index)
-    root.write_json(f"{rel_round}/merge.json", report)
-    root.commit(rel_round, info={"round": round_index, "next_round": round_index + 1}, files=["merge.json"])
-    log.info("merged round %d: %d paths in, %d left out %s; %.1f MB outer vs %.1f MB data-parallel",
-             round_index, len(committed), len(left_out), left_out or "", bytes_outer / 1e6, report["bytes_data_parallel"] / 1e6)
-    return report
+    if root.is_committed(layout.round_dir(round_index)):
+        return root.read_json(f"{layout.round_dir(round_index)}/merge.json")
+    keys = all_modules(config.model.grid, private=config.model.path_specific_blocks > 0)
+    with one_torch_thread(), ThreadPoolExecutor(IO_THREADS) as io, \
+            ThreadPoolExecutor(min(IO_THREADS, len(keys))) as modules:
+        inputs = RoundInputs(root, config, round_index, io)
+        inputs.prefetch(keys)  # every read queued before any module waits on one
+        for _ in modules.map(lambda key: merge_module(config, round_index, key, inputs), keys):
+            pass
+    return finish_round(config, round_index)
 
 
 def merged_info(config, round_index: int) -> dict:
     """What every module file a merge of round r writes records of it (in its safetensors metadata
-    and the directory's marker): the same for a whole-round and a per-module merge."""
+    and the directory's marker)."""
     return {"round": round_index + 1, "grid": list(config.model.grid), "merged_from_round": round_index}
 
 
@@ -228,8 +160,7 @@ def update_module(outer: OuterOptimizer, config, before: ModuleState, momentum: 
     """One module's outer step: (new parameters, new momentum, outer-gradient norm); a module no
     path finished keeps its parameters and momentum (norm None). `inputs` are the paths' trained
     modules, or their decoded deltas with outer.compression (read_path_inputs; a private module's
-    input is always its trained weights, carried over). The whole-round
-    merge and the per-module merge of islands both call this, so their files are bitwise the same."""
+    input is always its trained weights, carried over)."""
     if not inputs:
         return before, momentum, None
     if private:
@@ -319,25 +250,73 @@ def read_momentum(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelS
     return None
 
 
-def merge_module(config, round_index: int, key: ModuleKey) -> dict:
-    """Merge one module of round r as soon as every path through it is in (islands): the same
-    update as merge_round, committed on its own under rounds/round=<r>/merged/; its marker holds
-    what merge.json reports of it."""
-    root = RunRoot(config.run_root)
+class RoundInputs:
+    """What merges of round r read, each file once, on an I/O pool: the modules the round started
+    from, their momentum, and the committed paths' inputs at `levels` (read_path_inputs). A read
+    starts when first asked for (or prefetched) and runs on the pool; file I/O and checksums
+    release the GIL, so reads overlap each other and the math. merge_round shares one across all
+    modules (a path's file is read once, not once per level); an island's merge_module has its own."""
+
+    def __init__(self, root: RunRoot, config, round_index: int, pool: ThreadPoolExecutor,
+                 levels: list[int] | None = None):
+        self.root, self.config, self.round = root, config, round_index
+        self.shape = ModelShape.from_config(config.model)
+        self.levels = list(range(self.shape.n_module_levels)) if levels is None else levels
+        self.committed, _ = committed_paths(root, config, round_index)
+        self._pool, self._reads, self._lock = pool, {}, threading.Lock()
+
+    def _read(self, what: tuple, fn, *args) -> Future:
+        with self._lock:  # module merges on several threads ask for the same path's file
+            if what not in self._reads:
+                self._reads[what] = self._pool.submit(fn, *args)
+            return self._reads[what]
+
+    def through(self, key: ModuleKey) -> list[str]:
+        """The committed paths that trained module `key` this round, in job order."""
+        grid, private = self.config.model.grid, is_private(key, self.config.model.grid)
+        return [pid for pid in self.committed if key in path_modules(_modules_of(pid, self.config), grid, private=private)]
+
+    def before(self, key: ModuleKey) -> Future:
+        return self._read(("before", key), read_module, self.root, self.round, key, self.shape)
+
+    def momentum(self, key: ModuleKey) -> Future:
+        return self._read(("momentum", key), read_momentum, self.root, self.round, key, self.shape)
+
+    def path(self, path_id: str) -> Future:
+        return self._read(("path", path_id), read_path_inputs, self.root, self.config, self.shape, self.round,
+                          path_id, self.levels)
+
+    def prefetch(self, keys: list[ModuleKey]) -> None:
+        for key in keys:
+            self.before(key)
+            self.momentum(key)
+        for path_id in self.committed:
+            self.path(path_id)
+
+    def trained(self, key: ModuleKey) -> list[ModuleState]:
+        """Module `key` as each path through it left it (or, compressed, its decoded delta)."""
+        return [self.path(pid).result()[self.levels.index(key.level)] for pid in self.through(key)]
+
+
+def merge_module(config, round_index: int, key: ModuleKey, inputs: RoundInputs | None = None) -> dict:
+    """Merge one module of round r, once every path through it is in: its outer step (or a private
+    module's carry-over), committed on its own under rounds/round=<r>/merged/ with a marker that
+    holds what merge.json reports of it. Islands run it as a task; merge_round runs it for every
+    module with shared `inputs`. A committed module is not merged again."""
+    root = RunRoot(config.run_root) if inputs is None else inputs.root
     rel = layout.merged_module_dir(round_index, key)
     if root.is_committed(rel):
         return root.marker(rel)
+    if inputs is None:
+        with ThreadPoolExecutor(IO_THREADS) as pool:  # its paths' files read at once
+            return merge_module(config, round_index, key, RoundInputs(root, config, round_index, pool, [key.level]))
     start = time.perf_counter()
-    shape = ModelShape.from_config(config.model)
-    committed, _ = committed_paths(root, config, round_index)
-    grid = config.model.grid
-    through = [pid for pid in committed if key in path_modules(_modules_of(pid, config), grid, private=is_private(key, grid))]
+    through = inputs.through(key)
     with one_torch_thread():
-        before = read_module(root, round_index, key, shape)
-        momentum = read_momentum(root, round_index, key, shape)
-        inputs = [read_path_inputs(root, config, shape, round_index, pid, [key.level])[0] for pid in through]
-        new, buffers, grad_norm = update_module(outer_optimizer(config), config, before, momentum, inputs,
-                                                [committed[p] for p in through], private=is_private(key, grid))
+        before, momentum = inputs.before(key).result(), inputs.momentum(key).result()
+        new, buffers, grad_norm = update_module(outer_optimizer(config), config, before, momentum, inputs.trained(key),
+                                                [inputs.committed[p] for p in through],
+                                                private=is_private(key, config.model.grid))
     info = merged_info(config, round_index)
     write_state(root, rel, key, new, info, layout.MERGED_MODULE)
     files = [layout.MERGED_MODULE]
@@ -351,8 +330,8 @@ def merge_module(config, round_index: int, key: ModuleKey) -> dict:
 
 def finish_round(config, round_index: int) -> dict:
     """Once every module of round r is merged on its own: gather them into round r+1's modules/
-    and outer_state/ (the files a whole-round merge writes, byte for byte), then merge.json and
-    the round's `_SUCCESS`."""
+    and outer_state/, then merge.json and the round's `_SUCCESS`, written last: the round counts
+    from here. Then the round before's staged modules go (everything reads round r's modules/ now)."""
     root = RunRoot(config.run_root)
     rel_round = layout.round_dir(round_index)
     if root.is_committed(rel_round):
@@ -363,28 +342,57 @@ def finish_round(config, round_index: int) -> dict:
     rel_modules, rel_outer = layout.modules_dir(round_index + 1), layout.outer_state_dir(round_index + 1)
     momentum_keys = [key for key in keys if layout.MERGED_MOMENTUM in markers[key]["files"]]
 
-    def gather(key: ModuleKey) -> None:
-        staged = layout.merged_module_dir(round_index, key)
-        root.write_bytes(f"{rel_modules}/{layout.module_file(key)}", root.read_committed(staged, layout.MERGED_MODULE))
-        if key in momentum_keys:
-            root.write_bytes(f"{rel_outer}/{layout.module_file(key)}", root.read_committed(staged, layout.MERGED_MOMENTUM))
+    def gather(key: ModuleKey) -> tuple[dict | None, dict | None]:
+        """The staged module (and momentum) at its place in round r+1; their records when linked."""
+        staged, name = layout.merged_module_dir(round_index, key), layout.module_file(key)
+        module = root.copy_committed(staged, layout.MERGED_MODULE, f"{rel_modules}/{name}")
+        momentum = root.copy_committed(staged, layout.MERGED_MOMENTUM, f"{rel_outer}/{name}") if key in momentum_keys else None
+        return module, momentum
 
-    map_io(gather, keys)
-    commit_states(root, rel_modules, keys, info)
-    commit_states(root, rel_outer, momentum_keys, info)
-    committed, left_out = committed_paths(root, config, round_index)
-    report = commit_round(
-        root, config, round_index, committed, left_out,
-        merged_paths={str(k): markers[k]["paths"] for k in keys},
-        grad_norms={str(k): markers[k]["grad_norm"] for k in keys if markers[k]["grad_norm"] is not None},
-        untouched=[str(k) for k in keys if markers[k]["grad_norm"] is None],
-        sizes={k: markers[k]["bytes"] for k in keys}, seconds=sum(markers[k]["seconds"] for k in keys))
-    if round_index > 0:  # the round before's staged modules: everything reads round r's modules/ now
+    records = dict(zip(keys, map_io(gather, keys)))
+    commit_states(root, rel_modules, keys, info, {layout.module_file(k): records[k][0] for k in keys})
+    commit_states(root, rel_outer, momentum_keys, info, {layout.module_file(k): records[k][1] for k in momentum_keys})
+    report = round_report(root, config, round_index, markers)
+    root.write_json(f"{rel_round}/merge.json", report)
+    root.commit(rel_round, info={"round": round_index, "next_round": round_index + 1}, files=["merge.json"])
+    log.info("merged round %d: %d paths in, %d left out %s; %.1f MB outer vs %.1f MB data-parallel", round_index,
+             len(report["paths_merged"]), len(report["paths_left_out"]), report["paths_left_out"] or "",
+             report["bytes_outer"] / 1e6, report["bytes_data_parallel"] / 1e6)
+    if round_index > 0:
         for key in keys:
             staged = layout.merged_module_dir(round_index - 1, key)
             if root.exists(staged):
                 root.remove(f"{staged}/{SUCCESS}")  # the marker first: a half-removed module never counts
         root.remove(layout.merged_dir(round_index - 1))
+    return report
+
+
+def round_report(root: RunRoot, config, round_index: int, markers: dict[ModuleKey, dict]) -> dict:
+    """merge.json: which paths went in, each module's paths and outer-gradient norm (from its
+    merge's marker), and the bytes an island sends per round against data-parallel training."""
+    committed, left_out = committed_paths(root, config, round_index)
+    # Shared modules only: a path's private module stays on its island, nothing is sent for it.
+    path_bytes = {pid: sum(markers[k]["bytes"] for k in path_modules(_modules_of(pid, config))) for pid in committed}
+    # Per island and round, twice what it sends (docs/design.md, communication): its outer
+    # gradient out and the averaged one back, as a ring all-reduce of it moves; uncompressed,
+    # the fp32 modules' bytes; compressed, the gradient files it wrote (scales and headers included).
+    sent = gradient_file_bytes(root, round_index, committed) if config.outer.compression != "none" else path_bytes
+    report = {
+        "round": round_index,
+        "paths_merged": sorted(committed),
+        "paths_left_out": left_out,
+        "modules_untouched": [str(k) for k, m in markers.items() if m["grad_norm"] is None],
+        "module_paths": {str(k): m["paths"] for k, m in markers.items()},
+        "module_grad_norms": {str(k): m["grad_norm"] for k, m in markers.items() if m["grad_norm"] is not None},
+        "tokens": {pid: int(t) for pid, t in committed.items()},
+        "bytes_outer": 2 * sum(sent.values()),
+        # Data-parallel training of the same islands ring-all-reduces fp32 gradients every inner
+        # step: about 2 x the gradient's bytes per island and step.
+        "bytes_data_parallel": 2 * sum(path_bytes.values()) * config.train.inner_steps,
+        "seconds": sum(m["seconds"] for m in markers.values()),  # the modules' merges, not the gathering
+    }
+    if config.outer.compression != "none":
+        report.update(compression=config.outer.compression, bytes_outer_uncompressed=2 * sum(path_bytes.values()))
     return report
 
 

@@ -80,6 +80,14 @@ def round_dir(round_index: int) -> str:
     return f"rounds/round={round_index}"
 
 
+def next_round(root) -> int:
+    """The first round whose merge has not committed (the number of rounds a run has done)."""
+    r = 0
+    while root.is_committed(round_dir(r)):
+        r += 1
+    return r
+
+
 def modules_dir(round_index: int) -> str:
     """Module parameters at the start of a round; committed by init (round 0) or the merge."""
     return f"{round_dir(round_index)}/modules"

@@ -92,8 +92,9 @@ def write_state(root: RunRoot, rel_dir: str, key: ModuleKey, state: ModuleState,
     root.write_bytes(posixpath.join(rel_dir, name or layout.module_file(key)), encode(state, meta))
 
 
-def commit_states(root: RunRoot, rel_dir: str, keys: list[ModuleKey], info: dict) -> None:
-    root.commit(rel_dir, info={**info, "modules": [[k.level, k.index] for k in sorted(keys)]})
+def commit_states(root: RunRoot, rel_dir: str, keys: list[ModuleKey], info: dict,
+                  linked: dict[str, dict | None] | None = None) -> None:
+    root.commit(rel_dir, info={**info, "modules": [[k.level, k.index] for k in sorted(keys)]}, linked=linked)
 
 
 def write_states(root: RunRoot, rel_dir: str, states: dict[ModuleKey, ModuleState], info: dict) -> None:
@@ -188,11 +189,3 @@ def load_path_model(root: RunRoot, config, round_index: int, path_id: str) -> to
     shape = ModelShape.from_config(config.model)
     return build_path_model(shape, load_path_modules(root, round_index, modules, shape, config.model.grid))
 
-
-def outer_state_keys(root: RunRoot, round_index: int, keys: list[ModuleKey]) -> list[ModuleKey]:
-    """The modules among `keys` that have momentum buffers at the start of a round."""
-    rel = layout.outer_state_dir(round_index)
-    if not root.is_committed(rel):
-        return []
-    listed = root.marker(rel)["files"]
-    return [key for key in keys if layout.module_file(key) in listed]

@@ -201,23 +201,33 @@ class RunRoot:
         self._replace(rel, lambda handle: handle.write(data))
 
     def _replace(self, rel: str, fill: Callable[[IO[bytes]], Any]) -> str:
-        """Fill a temporary file, make it durable and rename it over `rel`; returns the full path.
-        A failed write leaves the old file (or none) and raises StorageError naming the file,
-        never a half-written one."""
-        final = self.path(rel)
-        _fault_point(final)
-        tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+        """Fill a temporary file, make it durable and rename it over `rel`; returns the full path."""
+
+        def make(tmp: str) -> None:
             if self.is_local:
                 with open(tmp, "wb") as handle:
                     fill(handle)
                     handle.flush()
                     os.fsync(handle.fileno())
-                os.replace(tmp, final)
             else:
                 with self.fs.open(tmp, "wb") as handle:
                     fill(handle)
+
+        return self._put(rel, make)
+
+    def _put(self, rel: str, make: Callable[[str], Any]) -> str:
+        """`make` a file at a temporary name, then rename it over `rel`; returns the full path.
+        A failure leaves the old file (or none) and raises StorageError naming the file, never a
+        half-written one."""
+        final = self.path(rel)
+        _fault_point(final)
+        tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+            make(tmp)
+            if self.is_local:
+                os.replace(tmp, final)
+            else:
                 self.fs.mv(tmp, final)
         except OSError as exc:
             self._discard(tmp)
@@ -275,14 +285,15 @@ class RunRoot:
         return sorted(names)
 
     # -- commit markers ------------------------------------------------------------------------
-    def commit(self, rel: str, info: dict[str, Any] | None = None, files: list[str] | None = None) -> dict:
-        """Mark a directory complete: `_SUCCESS` with the checksum of each file, written last."""
+    def commit(self, rel: str, info: dict[str, Any] | None = None, files: list[str] | None = None,
+               linked: dict[str, dict[str, Any]] | None = None) -> dict:
+        """Mark a directory complete: `_SUCCESS` with the checksum of each file, written last.
+        `linked` holds the records of files that are committed files under a second name
+        (copy_committed's links): the same bytes on disk, so their records are taken, not read again."""
         names = self.files_under(rel) if files is None else sorted(files)
-        record = {
-            "committed_at": time.time(),
-            "files": {n: self._file_record(posixpath.join(rel, n)) for n in names},
-            **(info or {}),
-        }
+        linked = {n: r for n, r in (linked or {}).items() if r is not None}
+        records = {n: linked[n] if n in linked else self._file_record(posixpath.join(rel, n)) for n in names}
+        record = {"committed_at": time.time(), "files": records, **(info or {})}
         self.write_json(posixpath.join(rel, SUCCESS), record)
         return record
 
@@ -321,6 +332,23 @@ class RunRoot:
                 f"({len(data)} bytes, expected {expected.get('bytes')}); refusing to load it"
             )
         return data
+
+    def copy_committed(self, rel_dir: str, name: str, rel: str) -> dict[str, Any] | None:
+        """A committed file at a second name, atomically. A local root links it, copying no byte,
+        and returns the record its `_SUCCESS` keeps of it (for commit's `linked`): no write ever
+        changes a file in place (each renames a new file over its name), so the two names hold
+        the bytes that record was read from. Elsewhere, or where links fail, the file is copied,
+        checked against its record as it is read, and None is returned (commit reads the copy)."""
+        record = self.marker(rel_dir)["files"].get(name)
+        if self.is_local and isinstance(record, dict):
+            self._refuse_link(rel_dir, name)
+            try:
+                self._put(rel, lambda tmp: os.link(self.path(rel_dir, name), tmp))
+                return record
+            except StorageError:  # a filesystem without hard links: copy it (a real failure recurs there)
+                pass
+        self.write_bytes(rel, self.read_committed(rel_dir, name))
+        return None
 
     def _refuse_link(self, rel_dir: str, name: str) -> None:
         """Refuse a committed file reached through a symbolic link anywhere below the root: pipeline

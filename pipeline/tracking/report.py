@@ -1,6 +1,7 @@
 """The one-screen summary every `dipaco run` (and every DAG run) ends with: perplexity and bits per
 byte by round and path, the registered model version, one continuation written by the champion,
-and how to open the MLflow UI on the result.
+and how to open the MLflow UI on the result. read_summary gathers it from the committed records
+(eval files, merges, island records, the re-routing's report); format_summary prints it.
 
 Paths are shown relative to the current directory when they lie under it, and the MLflow command
 is the one installed beside `dipaco`, so every line can be copied and run as printed.
@@ -12,6 +13,58 @@ import os
 import socket
 import sys
 from pathlib import Path
+
+from pipeline.core.errors import CorruptStateError
+from pipeline.evaluation.early_stopping import best_up_to, evaluated_rounds
+from pipeline.state import layout
+from pipeline.state.storage import RunRoot
+from pipeline.tracking.tracker import STATE_FILE, Tracker, redact, tracking_uri
+from pipeline.tracking.utilisation import round_utilisation
+
+
+def read_summary(config, root: RunRoot, tracker: Tracker) -> dict:
+    """Perplexity per path and overall by round, from the committed eval files, and where the
+    registered model and the tracking store are."""
+    rounds, committed = evaluated_rounds(root), layout.next_round(root)
+    summary = {"run_root": root.path() if root.is_local else root.url, "rounds_committed": committed,
+               "train_rounds": config.train.rounds, "eval": {r: read_eval(root, r) for r in rounds}}
+    figures = round_utilisation(config, committed - 1) if committed > 0 else None
+    if figures:
+        summary["utilisation"] = {"round": committed - 1, **figures}
+    if config.eval.early_stopping and rounds:
+        summary["early_stopping"] = best_up_to(root)
+    rerouted = read_reroute(config, root)
+    if rerouted:
+        summary["reroute"] = rerouted
+    if config.mlflow.enabled:
+        summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
+                       model_version=tracker.newest_version(), experiment=config.mlflow.experiment)
+        if root.exists(STATE_FILE):  # where the MLflow UI shows this run
+            state = root.read_json(STATE_FILE)
+            summary.update({k: state[k] for k in ("experiment_id", "parent_run_id") if isinstance(state.get(k), str)})
+    return summary
+
+
+def read_eval(root: RunRoot, round_index: int) -> dict:
+    """eval/round=<r>.json with the numbers the run summary prints (perplexity and bits per byte,
+    overall and per path)."""
+    result = root.read_json(layout.eval_file(round_index))
+    paths = result.get("paths", {})
+    entries = [result] + [p if isinstance(p, dict) else {"perplexity": "?"} for p in
+                          (paths.values() if isinstance(paths, dict) else ["?"])]
+    numbers = [entry.get(key) for entry in entries for key in ("perplexity", "bits_per_byte")]
+    if not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+        raise CorruptStateError(f"{root.path(layout.eval_file(round_index))}: perplexity and bits_per_byte (overall "
+                                f"and per path under \"paths\") must be numbers")
+    return result
+
+
+def read_reroute(config, root: RunRoot) -> dict | None:
+    """The re-routing's report (reroute/round=<R+1>/report.json), once written."""
+    after = config.router.discriminative_after
+    if after is None or not root.exists(layout.reroute_report(after + 1)):
+        return None
+    return root.read_json(layout.reroute_report(after + 1))
 
 
 def format_summary(summary: dict) -> str:
