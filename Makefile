@@ -31,6 +31,7 @@ demo: sample
 	$(BIN)/dipaco run --config configs/demo.yaml
 
 test: install
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
 bench: sample

@@ -34,8 +34,12 @@ def _write_docs(directory: Path, n_docs: int) -> list[str]:
     return [a["text"] for a in articles]
 
 
-def bench_prepare(n_docs: int = 10000, options: list[str] | None = None, sample_docs: int = 200,
-                  other_options: dict[str, list[str]] | None = None) -> dict:
+def bench_prepare(
+    n_docs: int = 10000,
+    options: list[str] | None = None,
+    sample_docs: int = 200,
+    other_options: dict[str, list[str]] | None = None,
+) -> dict:
     """Documents/s of the raw embedder, the routing pipeline and the whole job; and their ratios.
 
     `options`: the Beam options of the measured job (default: the config's default, i.e. what
@@ -43,12 +47,12 @@ def bench_prepare(n_docs: int = 10000, options: list[str] | None = None, sample_
     too, against the same raw figure (e.g. the DirectRunner's multi-processing mode)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from pipeline.state import layout
     from pipeline.core.config import BeamConfig, config_from_dict
-    from pipeline.state.storage import RunRoot
     from pipeline.routing.embedders import MiniLMEmbedder
-    from preprocessing.prepare import run_prepare
     from pipeline.routing.tokenizer import encode, prefix_texts
+    from pipeline.state import layout
+    from pipeline.state.storage import RunRoot
+    from preprocessing.prepare import run_prepare
 
     options = options or BeamConfig().options
     with tempfile.TemporaryDirectory() as tmp:
@@ -61,13 +65,15 @@ def bench_prepare(n_docs: int = 10000, options: list[str] | None = None, sample_
         raw_s = time.perf_counter() - start
         del embedder
 
-        config = config_from_dict({
-            "run_root": f"{tmp}/run",
-            "data": {"train": f"{tmp}/in/*.json.gz", "eval": None},
-            "router": {"embedder": "minilm", "sample_docs": sample_docs},
-            "model": {"grid": [4, 4], "blocks_per_level": [1, 1]},
-            "beam": {"options": options},
-        })
+        config = config_from_dict(
+            {
+                "run_root": f"{tmp}/run",
+                "data": {"train": f"{tmp}/in/*.json.gz", "eval": None},
+                "router": {"embedder": "minilm", "sample_docs": sample_docs},
+                "model": {"grid": [4, 4], "blocks_per_level": [1, 1]},
+                "beam": {"options": options},
+            }
+        )
         start = time.perf_counter()
         manifest = run_prepare(config)
         full_s = time.perf_counter() - start
@@ -83,8 +89,12 @@ def bench_prepare(n_docs: int = 10000, options: list[str] | None = None, sample_
             start = time.perf_counter()
             run_prepare(config)
             seconds = time.perf_counter() - start
-            other[name] = {"options": flags, "route_docs_per_s": n_docs / seconds, "route_ratio": raw_s / seconds,
-                           "seconds": seconds}
+            other[name] = {
+                "options": flags,
+                "route_docs_per_s": n_docs / seconds,
+                "route_ratio": raw_s / seconds,
+                "seconds": seconds,
+            }
 
     result = {
         "n_docs": n_docs,

@@ -5,7 +5,8 @@ Two runs of the same config and seed on the tiny model, each on 4 real island pr
 
 - **fault-free**: the 4 islands, nothing else;
 - **chaos**: the same, with faults on a schedule (`--fault-every` seconds apart, from the first
-  train task on; a fault on one island waits, up to half an interval, until it holds a train task): SIGKILL of island-0 (started again, as `dipaco run` does); SIGSTOP of island-1 for
+  train task on; a fault on one island waits, up to half an interval, until it holds a train
+  task): SIGKILL of island-0 (started again, as `dipaco run` does); SIGSTOP of island-1 for
   3x `train.lease_seconds`, then SIGCONT (the zombie holder); island-3 leaves (SIGTERM) and
   island-4 joins. Throughout: island-2 throttled to a quarter of the speed (SIGSTOP/SIGCONT in
   0.3 s / 0.1 s cycles: a straggler), island-1's wall clock 120 s ahead (DIPACO_TEST_CLOCK_OFFSET,
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.results import commit_block
 from models.grid import all_path_ids
 from pipeline import stages
 from pipeline.core.config import Config, load_config
@@ -45,8 +47,6 @@ from pipeline.state import layout
 from pipeline.state.shards import shard_table, write_shard_file
 from pipeline.state.storage import RunRoot
 from pipeline.train.distributed import child_env
-
-from benchmarks.results import commit_block
 
 log = logging.getLogger("dipaco.bench.chaos")
 OUT = Path("benchmarks/out/chaos")
@@ -64,7 +64,9 @@ def synthetic_shards(root: RunRoot, grid: list[int], docs_per_path: int, seed: i
         for _ in range(docs_per_path + 6):
             motif = rng.integers(low, low + band, size=4)
             length = int(rng.integers(24, 72))
-            docs.append([int(motif[i % 4]) if rng.random() < 0.8 else int(rng.integers(0, VOCAB - 1)) for i in range(length)])
+            docs.append(
+                [int(motif[i % 4]) if rng.random() < 0.8 else int(rng.integers(0, VOCAB - 1)) for i in range(length)]
+            )
         ids = [f"doc-{index}-{i}" for i in range(len(docs))]
         write_shard_file(root, f"shards/path={path_id}/part-00000.parquet", shard_table(ids[:-6], docs[:-6]))
         write_shard_file(root, f"shards/validation/path={path_id}/part-00000.parquet", shard_table(ids[-6:], docs[-6:]))
@@ -73,11 +75,24 @@ def synthetic_shards(root: RunRoot, grid: list[int], docs_per_path: int, seed: i
 
 
 def chaos_config(run_root: Path, args: argparse.Namespace) -> Config:
-    return load_config(REPO / "configs" / "tiny.yaml", [
-        f"run_root={run_root}", "model.tokenizer=gpt2", f"model.vocab_size={VOCAB}", "mlflow.enabled=false", "train.launcher=deepspeed",
-        f"train.rounds={args.rounds}", f"train.inner_steps={args.inner_steps}", "train.warmup_steps=5",
-        f"train.lease_seconds={args.lease_seconds}", "train.max_attempts=8", f"train.backup_after={args.backup_after}",
-        f"train.checkpoint_every={max(1, args.inner_steps // 4)}", "train.islands=4"])
+    return load_config(
+        REPO / "configs" / "tiny.yaml",
+        [
+            f"run_root={run_root}",
+            "model.tokenizer=gpt2",
+            f"model.vocab_size={VOCAB}",
+            "mlflow.enabled=false",
+            "train.launcher=deepspeed",
+            f"train.rounds={args.rounds}",
+            f"train.inner_steps={args.inner_steps}",
+            "train.warmup_steps=5",
+            f"train.lease_seconds={args.lease_seconds}",
+            "train.max_attempts=8",
+            f"train.backup_after={args.backup_after}",
+            f"train.checkpoint_every={max(1, args.inner_steps // 4)}",
+            "train.islands=4",
+        ],
+    )
 
 
 class Islands:
@@ -96,8 +111,12 @@ class Islands:
         out = open(self.logs / f"{name}.{self.starts[name]}.log", "w")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "pipeline.island_rank", "--run-root", str(self.run_root), "--island", name],
-            cwd=REPO, env=child_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env[name]}),
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=REPO,
+            env=child_env({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **self.env[name]}),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def signal(self, name: str, sig: int) -> None:
         try:
@@ -166,19 +185,29 @@ def run_once(args: argparse.Namespace, name: str, faults: bool) -> dict:
     while not first_train_started(root):
         time.sleep(0.2)
     train_began = time.monotonic()
-    schedule = [(1, "SIGKILL island-0"), (2, "SIGSTOP island-1"), (3, "island-3 leaves, island-4 joins")] if faults else []
+    schedule = (
+        [(1, "SIGKILL island-0"), (2, "SIGSTOP island-1"), (3, "island-3 leaves, island-4 joins")] if faults else []
+    )
     stopped_at = None
     try:
         while not queue.finished(config.train.rounds):
             now = time.monotonic() - train_began
             due = schedule and now >= schedule[0][0] * args.fault_every
             if due and schedule[0][1] != "island-3 leaves, island-4 joins":  # hit it while it trains, up to
-                target = schedule[0][1].split()[1]                            # half an interval late
-                due = any(t.startswith("train.") for t in held_by(root, target)) or \
-                    now >= (schedule[0][0] + 0.5) * args.fault_every
+                target = schedule[0][1].split()[1]  # half an interval late
+                due = (
+                    any(t.startswith("train.") for t in held_by(root, target))
+                    or now >= (schedule[0][0] + 0.5) * args.fault_every
+                )
             if due:
                 _, what = schedule.pop(0)
-                events.append({"fault": what, "at_s": round(now, 1), "held": held_by(root, what.split()[0 if "leaves" in what else 1])})
+                events.append(
+                    {
+                        "fault": what,
+                        "at_s": round(now, 1),
+                        "held": held_by(root, what.split()[0 if "leaves" in what else 1]),
+                    }
+                )
                 log.info("t=%.0f s: %s", now, what)
                 if what.startswith("SIGKILL"):
                     islands.signal("island-0", signal.SIGKILL)
@@ -233,26 +262,45 @@ def summarize(root: RunRoot, config: Config, name: str, wall: float, train_wall:
         for attempt in root.listdir(f"{LEASES}/{task}"):
             record = root.read_json(f"{LEASES}/{task}/{attempt}")
             end = record.get("finished_at", record.get("heartbeat"))
-            attempts.setdefault(task, []).append({
-                "attempt": attempt.removesuffix(".json"), "island": record.get("island"), "state": record.get("state"),
-                "backup": bool(record.get("backup")), "seconds": round(float(end) - float(record["claimed_at"]), 1)})
+            attempts.setdefault(task, []).append(
+                {
+                    "attempt": attempt.removesuffix(".json"),
+                    "island": record.get("island"),
+                    "state": record.get("state"),
+                    "backup": bool(record.get("backup")),
+                    "seconds": round(float(end) - float(record["claimed_at"]), 1),
+                }
+            )
     for event in events:  # what each fault cost: the attempts it hit that published nothing
-        lost = [a for task, items in attempts.items() for a in items
-                if f"{task}/{a['attempt']}" in event["held"] and a["state"] != "done"]
+        lost = [
+            a
+            for task, items in attempts.items()
+            for a in items
+            if f"{task}/{a['attempt']}" in event["held"] and a["state"] != "done"
+        ]
         event["lost_seconds"] = round(sum(a["seconds"] for a in lost), 1)
-        event["resumed_from_step"] = {h.split("/")[0]: resumed.get(h.split("/")[0], 0) for h in event["held"]
-                                      if h.startswith("train.")}
+        event["resumed_from_step"] = {
+            h.split("/")[0]: resumed.get(h.split("/")[0], 0) for h in event["held"] if h.startswith("train.")
+        }
     final = config.train.rounds
     digests = {}
     for rel in (layout.modules_dir(final), layout.outer_state_dir(final)):
         for file in sorted(Path(root.path(rel)).rglob("*.safetensors")):
             digests[str(file.relative_to(root.path()))] = hashlib.sha256(file.read_bytes()).hexdigest()
     backups = [dict(a, task=t) for t, items in attempts.items() for a in items if a["backup"]]
-    return {"run": name, "wall_s": round(wall, 1), "train_wall_s": round(train_wall, 1), "tokens": tokens,
-            "goodput_tokens_per_s": tokens / wall, "inner_seconds": round(inner, 1), "faults": events,
-            "backups": backups, "resumed": resumed,
-            "attempts_not_done": sum(a["state"] != "done" for items in attempts.values() for a in items),
-            "modules": digests}
+    return {
+        "run": name,
+        "wall_s": round(wall, 1),
+        "train_wall_s": round(train_wall, 1),
+        "tokens": tokens,
+        "goodput_tokens_per_s": tokens / wall,
+        "inner_seconds": round(inner, 1),
+        "faults": events,
+        "backups": backups,
+        "resumed": resumed,
+        "attempts_not_done": sum(a["state"] != "done" for items in attempts.values() for a in items),
+        "modules": digests,
+    }
 
 
 def render(free: dict, chaos: dict, args: argparse.Namespace) -> str:
@@ -260,8 +308,10 @@ def render(free: dict, chaos: dict, args: argparse.Namespace) -> str:
     ratio = chaos["goodput_tokens_per_s"] / free["goodput_tokens_per_s"]
     lines = [
         f"Chaos benchmark (`python -m benchmarks.chaos`, {os.cpu_count()} CPU cores, "
-        f"{time.strftime('%Y-%m-%d')}): tiny model, grid [2, 2], {args.rounds} rounds x {args.inner_steps} inner steps, "
-        f"4 islands of 1 rank, lease {args.lease_seconds} s, backup_after {args.backup_after}, checkpoint_every {max(1, args.inner_steps // 4)}.",
+        f"{time.strftime('%Y-%m-%d')}): tiny model, grid [2, 2], "
+        f"{args.rounds} rounds x {args.inner_steps} inner steps, "
+        f"4 islands of 1 rank, lease {args.lease_seconds} s, backup_after {args.backup_after}, "
+        f"checkpoint_every {max(1, args.inner_steps // 4)}.",
         "",
         "| run | wall s | committed tokens | goodput tokens/s | vs fault-free |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -274,8 +324,10 @@ def render(free: dict, chaos: dict, args: argparse.Namespace) -> str:
         "| ---: | --- | --- | ---: | --- |",
     ]
     for e in chaos["faults"]:
-        lines.append(f"| {e['at_s']} | {e['fault']} | {', '.join(e['held']) or 'none'} | {e['lost_seconds']} | "
-                     f"{', '.join(f'{t}: {s}' for t, s in e['resumed_from_step'].items()) or '-'} |")
+        lines.append(
+            f"| {e['at_s']} | {e['fault']} | {', '.join(e['held']) or 'none'} | {e['lost_seconds']} | "
+            f"{', '.join(f'{t}: {s}' for t, s in e['resumed_from_step'].items()) or '-'} |"
+        )
     lines += [
         "",
         "Throughout the chaos run: island-2 at a quarter of the speed, island-1's clock +120 s, 3 failed lease writes "
@@ -283,7 +335,8 @@ def render(free: dict, chaos: dict, args: argparse.Namespace) -> str:
         + (", ".join(f"{b['task']} {b['attempt']} on {b['island']} ({b['state']})" for b in chaos["backups"]) or "none")
         + f". Attempts that did not end done: {chaos['attempts_not_done']} (fault-free: {free['attempts_not_done']}).",
         "",
-        f"Final modules and momentum buffers ({len(chaos['modules'])} files) bitwise identical to the fault-free run's: "
+        f"Final modules and momentum buffers ({len(chaos['modules'])} files) "
+        "bitwise identical to the fault-free run's: "
         f"**{'yes' if same else 'NO'}**.",
     ]
     return "\n".join(lines)

@@ -35,14 +35,14 @@ from safetensors.torch import save as st_save
 
 from models.grid import all_path_ids
 from models.modular import ModelShape, assemble_path_state
-from pipeline.state import layout
 from pipeline import stages
 from pipeline.core.config import Config, config_from_dict
-from pipeline.train.distributed import free_port, set_runtime_env
 from pipeline.outer.merge import merge_round
 from pipeline.run import Run
+from pipeline.state import layout
 from pipeline.state.module_store import load_path_modules
 from pipeline.state.storage import RunRoot
+from pipeline.train.distributed import free_port, set_runtime_env
 
 log = logging.getLogger("dipaco.bench.perf")
 OUT = Path("benchmarks/out/perf")
@@ -55,21 +55,52 @@ def default_path_shape() -> dict[str, int]:
     2 + 2 blocks, seq_len 256, micro batch 8): the trainer figure is measured on it."""
     defaults = Config()
     model, train = defaults.model, defaults.train
-    return {"hidden": model.hidden_size, "heads": model.num_heads, "blocks": sum(model.blocks_per_level),
-            "seq_len": model.seq_len, "micro_batch": train.micro_batch_size, "accum": train.gradient_accumulation_steps}
+    return {
+        "hidden": model.hidden_size,
+        "heads": model.num_heads,
+        "blocks": sum(model.blocks_per_level),
+        "seq_len": model.seq_len,
+        "micro_batch": train.micro_batch_size,
+        "accum": train.gradient_accumulation_steps,
+    }
 
 
-def trainer_throughput(args: argparse.Namespace, name: str, shape: dict[str, int], steps: int, reps: int,
-                       modes: str, precision: str = "fp32") -> dict:
+def trainer_throughput(
+    args: argparse.Namespace,
+    name: str,
+    shape: dict[str, int],
+    steps: int,
+    reps: int,
+    modes: str,
+    precision: str = "fp32",
+) -> dict:
     """Launch the worker exactly as a path job is launched (deepspeed launcher, OMP threads set)."""
     set_runtime_env()
     out = OUT / f"{name}.json"
     out.unlink(missing_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.procs)
-    command = [str(Path(sys.executable).with_name("deepspeed")), "--num_nodes", "1", "--num_gpus", str(args.procs),
-               "--master_port", str(free_port()), "--no_local_rank", "--module", "benchmarks.perf_worker",
-               "--out", str(out), "--steps", str(steps), "--reps", str(reps), "--modes", modes,
-               "--precision", precision]
+    command = [
+        str(Path(sys.executable).with_name("deepspeed")),
+        "--num_nodes",
+        "1",
+        "--num_gpus",
+        str(args.procs),
+        "--master_port",
+        str(free_port()),
+        "--no_local_rank",
+        "--module",
+        "benchmarks.perf_worker",
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--reps",
+        str(reps),
+        "--modes",
+        modes,
+        "--precision",
+        precision,
+    ]
     for key, value in shape.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     log.info("trainer benchmark: %s", " ".join(command))
@@ -97,19 +128,28 @@ def prepare_throughput(n_docs: int) -> dict | None:
         return None
     from benchmarks.bench_prepare import MULTI_PROCESSING, bench_prepare
 
-    return bench_prepare(n_docs, sample_docs=max(200, n_docs // 50), other_options={"multi_processing_2": MULTI_PROCESSING})
+    return bench_prepare(
+        n_docs, sample_docs=max(200, n_docs // 50), other_options={"multi_processing_2": MULTI_PROCESSING}
+    )
 
 
 # -- merge against plain file I/O ----------------------------------------------------------------
 def merge_config(args: argparse.Namespace, run_root: Path) -> Config:
-    return config_from_dict({
-        "run_root": str(run_root),
-        # hidden 64 (GPT-2's vocab): the merge figure's 837 MB, as measured before the toy path grew
-        "model": {"grid": [4, 4], "blocks_per_level": [1, 1], "hidden_size": MERGE_HIDDEN, "num_heads": 4,
-                  "seq_len": args.seq_len},
-        "train": {"inner_steps": args.inner_steps, "launcher": "inprocess"},
-        "mlflow": {"enabled": False},
-    })
+    return config_from_dict(
+        {
+            "run_root": str(run_root),
+            # hidden 64 (GPT-2's vocab): the merge figure's 837 MB, as measured before the toy path grew
+            "model": {
+                "grid": [4, 4],
+                "blocks_per_level": [1, 1],
+                "hidden_size": MERGE_HIDDEN,
+                "num_heads": 4,
+                "seq_len": args.seq_len,
+            },
+            "train": {"inner_steps": args.inner_steps, "launcher": "inprocess"},
+            "mlflow": {"enabled": False},
+        }
+    )
 
 
 def fake_path(root: RunRoot, config: Config, round_index: int, path_id: str, shift: float, tokens: int) -> None:
@@ -205,7 +245,11 @@ def merge_profile(root: RunRoot, config: Config, round_index: int) -> list[dict]
     from pipeline.outer import merge
 
     root.remove(f"{layout.round_dir(round_index)}/_SUCCESS")
-    for rel in (layout.merged_dir(round_index), layout.modules_dir(round_index + 1), layout.outer_state_dir(round_index + 1)):
+    for rel in (
+        layout.merged_dir(round_index),
+        layout.modules_dir(round_index + 1),
+        layout.outer_state_dir(round_index + 1),
+    ):
         root.remove(rel)  # every module merged again, as in timed_merge
     profiler, module_profilers = cProfile.Profile(), []
     merge_module = merge.merge_module
@@ -220,13 +264,34 @@ def merge_profile(root: RunRoot, config: Config, round_index: int) -> list[dict]
     finally:
         merge.merge_module = merge_module
     stats = pstats.Stats(profiler, *module_profilers)
-    wanted = ("crc32", "fsync", "map_io", "read_committed", "decode", "encode", "outer_gradient", "outer_step",
-              "write_bytes", "commit", "load_modules", "write_states", "split_path_state", "_file_record",
-              "module_grad", "read_state", "write_state", "read_bytes", "st_save", "save", "load")
+    wanted = (
+        "crc32",
+        "fsync",
+        "map_io",
+        "read_committed",
+        "decode",
+        "encode",
+        "outer_gradient",
+        "outer_step",
+        "write_bytes",
+        "commit",
+        "load_modules",
+        "write_states",
+        "split_path_state",
+        "_file_record",
+        "module_grad",
+        "read_state",
+        "write_state",
+        "read_bytes",
+        "st_save",
+        "save",
+        "load",
+    )
     rows = []
     for (file, _, name), (_, _, _, cumulative, _) in stats.stats.items():
-        if any(w == name or w in name for w in wanted) and ("pipeline" in file or "zlib" in name or "{" in file
-                                                            or "safetensors" in file):
+        if any(w == name or w in name for w in wanted) and (
+            "pipeline" in file or "zlib" in name or "{" in file or "safetensors" in file
+        ):
             rows.append({"function": f"{Path(file).name}:{name}", "seconds": round(cumulative, 3)})
     total = sum(v[3] for k, v in stats.stats.items() if k[2] == "merge_round")
     rows.sort(key=lambda r: -r["seconds"])
@@ -252,9 +317,13 @@ def merge_vs_io(args: argparse.Namespace) -> dict:
         verified_s.append(plain_io(reads, writes, OUT / "plain-io", fsync=True, verify=True))
     read_bytes, written_bytes = sum(p.stat().st_size for p in reads), sum(p.stat().st_size for p in writes)
     return {
-        "paths": len(all_path_ids(config.model.grid)), "grid": config.model.grid,
-        "bytes_read": read_bytes, "bytes_written": written_bytes,
-        "merge_seconds": merge_s, "plain_io_seconds": plain_s, "plain_io_fsync_seconds": fsync_s,
+        "paths": len(all_path_ids(config.model.grid)),
+        "grid": config.model.grid,
+        "bytes_read": read_bytes,
+        "bytes_written": written_bytes,
+        "merge_seconds": merge_s,
+        "plain_io_seconds": plain_s,
+        "plain_io_fsync_seconds": fsync_s,
         "ratio": statistics.median(m / p for m, p in zip(merge_s, plain_s)),
         "ratio_vs_fsync_io": statistics.median(m / p for m, p in zip(merge_s, fsync_s)),
         "plain_io_fsync_crc32_seconds": verified_s,
@@ -284,7 +353,8 @@ def bytes_ratio(merge: dict, config: Config) -> dict:
     report = merge["report"]
     return {
         "inner_steps": config.train.inner_steps,
-        "bytes_outer": report["bytes_outer"], "bytes_data_parallel_report": report["bytes_data_parallel"],
+        "bytes_outer": report["bytes_outer"],
+        "bytes_data_parallel_report": report["bytes_data_parallel"],
         "bytes_data_parallel_ring": dp,
         "ratio_report": report["bytes_outer"] / report["bytes_data_parallel"],
         "ratio_ring": report["bytes_outer"] / dp,
@@ -297,16 +367,42 @@ def run_perf(args: argparse.Namespace) -> dict:
     result: dict = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     # The figure: the default path at its default step (2,048 tokens). The diagnostic: the quality
     # runs' path at a 768-token step, where DeepSpeed's fixed per-step work shows (benchmarks/RESULTS.md).
-    toy = {"hidden": args.hidden, "heads": 4, "blocks": 4, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-           "accum": 1}
-    stages_ = [("merge", lambda: merge_vs_io(args)),
-               ("trainer", lambda: trainer_throughput(args, "trainer", default_path_shape(), 1, args.trainer_reps,
-                                                      "plain,zero1,zero2,zero3")),
-               # a row per precision: bf16 autocast where this CPU has it natively (what auto measures)
-               ("trainer_bf16", lambda: trainer_throughput(args, "trainer_bf16", default_path_shape(), 1, args.trainer_reps,
-                                                           "plain,zero1,zero2,zero3", precision="bf16")),
-               ("trainer_small_step", lambda: trainer_throughput(args, "trainer_small_step", toy, args.steps, args.reps,
-                                                                 "plain,zero1,zero2,zero3,zero2_bare"))]
+    toy = {
+        "hidden": args.hidden,
+        "heads": 4,
+        "blocks": 4,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "accum": 1,
+    }
+    stages_ = [
+        ("merge", lambda: merge_vs_io(args)),
+        (
+            "trainer",
+            lambda: trainer_throughput(
+                args, "trainer", default_path_shape(), 1, args.trainer_reps, "plain,zero1,zero2,zero3"
+            ),
+        ),
+        # a row per precision: bf16 autocast where this CPU has it natively (what auto measures)
+        (
+            "trainer_bf16",
+            lambda: trainer_throughput(
+                args,
+                "trainer_bf16",
+                default_path_shape(),
+                1,
+                args.trainer_reps,
+                "plain,zero1,zero2,zero3",
+                precision="bf16",
+            ),
+        ),
+        (
+            "trainer_small_step",
+            lambda: trainer_throughput(
+                args, "trainer_small_step", toy, args.steps, args.reps, "plain,zero1,zero2,zero3,zero2_bare"
+            ),
+        ),
+    ]
     stages_.append(("prepare", lambda: prepare_throughput(args.prepare_docs)))
     for name, run in stages_:
         start = time.perf_counter()
@@ -324,8 +420,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=6)
     # Shortened to leave the quality rows their 300 steps within `make bench`'s 45 minutes: 10 blocks
     # (was 16) and 3,000 prepare documents (was 10,000, ~4 min of MiniLM in four measurements).
-    parser.add_argument("--trainer-reps", type=int, default=10,
-                        help="timed one-step blocks per mode on the default path, interleaved in shuffled order")
+    parser.add_argument(
+        "--trainer-reps",
+        type=int,
+        default=10,
+        help="timed one-step blocks per mode on the default path, interleaved in shuffled order",
+    )
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block of the small-step diagnostic")
     parser.add_argument("--reps", type=int, default=12, help="timed blocks per mode of the small-step diagnostic")
     parser.add_argument("--procs", type=int, default=1, help="ranks of the trainer launch (the island)")

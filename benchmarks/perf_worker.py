@@ -48,15 +48,28 @@ MODES = ("plain", "zero1", "zero2", "zero3", "zero2_bare")
 
 def bench_config(args: argparse.Namespace) -> Config:
     """The path trainer's config for this benchmark (the model the quality runs train)."""
-    return config_from_dict({
-        "run_root": "/tmp/dipaco-perf-unused",
-        "model": {"grid": [1], "blocks_per_level": [args.blocks], "hidden_size": args.hidden,
-                  "num_heads": args.heads, "seq_len": args.seq_len},
-        "train": {"rounds": 10_000, "inner_steps": args.steps, "micro_batch_size": args.micro_batch,
-                  "gradient_accumulation_steps": args.accum, "lr": 2.0e-3, "warmup_steps": 10,
-                  "precision": args.precision},  # explicit: the plain loop runs in the same one
-        "mlflow": {"enabled": False},
-    })
+    return config_from_dict(
+        {
+            "run_root": "/tmp/dipaco-perf-unused",
+            "model": {
+                "grid": [1],
+                "blocks_per_level": [args.blocks],
+                "hidden_size": args.hidden,
+                "num_heads": args.heads,
+                "seq_len": args.seq_len,
+            },
+            "train": {
+                "rounds": 10_000,
+                "inner_steps": args.steps,
+                "micro_batch_size": args.micro_batch,
+                "gradient_accumulation_steps": args.accum,
+                "lr": 2.0e-3,
+                "warmup_steps": 10,
+                "precision": args.precision,
+            },  # explicit: the plain loop runs in the same one
+            "mlflow": {"enabled": False},
+        }
+    )
 
 
 def load_rows(data_glob: str, n_docs: int, seq_len: int) -> np.ndarray:
@@ -182,8 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
     parser.add_argument("--reps", type=int, default=12, help="timed blocks per mode, interleaved")
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                        help="train.precision of every mode (the plain loop autocasts the same way)")
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16", "fp16"),
+        help="train.precision of every mode (the plain loop autocasts the same way)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     rank, world = init_distributed()
@@ -195,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     loops = {}
     for mode in args.modes.split(","):
         model = build_path_model(shape, [{k: v.clone() for k, v in m.items()} for m in init])
-        loops[mode] = PlainLoop(model, config, world) if mode == "plain" else \
-            TrainerLoop(model, config, int(mode[4]), world, bare=mode.endswith("bare"))
+        loops[mode] = (
+            PlainLoop(model, config, world)
+            if mode == "plain"
+            else TrainerLoop(model, config, int(mode[4]), world, bare=mode.endswith("bare"))
+        )
     peak = [matmul_flops()]
     seconds: dict[str, list[float]] = {mode: [] for mode in loops}
     order = list(loops)
@@ -215,8 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     tokens = args.steps * args.accum * args.micro_batch * args.seq_len * world
     flops_token = model_flops_per_token(build_path_model(shape), shape)
     result = {
-        "world_size": world, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-        "tokens_per_block": tokens, "steps_per_block": args.steps, "reps": args.reps,
+        "world_size": world,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "tokens_per_block": tokens,
+        "steps_per_block": args.steps,
+        "reps": args.reps,
         "seconds": seconds,
         "tokens_per_s": {m: tokens / statistics.median(s) for m, s in seconds.items()},
         # Each block against the plain block of the same rep (adjacent in time): drift cancels.
@@ -224,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
         # What a mode adds to each optimizer step, from the same paired blocks. ZeRO's extra work
         # (flat gradient buffers, its own norm, the master copy written back) is paid per step,
         # whatever the step's token count: this is the number that predicts other step sizes.
-        "extra_seconds_per_step": {m: statistics.median((s - p) / args.steps for p, s in zip(seconds["plain"], seconds[m]))
-                                   for m in seconds},
+        "extra_seconds_per_step": {
+            m: statistics.median((s - p) / args.steps for p, s in zip(seconds["plain"], seconds[m])) for m in seconds
+        },
         "plain_seconds_per_step": statistics.median(seconds["plain"]) / args.steps,
-        "matmul_flops": max(peak), "model_flops_per_token": flops_token,
+        "matmul_flops": max(peak),
+        "model_flops_per_token": flops_token,
         "args": vars(args),
     }
     result["mfu"] = {m: result["tokens_per_s"][m] * flops_token / result["matmul_flops"] for m in seconds}

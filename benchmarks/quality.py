@@ -114,9 +114,22 @@ class QualityArgs:
     keep_rounds: int = 0  # 1: keep each run's rounds/ (modules, DeepSpeed states)
 
 
-QUICK = {"rounds": 2, "inner_steps": 3, "hidden": 32, "blocks": 4, "seq_len": 128, "micro_batch": 2, "warmup": 1,
-         "train_docs": 400, "eval_docs": 40, "embedder": "tfidf", "router_docs": 200, "vocab": 512,
-         "launcher": "deepspeed", "lanes": 2}  # every row through real islands in a few minutes: a smoke check
+QUICK = {
+    "rounds": 2,
+    "inner_steps": 3,
+    "hidden": 32,
+    "blocks": 4,
+    "seq_len": 128,
+    "micro_batch": 2,
+    "warmup": 1,
+    "train_docs": 400,
+    "eval_docs": 40,
+    "embedder": "tfidf",
+    "router_docs": 200,
+    "vocab": 512,
+    "launcher": "deepspeed",
+    "lanes": 2,
+}  # every row through real islands in a few minutes: a smoke check
 
 
 @dataclass(frozen=True)
@@ -150,21 +163,25 @@ class Variant:
         steps = args.rounds * args.inner_steps * self.step_multiple
         step = STEP_SECONDS * (2.8 if self.hidden_multiple > 1 else 1.0)
         evals = (args.rounds + 1) * 5 * (2 if jobs > 4 else 1)
-        return jobs * steps * step + 15 + evals + (25 if self.reroute_after else 0) + (120 if self.discriminative else 0)
+        return (
+            jobs * steps * step + 15 + evals + (25 if self.reroute_after else 0) + (120 if self.discriminative else 0)
+        )
 
 
 def variants(args: QualityArgs) -> list[Variant]:
     seeds = range(args.seeds)
     m = args.workers
-    rows = [*(Variant("dense", (1,), seed=s, outer_identity=True) for s in seeds),
-            Variant(f"dense_x{m}", (1,), step_multiple=m, outer_identity=True),
-            *(Variant(f"diloco_m{m}", (1,), seed=s, workers=m) for s in seeds),
-            *(Variant("dipaco_2x2", (2, 2), seed=s, early_stopping=s == 0, reroute_after=s == 0) for s in seeds),
-            Variant("dipaco_4x4", (4, 4)),
-            Variant("dense_big", (1,), hidden_multiple=2, outer_identity=True),
-            Variant("pathblocks", (2, 2), blocks=(args.blocks // 2, args.blocks // 2 - 1), path_blocks=1),
-            Variant("int8", (2, 2), compression="int8"),
-            Variant("int4", (2, 2), compression="int4")]
+    rows = [
+        *(Variant("dense", (1,), seed=s, outer_identity=True) for s in seeds),
+        Variant(f"dense_x{m}", (1,), step_multiple=m, outer_identity=True),
+        *(Variant(f"diloco_m{m}", (1,), seed=s, workers=m) for s in seeds),
+        *(Variant("dipaco_2x2", (2, 2), seed=s, early_stopping=s == 0, reroute_after=s == 0) for s in seeds),
+        Variant("dipaco_4x4", (4, 4)),
+        Variant("dense_big", (1,), hidden_multiple=2, outer_identity=True),
+        Variant("pathblocks", (2, 2), blocks=(args.blocks // 2, args.blocks // 2 - 1), path_blocks=1),
+        Variant("int8", (2, 2), compression="int8"),
+        Variant("int4", (2, 2), compression="int4"),
+    ]
     if HAS_DISCRIMINATIVE:
         rows.append(Variant("discriminative", (2, 2), discriminative=True))
     wanted = {n for n in args.only.split(",") if n}
@@ -187,30 +204,59 @@ def write_eval_docs(args: QualityArgs) -> str:
 def variant_config(args: QualityArgs, v: Variant, run_root: str, eval_glob: str) -> Config:
     levels = len(v.grid)
     blocks = list(v.blocks) if v.blocks else [args.blocks // levels] * levels
-    outer = ({"lr": 1.0, "momentum": 0.0, "nesterov": False} if v.outer_identity else
-             {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": args.outer_momentum > 0})
+    outer = (
+        {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+        if v.outer_identity
+        else {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": args.outer_momentum > 0}
+    )
     # grid [1]: every document lands in the one path, so the cheap tf-idf embedder routes as well as MiniLM.
-    router = {"embedder": "tfidf" if v.grid == (1,) else args.embedder, "prefix_tokens": 32,
-              "sample_docs": args.router_docs, "balanced": True}
+    router = {
+        "embedder": "tfidf" if v.grid == (1,) else args.embedder,
+        "prefix_tokens": 32,
+        "sample_docs": args.router_docs,
+        "balanced": True,
+    }
     if v.discriminative:
         router["discriminative_after"] = args.rounds // 2 - 1  # halfway: later rounds train on the new shards
-    return config_from_dict({
-        "run_root": run_root,
-        "data": {"train": args.train_glob, "eval": eval_glob, "max_docs": args.train_docs or None},
-        "router": router,
-        "model": {"grid": list(v.grid), "blocks_per_level": blocks, "hidden_size": args.hidden * v.hidden_multiple,
-                  "num_heads": args.heads * v.hidden_multiple, "seq_len": args.seq_len, "tokenizer": "bpe",
-                  "vocab_size": args.vocab, "tokenizer_sample_docs": 4000, "init_seed": v.seed,
-                  "path_specific_blocks": v.path_blocks},
-        "train": {"rounds": args.rounds, "inner_steps": args.inner_steps * v.step_multiple,
-                  "micro_batch_size": args.micro_batch, "lr": args.lr, "warmup_steps": args.warmup,
-                  "min_lr_ratio": 1.0,  # constant after warmup, as the demo measured best far from convergence
-                  "ds_config": "ds_configs/zero2.json", "precision": "auto", "workers_per_path": v.workers, "seed": v.seed,
-                  "launcher": args.launcher, "parallel_paths": 1, "islands": 1, "threads_per_proc": 1},
-        "outer": {**outer, "compression": v.compression},
-        "eval": {"max_docs": None, "batch_size": 16, "early_stopping": v.early_stopping},
-        "mlflow": {"enabled": False},  # run.py logs the benchmark itself to dipaco-bench
-    }, source=f"<benchmark row {v.run_name}>")
+    return config_from_dict(
+        {
+            "run_root": run_root,
+            "data": {"train": args.train_glob, "eval": eval_glob, "max_docs": args.train_docs or None},
+            "router": router,
+            "model": {
+                "grid": list(v.grid),
+                "blocks_per_level": blocks,
+                "hidden_size": args.hidden * v.hidden_multiple,
+                "num_heads": args.heads * v.hidden_multiple,
+                "seq_len": args.seq_len,
+                "tokenizer": "bpe",
+                "vocab_size": args.vocab,
+                "tokenizer_sample_docs": 4000,
+                "init_seed": v.seed,
+                "path_specific_blocks": v.path_blocks,
+            },
+            "train": {
+                "rounds": args.rounds,
+                "inner_steps": args.inner_steps * v.step_multiple,
+                "micro_batch_size": args.micro_batch,
+                "lr": args.lr,
+                "warmup_steps": args.warmup,
+                "min_lr_ratio": 1.0,  # constant after warmup, as the demo measured best far from convergence
+                "ds_config": "ds_configs/zero2.json",
+                "precision": "auto",
+                "workers_per_path": v.workers,
+                "seed": v.seed,
+                "launcher": args.launcher,
+                "parallel_paths": 1,
+                "islands": 1,
+                "threads_per_proc": 1,
+            },
+            "outer": {**outer, "compression": v.compression},
+            "eval": {"max_docs": None, "batch_size": 16, "early_stopping": v.early_stopping},
+            "mlflow": {"enabled": False},  # run.py logs the benchmark itself to dipaco-bench
+        },
+        source=f"<benchmark row {v.run_name}>",
+    )
 
 
 # -- prepare: once per grid and router, one tokenizer for all ------------------------------------
@@ -259,22 +305,35 @@ def run_variant(args: QualityArgs, v: Variant, prep: dict, eval_glob: str) -> di
     seconds = time.time() - start
     evals = read_curve(root, config, v, start)
     result = {
-        "name": v.name, "run": v.run_name, "seed": v.seed, "grid": list(v.grid), "workers": v.workers,
-        "jobs": len(stages.list_paths(config)), "steps_per_path": config.train.rounds * config.train.inner_steps,
+        "name": v.name,
+        "run": v.run_name,
+        "seed": v.seed,
+        "grid": list(v.grid),
+        "workers": v.workers,
+        "jobs": len(stages.list_paths(config)),
+        "steps_per_path": config.train.rounds * config.train.inner_steps,
         "tokens_per_step": config.train.micro_batch_size * config.model.seq_len,
-        "hidden": config.model.hidden_size, "non_embedding_params": non_embedding_params(config),
-        "perplexity": evals[-1]["perplexity"], "bits_per_byte": evals[-1]["bits_per_byte"],
-        "eval_tokens": evals[-1]["tokens"], "evals": evals, "seconds": seconds, "merge": merge_bytes(root, config),
+        "hidden": config.model.hidden_size,
+        "non_embedding_params": non_embedding_params(config),
+        "perplexity": evals[-1]["perplexity"],
+        "bits_per_byte": evals[-1]["bits_per_byte"],
+        "eval_tokens": evals[-1]["tokens"],
+        "evals": evals,
+        "seconds": seconds,
+        "merge": merge_bytes(root, config),
     }
     if v.early_stopping:
         best = root.read_json("eval/best.json")
         result["early_stopped"] = {k: best[k] for k in ("perplexity", "bits_per_byte", "tokens")} | {
-            "rounds": {p: e["round"] for p, e in best["paths"].items()}}
+            "rounds": {p: e["round"] for p, e in best["paths"].items()}
+        }
     if v.reroute_after:
         result["rerouted"] = rerouted_eval(config, root)
     if not args.keep_rounds:
         shutil.rmtree(run_root / "rounds", ignore_errors=True)  # ~50 MB a path and round; results are in eval/
-    log.info("%s: %.2f ppl, %.3f bits/byte in %.0f s", v.run_name, result["perplexity"], result["bits_per_byte"], seconds)
+    log.info(
+        "%s: %.2f ppl, %.3f bits/byte in %.0f s", v.run_name, result["perplexity"], result["bits_per_byte"], seconds
+    )
     return result
 
 
@@ -285,8 +344,16 @@ def read_curve(root: RunRoot, config: Config, v: Variant, start: float) -> list[
     for r in range(config.train.rounds + 1):
         e = root.read_json(layout.eval_file(r))
         written = Path(root.local_path(layout.eval_file(r))).stat().st_mtime
-        curve.append({"round": r, "steps_per_path": r * config.train.inner_steps, "perplexity": e["perplexity"],
-                      "bits_per_byte": e["bits_per_byte"], "tokens": e["tokens"], "seconds": max(0.0, written - start)})
+        curve.append(
+            {
+                "round": r,
+                "steps_per_path": r * config.train.inner_steps,
+                "perplexity": e["perplexity"],
+                "bits_per_byte": e["bits_per_byte"],
+                "tokens": e["tokens"],
+                "seconds": max(0.0, written - start),
+            }
+        )
     return curve
 
 
@@ -300,7 +367,7 @@ def non_embedding_params(config: Config) -> int:
     """A path's parameters without the embedding and head (what the flagship row scales 4x)."""
     m = config.model
     intermediate = m.intermediate_size or 64 * -(-(8 * m.hidden_size // 3) // 64)
-    per_block = 4 * m.hidden_size ** 2 + 3 * m.hidden_size * intermediate + 2 * m.hidden_size
+    per_block = 4 * m.hidden_size**2 + 3 * m.hidden_size * intermediate + 2 * m.hidden_size
     return per_block * (sum(m.blocks_per_level) + m.path_specific_blocks)
 
 
@@ -349,16 +416,30 @@ def run_quality(args: QualityArgs) -> dict:
     order = {v.run_name: i for i, v in enumerate(rows)}
     results.sort(key=lambda r: order[r["run"]])
     tokens = {r["run"]: r["eval_tokens"] for r in results}
-    return {"args": dataclasses.asdict(args), "runs": results, "rows": summarize_rows(results, args),
-            "same_eval_tokens": len(set(tokens.values())) == 1, "eval_tokens": tokens,
-            "seconds": time.perf_counter() - start, "prepare_seconds": prepare_seconds,
-            "prepare": {k: {"seconds": p["seconds"], "routed": p["manifest"].get("routed"),
-                            "docs_per_path": _docs_per_path(p["manifest"])} for k, p in preps.items()}}
+    return {
+        "args": dataclasses.asdict(args),
+        "runs": results,
+        "rows": summarize_rows(results, args),
+        "same_eval_tokens": len(set(tokens.values())) == 1,
+        "eval_tokens": tokens,
+        "seconds": time.perf_counter() - start,
+        "prepare_seconds": prepare_seconds,
+        "prepare": {
+            k: {
+                "seconds": p["seconds"],
+                "routed": p["manifest"].get("routed"),
+                "docs_per_path": _docs_per_path(p["manifest"]),
+            }
+            for k, p in preps.items()
+        },
+    }
 
 
 def _docs_per_path(manifest: dict) -> dict:
-    return {p: {split: entry.get("documents") for split, entry in splits.items()}
-            for p, splits in (manifest.get("paths") or {}).items()}
+    return {
+        p: {split: entry.get("documents") for split, entry in splits.items()}
+        for p, splits in (manifest.get("paths") or {}).items()
+    }
 
 
 def summarize_rows(runs: list[dict], args: QualityArgs) -> list[dict]:
@@ -367,12 +448,22 @@ def summarize_rows(runs: list[dict], args: QualityArgs) -> list[dict]:
     for name in dict.fromkeys(r["name"] for r in runs):
         group = [r for r in runs if r["name"] == name]
         ppl = [r["perplexity"] for r in group]
-        rows.append({"name": name, "seeds": len(group), "perplexity": float(np.mean(ppl)),
-                     "bits_per_byte": float(np.mean([r["bits_per_byte"] for r in group])),
-                     "spread": (max(ppl) - min(ppl)) / float(np.mean(ppl)) if len(group) > 1 else None,
-                     "values": ppl, "steps_per_path": group[0]["steps_per_path"], "jobs": group[0]["jobs"],
-                     "non_embedding_params": group[0]["non_embedding_params"], "eval_tokens": group[0]["eval_tokens"],
-                     "seconds": float(np.mean([r["seconds"] for r in group])), "merge": group[0]["merge"]})
+        rows.append(
+            {
+                "name": name,
+                "seeds": len(group),
+                "perplexity": float(np.mean(ppl)),
+                "bits_per_byte": float(np.mean([r["bits_per_byte"] for r in group])),
+                "spread": (max(ppl) - min(ppl)) / float(np.mean(ppl)) if len(group) > 1 else None,
+                "values": ppl,
+                "steps_per_path": group[0]["steps_per_path"],
+                "jobs": group[0]["jobs"],
+                "non_embedding_params": group[0]["non_embedding_params"],
+                "eval_tokens": group[0]["eval_tokens"],
+                "seconds": float(np.mean([r["seconds"] for r in group])),
+                "merge": group[0]["merge"],
+            }
+        )
     base = next((r for r in runs if r["name"] == "dipaco_2x2" and r["seed"] == 0), None)
     if base and "rerouted" in base:
         rows.append(_derived("reroute64", base, base["rerouted"]))
@@ -386,10 +477,21 @@ def summarize_rows(runs: list[dict], args: QualityArgs) -> list[dict]:
 
 def _derived(name: str, base: dict, scores: dict) -> dict:
     """An eval-only row of dipaco_2x2 seed 0 (no training of its own: 0 s)."""
-    return {"name": name, "seeds": 1, "perplexity": scores["perplexity"], "bits_per_byte": scores["bits_per_byte"],
-            "spread": None, "values": [scores["perplexity"]], "steps_per_path": base["steps_per_path"],
-            "jobs": base["jobs"], "non_embedding_params": base["non_embedding_params"], "eval_tokens": scores["tokens"],
-            "seconds": 0.0, "merge": base["merge"], "of": base["run"]}
+    return {
+        "name": name,
+        "seeds": 1,
+        "perplexity": scores["perplexity"],
+        "bits_per_byte": scores["bits_per_byte"],
+        "spread": None,
+        "values": [scores["perplexity"]],
+        "steps_per_path": base["steps_per_path"],
+        "jobs": base["jobs"],
+        "non_embedding_params": base["non_embedding_params"],
+        "eval_tokens": scores["tokens"],
+        "seconds": 0.0,
+        "merge": base["merge"],
+        "of": base["run"],
+    }
 
 
 # -- targets -------------------------------------------------------------------------------------
@@ -402,14 +504,26 @@ def targets(q: dict) -> list[dict]:
     noise = max([r["spread"] for r in rows.values() if r["spread"] is not None] or [0.0])
     out: list[dict] = []
 
-    def check(what: str, a: str, b: str, bound: float, goal: str, pa: float | None = None, pb: float | None = None) -> None:
+    def check(
+        what: str, a: str, b: str, bound: float, goal: str, pa: float | None = None, pb: float | None = None
+    ) -> None:
         if (a not in rows and pa is None) or (b not in rows and pb is None):
             return
         pa = rows[a]["perplexity"] if pa is None else pa
         pb = rows[b]["perplexity"] if pb is None else pb
         gap = pa / pb - 1
-        out.append({"target": what, "goal": goal, "measured": f"{100 * gap:+.1f}% ({pa:.2f} vs {pb:.2f})",
-                    "met": gap <= bound, "gap": gap, "beyond_noise": abs(gap) > noise, "a": a, "b": b})
+        out.append(
+            {
+                "target": what,
+                "goal": goal,
+                "measured": f"{100 * gap:+.1f}% ({pa:.2f} vs {pb:.2f})",
+                "met": gap <= bound,
+                "gap": gap,
+                "beyond_noise": abs(gap) > noise,
+                "a": a,
+                "b": b,
+            }
+        )
 
     check("DiPaCo 2x2 vs dense of path size", "dipaco_2x2", "dense", -0.08, "<= -8% ppl")
     check(f"DiPaCo 2x2 vs DiLoCo M={m}", "dipaco_2x2", f"diloco_m{m}", 0.0, "<= 0%")
@@ -429,9 +543,16 @@ def targets(q: dict) -> list[dict]:
             merge = rows.get(kind, {}).get("merge") or {}
             if merge.get("bytes_outer") and merge.get("bytes_data_parallel"):
                 ratio = merge["bytes_outer"] / merge["bytes_data_parallel"]
-                out.append({"target": f"{kind} bytes per round / data-parallel (merge.json)",
-                            "goal": f"<= 1/({share}H) = {1 / (share * h):.5f}", "measured": f"{ratio:.5f}",
-                            "met": ratio <= 1 / (share * h), "gap": None, "beyond_noise": None})
+                out.append(
+                    {
+                        "target": f"{kind} bytes per round / data-parallel (merge.json)",
+                        "goal": f"<= 1/({share}H) = {1 / (share * h):.5f}",
+                        "measured": f"{ratio:.5f}",
+                        "met": ratio <= 1 / (share * h),
+                        "gap": None,
+                        "beyond_noise": None,
+                    }
+                )
     for t in out:
         if t["goal"] == "(report)":
             t["met"] = None
@@ -456,19 +577,24 @@ def why_missed(q: dict, t: dict) -> str:
     gap1 = ea[-1]["bits_per_byte"] - eb[-1]["bits_per_byte"]
     slope = (gap1 - gap0) / (steps[1] - steps[0])
     if gap1 <= 0 or slope >= 0:
-        return (f"gap in bits/byte {gap0:+.3f} -> {gap1:+.3f} over the last round: not closing at this scale, "
-                f"so more steps alone are unlikely to meet it")
+        return (
+            f"gap in bits/byte {gap0:+.3f} -> {gap1:+.3f} over the last round: not closing at this scale, "
+            f"so more steps alone are unlikely to meet it"
+        )
     cross = math.exp(steps[1] + gap1 / -slope)
-    return (f"gap in bits/byte {gap0:+.3f} -> {gap1:+.3f} over the last round: closing; a straight line in "
-            f"log steps crosses at ~{cross:,.0f} steps per path")
+    return (
+        f"gap in bits/byte {gap0:+.3f} -> {gap1:+.3f} over the last round: closing; a straight line in "
+        f"log steps crosses at ~{cross:,.0f} steps per path"
+    )
 
 
 # -- plots ---------------------------------------------------------------------------------------
 def plot_quality(q: dict, out: Path) -> list[Path]:
     """Bits per byte against steps per path and against wall-clock seconds (seed 0 of each row),
     and the final perplexity of every row."""
-    from pipeline.tracking import plots  # Agg backend set there
     from matplotlib import pyplot as plt
+
+    from pipeline.tracking import plots  # Agg backend set there
 
     fig, (ax_steps, ax_wall) = plt.subplots(1, 2, figsize=(13, 5))
     for r in q["runs"]:
@@ -514,8 +640,11 @@ def plan_lines(args: QualityArgs) -> list[str]:
     for v in sorted(rows, key=lambda r: -r.cost(args)):  # the same greedy order run_quality uses
         lanes[lanes.index(min(lanes))] += v.cost(args)
     prepares = 30 + 95 * len({v.prep_key for v in rows if v.grid != (1,)})
-    return [*lines, f"lanes: {', '.join(f'{s:.0f}' for s in lanes)} s; prepares ~{prepares} s; "
-                    f"total ~{(max(lanes) + prepares) / 60:.0f} min"]
+    return [
+        *lines,
+        f"lanes: {', '.join(f'{s:.0f}' for s in lanes)} s; prepares ~{prepares} s; "
+        f"total ~{(max(lanes) + prepares) / 60:.0f} min",
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> QualityArgs:

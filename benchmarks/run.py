@@ -32,8 +32,10 @@ TARGETS = {"trainer": 0.95, "prepare": 0.85, "merge": 1.5}
 
 def machine() -> str:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return (f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
-            f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} at the end of the run")
+    return (
+        f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), "
+        f"load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} at the end of the run"
+    )
 
 
 def ok(value: float, target: float, higher_is_better: bool = True) -> str:
@@ -55,10 +57,14 @@ def zero_cost_table(p: dict) -> list[str]:
     step d, plain seconds per step t at T tokens; the ratio r = t / (t + d) reaches 0.95 once a step
     carries 19 * d / t * T tokens (more micro batches or gradient accumulation), with d / t taken
     from the measured ratio (1/r - 1) so the estimate agrees with the figure."""
-    rows = ["ZeRO's fixed cost per optimizer step (medians of paired blocks; the last column estimates, from the "
-            "measured ratio, the step size from which it reaches 0.95, the plain step growing with its tokens):", "",
-            "| path | tokens/step | plain s/step | mode | extra ms/step | share of a plain step "
-            "| tokens/step for 0.95 (estimate) |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "ZeRO's fixed cost per optimizer step (medians of paired blocks; the last column estimates, from the "
+        "measured ratio, the step size from which it reaches 0.95, the plain step growing with its tokens):",
+        "",
+        "| path | tokens/step | plain s/step | mode | extra ms/step | share of a plain step "
+        "| tokens/step for 0.95 (estimate) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key in ("trainer", "trainer_bf16", "trainer_small_step"):
         run = p.get(key)
         if not run or "extra_seconds_per_step" not in run:
@@ -71,8 +77,10 @@ def zero_cost_table(p: dict) -> list[str]:
                 continue
             # From the measured ratio r = t / (t + d): d / t = 1/r - 1, so r reaches 0.95 at 19 (1/r - 1) T tokens.
             needed = 19 * (1 / run["ratio_to_plain"][mode] - 1) * tokens
-            rows.append(f"| {name} | {tokens:,} | {plain:.3f} | ZeRO-{mode[4]} "
-                        f"| {1000 * extra:+.0f} | {extra / plain:.1%} | {needed:,.0f} |")
+            rows.append(
+                f"| {name} | {tokens:,} | {plain:.3f} | ZeRO-{mode[4]} "
+                f"| {1000 * extra:+.0f} | {extra / plain:.1%} | {needed:,.0f} |"
+            )
     return [*rows, ""] if len(rows) > 4 else []
 
 
@@ -89,58 +97,85 @@ def perf_table(p: dict) -> list[str]:
             if mode not in run["ratio_to_plain"]:
                 continue
             ratio = run["ratio_to_plain"][mode]
-            label = "ZeRO-2 engine without the trainer's loop" if mode == "zero2_bare" else f"path trainer, ZeRO-{mode[4]}"
+            label = (
+                "ZeRO-2 engine without the trainer's loop" if mode == "zero2_bare" else f"path trainer, ZeRO-{mode[4]}"
+            )
             extra_ms = 1000 * run["extra_seconds_per_step"][mode]
-            verdict = f">= 0.95 | {ok(ratio, 0.95)}" if target == "target" else f"(diagnostic: {extra_ms:+.0f} ms/step) |"
-            rows.append(f"| {label}, {what} tokens/s | {run['tokens_per_s'][mode]:.0f} "
-                        f"| plain PyTorch {run['tokens_per_s']['plain']:.0f} | {ratio:.3f} | {verdict} |")
+            verdict = (
+                f">= 0.95 | {ok(ratio, 0.95)}" if target == "target" else f"(diagnostic: {extra_ms:+.0f} ms/step) |"
+            )
+            rows.append(
+                f"| {label}, {what} tokens/s | {run['tokens_per_s'][mode]:.0f} "
+                f"| plain PyTorch {run['tokens_per_s']['plain']:.0f} | {ratio:.3f} | {verdict} |"
+            )
     for mode in ("plain", "zero2"):
-        rows.append(f"| MFU, {mode} | {t['tokens_per_s'][mode] * t['model_flops_per_token'] / 1e9:.2f} GFLOP/s "
-                    f"| fp32 matmul {t['matmul_flops'] / 1e9:.1f} GFLOP/s | {t['mfu'][mode]:.3f} | (report) | |")
+        rows.append(
+            f"| MFU, {mode} | {t['tokens_per_s'][mode] * t['model_flops_per_token'] / 1e9:.2f} GFLOP/s "
+            f"| fp32 matmul {t['matmul_flops'] / 1e9:.1f} GFLOP/s | {t['mfu'][mode]:.3f} | (report) | |"
+        )
     if p.get("prepare"):
         pr = p["prepare"]
         sample = pr.get("sample_docs")
         fitted = f"router fitted on {sample} docs" if sample else "router fitted on a tenth"
-        rows.append(f"| prepare, whole Beam job ({pr['n_docs']:,} docs, {fitted}, {' '.join(pr['options'])}) docs/s "
-                    f"| {pr['beam_full_docs_per_s']:.1f} | raw MiniLM {pr['raw_embedder_docs_per_s']:.1f} "
-                    f"| {pr['full_ratio']:.3f} | >= 0.85 | {ok(pr['full_ratio'], 0.85)} |")
-        rows.append(f"| prepare, routing only (router committed) docs/s | {pr['beam_route_docs_per_s']:.1f} "
-                    f"| raw MiniLM {pr['raw_embedder_docs_per_s']:.1f} | {pr['route_ratio']:.3f} | >= 0.85 | {ok(pr['route_ratio'], 0.85)} |")
+        rows.append(
+            f"| prepare, whole Beam job ({pr['n_docs']:,} docs, {fitted}, {' '.join(pr['options'])}) docs/s "
+            f"| {pr['beam_full_docs_per_s']:.1f} | raw MiniLM {pr['raw_embedder_docs_per_s']:.1f} "
+            f"| {pr['full_ratio']:.3f} | >= 0.85 | {ok(pr['full_ratio'], 0.85)} |"
+        )
+        rows.append(
+            f"| prepare, routing only (router committed) docs/s | {pr['beam_route_docs_per_s']:.1f} "
+            f"| raw MiniLM {pr['raw_embedder_docs_per_s']:.1f} | {pr['route_ratio']:.3f} | >= 0.85 "
+            f"| {ok(pr['route_ratio'], 0.85)} |"
+        )
         for name, other in pr.get("other_options", {}).items():
-            rows.append(f"| prepare, routing only, {' '.join(other['options'])} docs/s | {other['route_docs_per_s']:.1f} "
-                        f"| raw MiniLM {pr['raw_embedder_docs_per_s']:.1f} | {other['route_ratio']:.3f} | (diagnostic) | |")
+            rows.append(
+                f"| prepare, routing only, {' '.join(other['options'])} docs/s | {other['route_docs_per_s']:.1f} "
+                f"| raw MiniLM {pr['raw_embedder_docs_per_s']:.1f} | {other['route_ratio']:.3f} | (diagnostic) | |"
+            )
     else:
         rows.append("| prepare | not measured: benchmarks/bench_prepare.py absent | | | >= 0.85 | |")
     m = p["merge"]
     med = sorted(m["merge_seconds"])[len(m["merge_seconds"]) // 2]
     io = sorted(m["plain_io_seconds"])[len(m["plain_io_seconds"]) // 2]
-    rows.append(f"| merge, {m['paths']} paths [4, 4] ({(m['bytes_read'] + m['bytes_written']) / 1e6:.0f} MB) s | {med:.2f} "
-                f"| plain read+write {io:.2f} | {m['ratio']:.2f} | <= 1.5 | {ok(m['ratio'], 1.5, False)} |")
+    rows.append(
+        f"| merge, {m['paths']} paths [4, 4] ({(m['bytes_read'] + m['bytes_written']) / 1e6:.0f} MB) s | {med:.2f} "
+        f"| plain read+write {io:.2f} | {m['ratio']:.2f} | <= 1.5 | {ok(m['ratio'], 1.5, False)} |"
+    )
     if "ratio_vs_verified_io" in m:
         verified = m.get("plain_io_fsync_crc32_seconds") or m["plain_io_fsync_sha256_seconds"]
-        rows.append(f"| merge vs read+write+fsync+checksum of every byte (same integrity guarantee) | {med:.2f} "
-                    f"| {sorted(verified)[len(verified) // 2]:.2f} "
-                    f"| {m['ratio_vs_verified_io']:.2f} | (diagnostic) | |")
+        rows.append(
+            f"| merge vs read+write+fsync+checksum of every byte (same integrity guarantee) | {med:.2f} "
+            f"| {sorted(verified)[len(verified) // 2]:.2f} "
+            f"| {m['ratio_vs_verified_io']:.2f} | (diagnostic) | |"
+        )
     b = p["bytes"]
-    rows.append(f"| bytes per round, outer vs data-parallel (H={b['inner_steps']}) | {b['bytes_outer'] / 1e6:.0f} MB "
-                f"| ring all-reduce every step {b['bytes_data_parallel_ring'] / 1e6:.0f} MB | {b['ratio_ring']:.4f} "
-                f"| <= {b['target']:.4f} | {ok(b['ratio_ring'], b['target'] + 1e-12, False)} |")
+    rows.append(
+        f"| bytes per round, outer vs data-parallel (H={b['inner_steps']}) | {b['bytes_outer'] / 1e6:.0f} MB "
+        f"| ring all-reduce every step {b['bytes_data_parallel_ring'] / 1e6:.0f} MB | {b['ratio_ring']:.4f} "
+        f"| <= {b['target']:.4f} | {ok(b['ratio_ring'], b['target'] + 1e-12, False)} |"
+    )
     return rows
 
 
 def quality_table(q: dict) -> list[str]:
     """One line per row: the mean over its seeds, their spread, and the difference to dense."""
-    rows = ["| row | grid | jobs/round | steps per path | non-embedding params per path | seeds | routed ppl "
-            "| bits/byte | spread over seeds (ppl) | vs dense | scored tokens | wall-clock s (one core) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| row | grid | jobs/round | steps per path | non-embedding params per path | seeds | routed ppl "
+        "| bits/byte | spread over seeds (ppl) | vs dense | scored tokens | wall-clock s (one core) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     runs = {r["name"]: r for r in q["runs"]}
     for r in q["rows"]:
         grid = runs[r["name"]]["grid"] if r["name"] in runs else f"({r.get('of')}, eval only)"
-        spread = "-" if r["spread"] is None else f"{100 * r['spread']:.1f}% ({' / '.join(f'{v:.2f}' for v in r['values'])})"
+        spread = (
+            "-" if r["spread"] is None else f"{100 * r['spread']:.1f}% ({' / '.join(f'{v:.2f}' for v in r['values'])})"
+        )
         vs = "-" if r.get("vs_dense") is None else f"{100 * r['vs_dense']:+.1f}%"
-        rows.append(f"| {r['name']} | {grid} | {r['jobs']} | {r['steps_per_path']} | {r['non_embedding_params'] / 1e6:.2f}M "
-                    f"| {r['seeds']} | {r['perplexity']:.2f} | {r['bits_per_byte']:.3f} | {spread} | {vs} "
-                    f"| {r['eval_tokens']:,} | {r['seconds']:.0f} |")
+        rows.append(
+            f"| {r['name']} | {grid} | {r['jobs']} | {r['steps_per_path']} | {r['non_embedding_params'] / 1e6:.2f}M "
+            f"| {r['seeds']} | {r['perplexity']:.2f} | {r['bits_per_byte']:.3f} | {spread} | {vs} "
+            f"| {r['eval_tokens']:,} | {r['seconds']:.0f} |"
+        )
     return rows
 
 
@@ -160,34 +195,55 @@ def targets_table(q: dict) -> list[str]:
 
 def quality_lines(q: dict, carried: str) -> list[str]:
     a = q["args"]
-    return [f"## Quality (same held-out documents, tokens after the 32-token routing prefix{carried})", "",
-            f"Path: hidden {a['hidden']}, {a['blocks']} blocks, BPE {a['vocab']:,} ids, seq_len {a['seq_len']}, micro "
-            f"batch {a['micro_batch']} ({a['seq_len'] * a['micro_batch']:,} tokens per step); {a['rounds']} rounds x "
-            f"H={a['inner_steps']}; inner lr {a['lr']} (constant after {a['warmup']} warmup steps); outer lr "
-            f"{a['outer_lr']}, momentum {a['outer_momentum']}; router {a['embedder']} product k-means (balanced); "
-            f"every row one `{a['launcher']}` island of one core, {a['lanes']} rows at a time; "
-            f"{q['seconds']:.0f} s in all, of which prepares {q['prepare_seconds']:.0f} s. Same scored tokens in "
-            f"every row: {q['same_eval_tokens']}.", "", *quality_table(q), "",
-            "Targets (issue 17) and option goals (issue 15), options against `dipaco_2x2` seed 0:", "",
-            *targets_table(q), "",
-            "Paper shape (C4, 150M paths): DiPaCo 2x4 -8.4% ppl vs dense of path size and below DiLoCo M=8; DiLoCo "
-            "M=8 close to dense trained 8x the steps; DiPaCo 16x16 matches a 1.3B dense model (11.38 vs 11.41). "
-            "Curves (bits per byte against steps and wall-clock time): `quality_curves.png`; bars: `quality_ppl.png`.", ""]
+    return [
+        f"## Quality (same held-out documents, tokens after the 32-token routing prefix{carried})",
+        "",
+        f"Path: hidden {a['hidden']}, {a['blocks']} blocks, BPE {a['vocab']:,} ids, seq_len {a['seq_len']}, micro "
+        f"batch {a['micro_batch']} ({a['seq_len'] * a['micro_batch']:,} tokens per step); {a['rounds']} rounds x "
+        f"H={a['inner_steps']}; inner lr {a['lr']} (constant after {a['warmup']} warmup steps); outer lr "
+        f"{a['outer_lr']}, momentum {a['outer_momentum']}; router {a['embedder']} product k-means (balanced); "
+        f"every row one `{a['launcher']}` island of one core, {a['lanes']} rows at a time; "
+        f"{q['seconds']:.0f} s in all, of which prepares {q['prepare_seconds']:.0f} s. Same scored tokens in "
+        f"every row: {q['same_eval_tokens']}.",
+        "",
+        *quality_table(q),
+        "",
+        "Targets (issue 17) and option goals (issue 15), options against `dipaco_2x2` seed 0:",
+        "",
+        *targets_table(q),
+        "",
+        "Paper shape (C4, 150M paths): DiPaCo 2x4 -8.4% ppl vs dense of path size and below DiLoCo M=8; DiLoCo "
+        "M=8 close to dense trained 8x the steps; DiPaCo 16x16 matches a 1.3B dense model (11.38 vs 11.41). "
+        "Curves (bits per byte against steps and wall-clock time): `quality_curves.png`; bars: `quality_ppl.png`.",
+        "",
+    ]
 
 
 def render(result: dict, command: str) -> str:
-    lines = ["# dipaco benchmarks", "",
-             f"- date: {result['date']}", f"- machine: {result['machine']}",
-             f"- command: `{command}`", f"- total wall-clock: {result['seconds']:.0f} s", ""]
+    lines = [
+        "# dipaco benchmarks",
+        "",
+        f"- date: {result['date']}",
+        f"- machine: {result['machine']}",
+        f"- command: `{command}`",
+        f"- total wall-clock: {result['seconds']:.0f} s",
+        "",
+    ]
     if "perf" in result:
         when = result["perf"].get("carried_over_from")
         title = f"carried over from the run of {when}" if when else "ratios measured side by side in this run"
         lines += [f"## Performance ({title})", "", *perf_table(result["perf"]), ""]
         lines += zero_cost_table(result["perf"])
         prof = result["perf"]["merge"]["profile"]
-        lines += ["Merge profile (cProfile of the merging threads: merge_round's and each module's merge_module; "
-                  "cumulative seconds; the reads on the I/O threads overlap them and are not in it):", "",
-                  "| function | s |", "|---|---|", *[f"| `{r['function']}` | {r['seconds']} |" for r in prof], ""]
+        lines += [
+            "Merge profile (cProfile of the merging threads: merge_round's and each module's merge_module; "
+            "cumulative seconds; the reads on the I/O threads overlap them and are not in it):",
+            "",
+            "| function | s |",
+            "|---|---|",
+            *[f"| `{r['function']}` | {r['seconds']} |" for r in prof],
+            "",
+        ]
     if "quality" in result:
         when = result["quality"].get("carried_over_from")
         lines += quality_lines(result["quality"], f"; carried over from the run of {when}" if when else "")
@@ -195,8 +251,9 @@ def render(result: dict, command: str) -> str:
 
 
 def plot_perf(p: dict, out: Path) -> Path:
-    from pipeline.tracking import plots
     from matplotlib import pyplot as plt
+
+    from pipeline.tracking import plots
 
     names, values, targets = [], [], []
     for mode in ("zero1", "zero2", "zero3"):  # the figures with a target; the toy step is a diagnostic
@@ -231,8 +288,11 @@ def log_mlflow(result: dict, files: list[Path]) -> None:
     uri = f"sqlite:///{OUT.resolve()}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("dipaco-bench")
-    experiment_id = experiment.experiment_id if experiment else client.create_experiment(
-        "dipaco-bench", artifact_location=(OUT.resolve() / "mlartifacts").as_uri())
+    experiment_id = (
+        experiment.experiment_id
+        if experiment
+        else client.create_experiment("dipaco-bench", artifact_location=(OUT.resolve() / "mlartifacts").as_uri())
+    )
     run = client.create_run(experiment_id, run_name=f"bench-{result['date']}")
     rid = run.info.run_id
     client.log_param(rid, "cpu_count", os.cpu_count())
@@ -245,7 +305,9 @@ def log_mlflow(result: dict, files: list[Path]) -> None:
         if p.get("trainer_bf16"):
             metrics.update({f"trainer_bf16_ratio_{m}": v for m, v in p["trainer_bf16"]["ratio_to_plain"].items()})
         if p.get("trainer_small_step"):
-            metrics.update({f"trainer_small_step_ratio_{m}": v for m, v in p["trainer_small_step"]["ratio_to_plain"].items()})
+            metrics.update(
+                {f"trainer_small_step_ratio_{m}": v for m, v in p["trainer_small_step"]["ratio_to_plain"].items()}
+            )
         metrics["merge_ratio"] = p["merge"]["ratio"]
         metrics["bytes_ratio"] = p["bytes"]["ratio_ring"]
         if p.get("prepare"):
@@ -295,11 +357,19 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0])
     parser.add_argument("--skip-perf", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="smoke check: every quality row at tiny sizes in a few "
-                                                             "minutes, perf skipped, written to benchmarks/out/quick/")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke check: every quality row at tiny sizes in a few "
+        "minutes, perf skipped, written to benchmarks/out/quick/",
+    )
     parser.add_argument("--render-only", action="store_true", help="re-render benchmarks/out/results.json")
-    parser.add_argument("--tag", default="", help="write to benchmarks/out/TAG/ and leave RESULTS.md alone "
-                                                  "(scaled-up or experimental runs beside the default one)")
+    parser.add_argument(
+        "--tag",
+        default="",
+        help="write to benchmarks/out/TAG/ and leave RESULTS.md alone "
+        "(scaled-up or experimental runs beside the default one)",
+    )
     perf.add_arguments(parser)
     args, rest = parser.parse_known_args(argv)
     return args, rest  # the rest are quality flags (python -m benchmarks.quality --help)
@@ -329,7 +399,10 @@ def main(argv: list[str] | None = None) -> None:
     previous = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
     for half, skipped in (("perf", args.skip_perf), ("quality", args.skip_quality)):
         if skipped and half in previous:  # refresh one half; the other stays from its own run
-            result[half] = {**previous[half], "carried_over_from": previous[half].get("carried_over_from") or previous.get("date")}
+            result[half] = {
+                **previous[half],
+                "carried_over_from": previous[half].get("carried_over_from") or previous.get("date"),
+            }
     if not args.skip_perf:
         result["perf"] = perf.run_perf(args)
         (out / "results.json").write_text(json.dumps(result, indent=2, default=str))

@@ -18,12 +18,12 @@ import sys
 import textwrap
 import threading
 
-from pipeline.state import layout
 from pipeline import preflight
 from pipeline.core.bounds import one_line
 from pipeline.core.config import load_config
 from pipeline.core.errors import DipacoError, IslandError, StorageError
 from pipeline.islands import processes
+from pipeline.state import layout
 from pipeline.tracking.report import format_summary
 
 ROUNDS = """\
@@ -59,8 +59,10 @@ COMMANDS = {
         "routed perplexity of one round's modules on the held-out documents",
         "Score every held-out document with the path its prefix routes to, using the modules round R "
         "starts from; writes eval/round=R.json.",
-        ["dipaco eval --config configs/demo.yaml --round 1      # after `merge --round 0`",
-         "dipaco eval --config configs/demo.yaml                # the newest committed modules"],
+        [
+            "dipaco eval --config configs/demo.yaml --round 1      # after `merge --round 0`",
+            "dipaco eval --config configs/demo.yaml                # the newest committed modules",
+        ],
     ),
     "island": (
         "join a running run as one more island (elastic: from any shell or host)",
@@ -68,24 +70,30 @@ COMMANDS = {
         "it takes tasks of the rounds the run planned (queue/plan.json) until they are done, or until SIGTERM, "
         "which releases its task and leaves. Its train section may differ from the run's (procs_per_path, "
         "num_nodes, hostfile, ds_config): islands may be heterogeneous; the model is the run's.",
-        ["dipaco island --config configs/demo.yaml              # while `make demo` runs in another shell",
-         "dipaco island --config configs/demo.yaml --set train.ds_config=ds_configs/zero3.json --name big"],
+        [
+            "dipaco island --config configs/demo.yaml              # while `make demo` runs in another shell",
+            "dipaco island --config configs/demo.yaml --set train.ds_config=ds_configs/zero3.json --name big",
+        ],
     ),
     "clean": (
         "remove this config's run root (keep its MLflow registry with --keep-registry)",
         "Remove the run root of the config: shards, rounds, evaluations, the queue and, unless --keep-registry, "
         "the MLflow store in it (mlflow.db, mlartifacts/) with the registered versions. Refused while a run holds "
         "the run root, or when it holds no run.yaml. A tracking server's records are left alone.",
-        ["dipaco clean --config configs/tiny.yaml",
-         "dipaco clean --config configs/demo.yaml --keep-registry   # the champion still loads"],
+        [
+            "dipaco clean --config configs/tiny.yaml",
+            "dipaco clean --config configs/demo.yaml --keep-registry   # the champion still loads",
+        ],
     ),
     "run": (
         "every stage not yet committed, all rounds, evaluation and registration",
         "Prepare, evaluate round 0, then for each round up to train.rounds: train every path, merge, "
         "evaluate and register the new modules; ends with a summary table. Resumes where a previous run "
         "stopped; once every round is committed it trains nothing (raise train.rounds to continue).",
-        ["dipaco run --config configs/demo.yaml                 # make demo",
-         "dipaco run --config configs/tiny.yaml --set train.rounds=3 --set 'model.grid=[2, 1]'"],
+        [
+            "dipaco run --config configs/demo.yaml                 # make demo",
+            "dipaco run --config configs/tiny.yaml --set train.rounds=3 --set 'model.grid=[2, 1]'",
+        ],
     ),
 }
 
@@ -111,12 +119,14 @@ CLI_MESSAGE_CHARS = 1000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    every_example = [e for name in ("run", "island", "prepare", "train-path", "merge", "eval", "clean")
-                     for e in COMMANDS[name][2]]
+    every_example = [
+        e for name in ("run", "island", "prepare", "train-path", "merge", "eval", "clean") for e in COMMANDS[name][2]
+    ]
     parser = argparse.ArgumentParser(
-        prog="dipaco", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="dipaco",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="DiPaCo training pipeline: Beam routing, DeepSpeed ZeRO path trainers, DiLoCo outer merges,\n"
-                    "MLflow tracking and registry. `dipaco COMMAND --help` describes each command.",
+        "MLflow tracking and registry. `dipaco COMMAND --help` describes each command.",
         epilog=_epilog(every_example, rounds=True),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -124,31 +134,61 @@ def build_parser() -> argparse.ArgumentParser:
 
     def command(name: str, rounds: bool = False) -> argparse.ArgumentParser:
         help_text, description, examples = COMMANDS[name]
-        sub = commands.add_parser(name, help=help_text, description=textwrap.fill(description, 100),
-                                  epilog=_epilog(examples, rounds), formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=textwrap.fill(description, 100),
+            epilog=_epilog(examples, rounds),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         sub.add_argument("--config", required=True, metavar="FILE", help="YAML run config, e.g. configs/demo.yaml")
-        sub.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a config key, value parsed as YAML (repeatable): --set 'model.grid=[2, 2]'")
+        sub.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key, value parsed as YAML (repeatable): --set 'model.grid=[2, 2]'",
+        )
         return sub
 
     command("prepare")
     sub = command("train-path", rounds=True)
-    sub.add_argument("--round", type=round_number, required=True, metavar="R",
-                     help="the round to train: its paths start from round R's modules")
-    sub.add_argument("--path", required=True, metavar="ID",
-                     help="path id, one module index per level: p1-0 on the demo's [2, 1] grid (p<k0>-<k1>-...; "
-                          "p1-0.w1 for DiLoCo worker 1 when train.workers_per_path > 1)")
+    sub.add_argument(
+        "--round",
+        type=round_number,
+        required=True,
+        metavar="R",
+        help="the round to train: its paths start from round R's modules",
+    )
+    sub.add_argument(
+        "--path",
+        required=True,
+        metavar="ID",
+        help="path id, one module index per level: p1-0 on the demo's [2, 1] grid (p<k0>-<k1>-...; "
+        "p1-0.w1 for DiLoCo worker 1 when train.workers_per_path > 1)",
+    )
     command("merge", rounds=True).add_argument(
-        "--round", type=round_number, required=True, metavar="R",
-        help="the round whose trained paths are merged into the modules of round R+1")
+        "--round",
+        type=round_number,
+        required=True,
+        metavar="R",
+        help="the round whose trained paths are merged into the modules of round R+1",
+    )
     command("eval", rounds=True).add_argument(
-        "--round", type=round_number, default=None, metavar="R",
-        help="score the modules round R starts from (0: the initial ones; default: the newest committed)")
-    command("island").add_argument("--name", default=None, metavar="NAME",
-                                   help="the island's name in the queue's records (default: host-pid)")
+        "--round",
+        type=round_number,
+        default=None,
+        metavar="R",
+        help="score the modules round R starts from (0: the initial ones; default: the newest committed)",
+    )
+    command("island").add_argument(
+        "--name", default=None, metavar="NAME", help="the island's name in the queue's records (default: host-pid)"
+    )
     command("run")
-    command("clean").add_argument("--keep-registry", action="store_true",
-                                  help="keep mlflow.db and mlartifacts/ (the registered model versions)")
+    command("clean").add_argument(
+        "--keep-registry", action="store_true", help="keep mlflow.db and mlartifacts/ (the registered model versions)"
+    )
     return parser
 
 
@@ -196,7 +236,9 @@ def dispatch(args: argparse.Namespace) -> dict | None:
         if metrics is None:
             attempts = run.root.path(layout.attempts_dir(args.round, args.path))
             raise RuntimeError(f"path {args.path} round {args.round}: every attempt failed (records in {attempts})")
-        return {k: metrics[k] for k in ("round", "path", "tokens", "tokens_per_s", "seconds")} | {"final_loss": metrics["loss"][-1]}
+        return {k: metrics[k] for k in ("round", "path", "tokens", "tokens_per_s", "seconds")} | {
+            "final_loss": metrics["loss"][-1]
+        }
     if args.command == "merge":
         return stages.merge(run, args.round)
     return stages.evaluate(run, layout.next_round(run.root) if args.round is None else args.round)
@@ -221,8 +263,11 @@ def _catch_signals() -> dict:
 
     def handler(signum, frame):
         if stopping:
-            print(f"dipaco: {signal.Signals(signum).name} again: still stopping the run's processes "
-                  f"(at most {processes.STOP_GRACE_S + 5:.0f} s)", file=sys.stderr)
+            print(
+                f"dipaco: {signal.Signals(signum).name} again: still stopping the run's processes "
+                f"(at most {processes.STOP_GRACE_S + 5:.0f} s)",
+                file=sys.stderr,
+            )
             return
         stopping.append(signum)
         raise Interrupted(signum)
@@ -239,7 +284,9 @@ def _stop_children() -> str:
     if not left:
         return ""
     outcome = processes.stop(left)
-    return f"; stopped {outcome['processes']} more processes" + (f" ({outcome['killed']} killed)" if outcome["killed"] else "")
+    return f"; stopped {outcome['processes']} more processes" + (
+        f" ({outcome['killed']} killed)" if outcome["killed"] else ""
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,12 +311,18 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        print(f"dipaco {args.command}: interrupted ({signal.Signals(signum).name}); every process it started has "
-              f"stopped{_stop_children()}; rerun the same command to resume", file=sys.stderr)
+        print(
+            f"dipaco {args.command}: interrupted ({signal.Signals(signum).name}); every process it started has "
+            f"stopped{_stop_children()}; rerun the same command to resume",
+            file=sys.stderr,
+        )
         return 128 + signum
     except Exception as exc:  # anything else is a failure, reported in one line, logged in full
         logging.getLogger("dipaco").debug("failure", exc_info=True)
-        print(f"dipaco {args.command}: failed: {type(exc).__name__}: {one_line(str(exc), CLI_MESSAGE_CHARS)}", file=sys.stderr)
+        print(
+            f"dipaco {args.command}: failed: {type(exc).__name__}: {one_line(str(exc), CLI_MESSAGE_CHARS)}",
+            file=sys.stderr,
+        )
         return 1
     if args.command == "run":
         print(format_summary(result))

@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 
 from models.grid import parse_job_id
-from pipeline.state import layout
 from pipeline.core.config import Config
 from pipeline.core.errors import ConfigError, InputError
+from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
 PREPARE_FIRST = "shards are not committed; run `dipaco prepare` first"
@@ -42,8 +42,11 @@ def check_data(config: Config) -> None:
         for pattern in [] if globs is None else [globs] if isinstance(globs, str) else globs:
             if _matches_a_file(pattern, f"data.{key}"):
                 continue
-            where = "" if "://" in pattern or Path(pattern).is_absolute() else \
-                f"; relative globs resolve against the current directory {Path.cwd()}"
+            where = (
+                ""
+                if "://" in pattern or Path(pattern).is_absolute()
+                else f"; relative globs resolve against the current directory {Path.cwd()}"
+            )
             raise InputError(f"{config.source}: {pattern}: no input files match (data.{key}){where}")
 
 
@@ -78,8 +81,10 @@ def require_modules(config: Config, round_index: int) -> None:
     latest = 0
     while root.is_committed(layout.modules_dir(latest + 1)):
         latest += 1
-    raise InputError(f"{root.path(layout.modules_dir(round_index))}: round {round_index}'s modules are not committed "
-                     f"(the latest are round {latest}'s); `dipaco merge --round {round_index - 1}` writes them")
+    raise InputError(
+        f"{root.path(layout.modules_dir(round_index))}: round {round_index}'s modules are not committed "
+        f"(the latest are round {latest}'s); `dipaco merge --round {round_index - 1}` writes them"
+    )
 
 
 def require_trained_path(config: Config, round_index: int) -> None:
@@ -91,8 +96,10 @@ def require_trained_path(config: Config, round_index: int) -> None:
         return
     jobs = all_job_ids(config.model.grid, config.train.workers_per_path)
     if not any(root.is_committed(layout.path_dir(round_index, job)) for job in jobs):
-        raise InputError(f"{root.path(layout.round_dir(round_index))}: no path of round {round_index} has been trained; "
-                         f"run `dipaco train-path --round {round_index} --path {jobs[0]}` (each path) first")
+        raise InputError(
+            f"{root.path(layout.round_dir(round_index))}: no path of round {round_index} has been trained; "
+            f"run `dipaco train-path --round {round_index} --path {jobs[0]}` (each path) first"
+        )
 
 
 def check_run_root(config: Config) -> None:
@@ -112,5 +119,7 @@ def check_run_root(config: Config) -> None:
         probe.unlink()
     except OSError as exc:
         why = exc.strerror or type(exc).__name__
-        raise InputError(f"{config.source}: run_root {path}: cannot create and write files there ({why}); "
-                         f"choose a writable directory (--set run_root=...)") from None
+        raise InputError(
+            f"{config.source}: run_root {path}: cannot create and write files there ({why}); "
+            f"choose a writable directory (--set run_root=...)"
+        ) from None

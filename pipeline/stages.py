@@ -61,8 +61,10 @@ def check_same_run(run: Run) -> None:
         previous = layout.read_run_config(run.root)
         for section in _FIXED:
             if getattr(previous, section) != getattr(run.config, section):
-                raise ConfigError(f"{run.config.source}: {section} differs from the run in {run.root.path()} "
-                                  f"(its run.yaml); use a new run_root to change it")
+                raise ConfigError(
+                    f"{run.config.source}: {section} differs from the run in {run.root.path()} "
+                    f"(its run.yaml); use a new run_root to change it"
+                )
 
 
 def prepare(run: Run) -> dict:
@@ -121,8 +123,10 @@ def rounds_to_train(run: Run, rounds: int | None = None) -> range:
 
 def nothing_to_train(run: Run) -> str:
     """Why a run trained nothing: the message a DAG run and `dipaco run` give."""
-    return (f"nothing to train: all train.rounds={run.config.train.rounds} rounds are committed in "
-            f"{run.root.path()}; raise train.rounds to continue")
+    return (
+        f"nothing to train: all train.rounds={run.config.train.rounds} rounds are committed in "
+        f"{run.root.path()}; raise train.rounds to continue"
+    )
 
 
 def register(run: Run, round_index: int, result: dict) -> str | None:
@@ -187,13 +191,24 @@ def report_round(run: Run, round_index: int) -> dict:
     figures = round_utilisation(config, round_index)
     if figures:
         tracker.log_utilisation(round_index, figures)
-        log.info("round %d: utilisation %.2f over %d islands (mean overhead %.1f s per task)", round_index,
-                 figures["utilisation"] or 0, figures["islands"], figures["task_overhead_seconds"] or 0)
+        log.info(
+            "round %d: utilisation %.2f over %d islands (mean overhead %.1f s per task)",
+            round_index,
+            figures["utilisation"] or 0,
+            figures["islands"],
+            figures["task_overhead_seconds"] or 0,
+        )
     version = register(run, round_index + 1, result)
     best = early_stop(run, round_index + 1) if config.eval.early_stopping else None
     prune_rounds(run, round_index)
-    return {"merge": report, "eval": result, "model_version": version, "utilisation": figures, "reroute": rerouted,
-            "early_stopping": best}
+    return {
+        "merge": report,
+        "eval": result,
+        "model_version": version,
+        "utilisation": figures,
+        "reroute": rerouted,
+        "early_stopping": best,
+    }
 
 
 def prune_rounds(run: Run, round_index: int) -> int:
@@ -233,8 +248,12 @@ def clean(run: Run, keep_registry: bool = False) -> dict:
                 root.remove(name)
     if not keep_registry:
         root.remove("")
-    return {"run_root": where, "removed": True, "freed_mb": round((before - run_root_size(root)) / 1e6, 1),
-            "kept": [name for name in keep if root.exists(name)]}
+    return {
+        "run_root": where,
+        "removed": True,
+        "freed_mb": round((before - run_root_size(root)) / 1e6, 1),
+        "kept": [name for name in keep if root.exists(name)],
+    }
 
 
 def early_stop(run: Run, round_index: int) -> dict:

@@ -185,8 +185,9 @@ DEFAULT_MAX_LINE_BYTES = 1_000_000  # data.max_doc_bytes' default
 _DRAIN_BYTES = 1 << 20  # the rest of an oversized line is skipped in blocks of this size
 
 
-def read_lines(path: str, limit: int | None = None,
-               max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[tuple[int, bytes | Broken | Oversized]]:
+def read_lines(
+    path: str, limit: int | None = None, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> Iterator[tuple[int, bytes | Broken | Oversized]]:
     """(1-based line number, raw bytes) of each line, at most `limit` of them.
 
     A line longer than `max_line_bytes` (its newline aside) is never held whole: it yields an
@@ -220,8 +221,9 @@ def _skip_line(handle: IO[bytes]) -> int:
     return skipped
 
 
-def line_to_record(split: str, file: str, line: int, raw: bytes | Broken | Oversized,
-                   max_doc_bytes: int) -> Document | Rejection:
+def line_to_record(
+    split: str, file: str, line: int, raw: bytes | Broken | Oversized, max_doc_bytes: int
+) -> Document | Rejection:
     """What one read line becomes: parse_line, or the rejection of an oversized line or of a broken
     file's remainder. Never raises: one bad line must not take the whole job down."""
     if isinstance(raw, Broken):
@@ -235,8 +237,9 @@ def line_to_record(split: str, file: str, line: int, raw: bytes | Broken | Overs
         return Rejection(split, file, line, UNPARSABLE, raw[: RAW_CHARS * 4].decode("utf-8", "replace")[:RAW_CHARS])
 
 
-def plan_reads(files: list[str], max_docs: int | None,
-               max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> list[tuple[str, int | None]]:
+def plan_reads(
+    files: list[str], max_docs: int | None, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> list[tuple[str, int | None]]:
     """(file, line limit) per file: everything, or the first `max_docs` lines in file order.
 
     The cap is counted here, in the driver, reading only as far as the cap, so that the Beam job

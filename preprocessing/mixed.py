@@ -101,7 +101,11 @@ def license_documents() -> Iterator[dict]:
                 paragraph = " ".join(paragraph.split())
                 if len(paragraph) >= 200 and paragraph not in seen:
                     seen.add(paragraph)
-                    yield {"source": "licenses", "text": paragraph, "url": f"license:{dist.metadata['Name']}/{file.name}"}
+                    yield {
+                        "source": "licenses",
+                        "text": paragraph,
+                        "url": f"license:{dist.metadata['Name']}/{file.name}",
+                    }
 
 
 def mixed_documents(per_source: int, seed: int) -> list[dict]:
@@ -118,8 +122,9 @@ def mixed_documents(per_source: int, seed: int) -> list[dict]:
     return [{**d, "timestamp": TIMESTAMP} for d in docs]
 
 
-def build_mixed(out: str | Path, per_source: int = 2000, validation_fraction: float = 0.05,
-                train_files: int = 4, seed: int = 0) -> dict:
+def build_mixed(
+    out: str | Path, per_source: int = 2000, validation_fraction: float = 0.05, train_files: int = 4, seed: int = 0
+) -> dict:
     """Write the mixed corpus under `out` (replacing an unfinished one); returns the counts."""
     out = Path(out)
     if (out / "_SUCCESS").exists():
@@ -132,16 +137,28 @@ def build_mixed(out: str | Path, per_source: int = 2000, validation_fraction: fl
     for i in range(train_files):
         write_c4_file(out / "train" / f"c4-train.{i:05d}-of-{train_files:05d}.json.gz", train[i::train_files])
     write_c4_file(out / "validation" / "c4-validation.00000-of-00001.json.gz", validation)
-    info = {"train": len(train), "validation": len(validation), "python": sys.version.split()[0],
-            "sources": dict(sorted(Counter(d["source"] for d in docs).items())),
-            "validation_sources": dict(sorted(Counter(d["source"] for d in validation).items()))}
+    info = {
+        "train": len(train),
+        "validation": len(validation),
+        "python": sys.version.split()[0],
+        "sources": dict(sorted(Counter(d["source"] for d in docs).items())),
+        "validation_sources": dict(sorted(Counter(d["source"] for d in validation).items())),
+    }
     (out / "_SUCCESS").write_text(json.dumps(info, indent=2) + "\n")
-    log.info("mixed corpus: %d train and %d validation documents in %s: %s", len(train), len(validation), out, info["sources"])
+    log.info(
+        "mixed corpus: %d train and %d validation documents in %s: %s",
+        len(train),
+        len(validation),
+        out,
+        info["sources"],
+    )
     return info
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build the mixed corpus (Wikipedia, Python code, docstrings, licences)")
+    parser = argparse.ArgumentParser(
+        description="Build the mixed corpus (Wikipedia, Python code, docstrings, licences)"
+    )
     parser.add_argument("--out", default="data/mixed")
     parser.add_argument("--per-source", type=int, default=2000)
     parser.add_argument("--validation-fraction", type=float, default=0.05)

@@ -16,21 +16,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
 from typing import Any
 
 from models.grid import all_path_ids
-from pipeline.state import layout
-from pipeline.core.config import Config, load_config
 from pipeline.core.bounds import load_json
+from pipeline.core.config import Config, load_config
 from pipeline.core.errors import ConfigError, CorruptStateError
 from pipeline.core.trust import check_beam_options, check_runner
-from pipeline.state.storage import RunRoot
 from pipeline.routing.router import Router
 from pipeline.routing.tokenizer import commit_bpe, describe, encode, load_tokenizer, prefix_texts, train_bpe
+from pipeline.state import layout
+from pipeline.state.storage import RunRoot
 from preprocessing import c4
 from preprocessing.transforms import (
     AssignPath,
@@ -38,11 +37,11 @@ from preprocessing.transforms import (
     ReadC4,
     RouterEmbedderHandler,
     SampleDocs,
-    sample_text_chars,
     Summarize,
     TokenizeDocs,
     WriteRejected,
     WriteShards,
+    sample_text_chars,
     summary_file,
     work_dir,
 )
@@ -59,12 +58,16 @@ def pipeline_options(config: Config):
     flags = list(config.beam.options)
     if not any(f.startswith("--default_sdk_harness_log_level") for f in flags):
         # SDK workers log Beam's harness chatter at INFO to stderr; keep their warnings and our progress
-        flags += ["--default_sdk_harness_log_level=WARNING",
-                  '--sdk_harness_log_level_overrides={"preprocessing": "INFO"}']
+        flags += [
+            "--default_sdk_harness_log_level=WARNING",
+            '--sdk_harness_log_level_overrides={"preprocessing": "INFO"}',
+        ]
     try:
         return PipelineOptions(flags)
     except (SystemExit, ValueError) as exc:  # argparse inside Beam exits on a bad flag
-        raise ConfigError(f"{config.source}: beam.options {config.beam.options} are not valid Beam options ({exc})") from None
+        raise ConfigError(
+            f"{config.source}: beam.options {config.beam.options} are not valid Beam options ({exc})"
+        ) from None
 
 
 DIRECT_NAMES = ("DirectRunner", "direct", "FnApiRunner")
@@ -146,7 +149,9 @@ def in_process(config: Config) -> Config:
     if config.beam.runner not in DIRECT_NAMES:
         return config
     options = [o for o in config.beam.options if not o.startswith(("--direct_running_mode", "--direct_num_workers"))]
-    beam = dataclasses.replace(config.beam, options=[*options, "--direct_running_mode=in_memory", "--direct_num_workers=1"])
+    beam = dataclasses.replace(
+        config.beam, options=[*options, "--direct_running_mode=in_memory", "--direct_num_workers=1"]
+    )
     return dataclasses.replace(config, beam=beam)
 
 
@@ -158,7 +163,10 @@ def _read_plan(config: Config) -> list[tuple[str, str, int | None]]:
         if globs is None:
             continue
         files = c4.list_input_files(globs, key)
-        plan.extend((split, file, limit) for file, limit in c4.plan_reads(files, config.data.max_docs, config.data.max_doc_bytes))
+        plan.extend(
+            (split, file, limit)
+            for file, limit in c4.plan_reads(files, config.data.max_docs, config.data.max_doc_bytes)
+        )
     return plan
 
 
@@ -183,14 +191,25 @@ def fit_router(config: Config, root: RunRoot, plan: list[tuple[str, str, int | N
     embedder, extra = _new_embedder(config, root, prefixes)
     features = embedder.embed(prefixes)
     router = Router.fit(
-        features, config.model.grid, embedder=r.embedder, prefix_tokens=r.prefix_tokens, seed=r.seed,
-        iters=r.kmeans_iters, balanced=r.balanced, capacity_factor=r.capacity_factor,
+        features,
+        config.model.grid,
+        embedder=r.embedder,
+        prefix_tokens=r.prefix_tokens,
+        seed=r.seed,
+        iters=r.kmeans_iters,
+        balanced=r.balanced,
+        capacity_factor=r.capacity_factor,
         extra={"tokenizer": config.model.tokenizer, **extra},
     )
     root.remove(ROUTER_WORK)
     router.save(root, embedder)
-    log.info("router: %s features (dim %d), grid %s, fitted and committed in %.1fs",
-             r.embedder, features.shape[1], config.model.grid, time.time() - start)
+    log.info(
+        "router: %s features (dim %d), grid %s, fitted and committed in %.1fs",
+        r.embedder,
+        features.shape[1],
+        config.model.grid,
+        time.time() - start,
+    )
     return Router.load(root, config)
 
 
@@ -230,10 +249,17 @@ def ensure_tokenizer(config: Config, root: RunRoot, texts: list[str]):
         trained = train_bpe(sample, m.vocab_size)
         marker = commit_bpe(root, trained, len(sample))
         if marker["vocab_size"] < m.vocab_size:
-            log.warning("tokenizer: the sample held merges for %d ids only (model.vocab_size %d): ids above stay unused",
-                        marker["vocab_size"], m.vocab_size)
-        log.info("tokenizer: byte-level BPE of %d ids trained on %d documents and committed in %.1fs",
-                 marker["vocab_size"], len(sample), time.time() - start)
+            log.warning(
+                "tokenizer: the sample held merges for %d ids only (model.vocab_size %d): ids above stay unused",
+                marker["vocab_size"],
+                m.vocab_size,
+            )
+        log.info(
+            "tokenizer: byte-level BPE of %d ids trained on %d documents and committed in %.1fs",
+            marker["vocab_size"],
+            len(sample),
+            time.time() - start,
+        )
     return load_tokenizer(root, m.tokenizer)
 
 
@@ -261,26 +287,36 @@ def _new_embedder(config: Config, root: RunRoot, prefixes: list[str]):
 
 def _check_router(router: Router, config: Config, root: RunRoot) -> None:
     header, r = router.header, config.router
-    wanted = {"embedder": r.embedder, "grid": list(config.model.grid), "prefix_tokens": r.prefix_tokens,
-              "tokenizer": config.model.tokenizer}
+    wanted = {
+        "embedder": r.embedder,
+        "grid": list(config.model.grid),
+        "prefix_tokens": r.prefix_tokens,
+        "tokenizer": config.model.tokenizer,
+    }
     for key, value in wanted.items():
         if header.get(key) != value:
             raise ConfigError(
-                f"{config.source}: the committed router in {root.path(layout.ROUTER_DIR)} has {key}={header.get(key)!r} "
+                f"{config.source}: the committed router in {root.path(layout.ROUTER_DIR)} "
+                f"has {key}={header.get(key)!r} "
                 f"but the config says {value!r}; use a new run_root (or remove router/) to change it"
             )
 
 
 # -- step 2: route and write ---------------------------------------------------------------------
-def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pipeline=None,
-                    routing: layout.Routing = layout.KMEANS):
+def route_documents(
+    config: Config, root: RunRoot, plan, router: Router, test_pipeline=None, routing: layout.Routing = layout.KMEANS
+):
     """The routing pipeline with the router committed in `routing.router`, writing under
     `routing.shards`; returns the Beam result (for its metrics)."""
     import apache_beam as beam
 
     pipeline = test_pipeline or make_pipeline(config)
-    handler = RouterEmbedderHandler(root.url, config.to_dict() if config.router.embedder == "model" else None,
-                                    worker_threads(config), routing.router)
+    handler = RouterEmbedderHandler(
+        root.url,
+        config.to_dict() if config.router.embedder == "model" else None,
+        worker_threads(config),
+        routing.router,
+    )
     read = pipeline | "ReadC4" >> ReadC4(plan, config.data.max_doc_bytes, config.router.batch_size)
     shard_stats = (
         read.batches
@@ -290,8 +326,10 @@ def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pi
         | "AssignPath" >> AssignPath(root.url, config.data.parts_per_path, routing.router)
         | "WriteShards" >> WriteShards(root.url, routing.shards)
     )
-    rejected_stats = read.rejected | "WriteRejected" >> WriteRejected(root.url, config.data.parts_per_path, routing.rejected)
-    (   # the one sink every branch ends in (the DaskRunner computes only the last transform's graph)
+    rejected_stats = read.rejected | "WriteRejected" >> WriteRejected(
+        root.url, config.data.parts_per_path, routing.rejected
+    )
+    (  # the one sink every branch ends in (the DaskRunner computes only the last transform's graph)
         (shard_stats, rejected_stats, read.lines)
         | "MergeStats" >> beam.Flatten()
         | "Summarize" >> Summarize(root.url, summary_file(routing.shards))
@@ -299,8 +337,15 @@ def route_documents(config: Config, root: RunRoot, plan, router: Router, test_pi
     return run_to_completion(pipeline)
 
 
-def write_shards(config: Config, root: RunRoot, plan, router: Router, test_pipeline=None,
-                 routing: layout.Routing = layout.KMEANS, started: float | None = None) -> dict:
+def write_shards(
+    config: Config,
+    root: RunRoot,
+    plan,
+    router: Router,
+    test_pipeline=None,
+    routing: layout.Routing = layout.KMEANS,
+    started: float | None = None,
+) -> dict:
     """Route every document of the plan with `router` into `routing.shards`, write its manifest
     and commit it last; returns the manifest. A crashed attempt's parts are removed first."""
     start = time.time()
@@ -314,8 +359,10 @@ def write_shards(config: Config, root: RunRoot, plan, router: Router, test_pipel
     manifest = build_manifest(summary, config, router, plan, root)
     manifest["seconds"] = round(time.time() - started, 3)
     root.write_json(routing.manifest, manifest)
-    root.commit(routing.shards, info={"routed": manifest["routed"], "rejected": manifest["rejected"],
-                                      "router_checksum": router.checksum})
+    root.commit(
+        routing.shards,
+        info={"routed": manifest["routed"], "rejected": manifest["rejected"], "router_checksum": router.checksum},
+    )
     log_summary(manifest, _counters(result))
     return manifest
 
@@ -357,8 +404,13 @@ def build_manifest(summary: dict, config: Config, router: Router, plan, root: Ru
         "splits": splits,
         "paths": paths,
         "grid": list(config.model.grid),
-        "router": {"checksum": router.checksum, "kind": router.kind, "embedder": router.header["embedder"],
-                   "dim": router.header["dim"], "prefix_tokens": router.header["prefix_tokens"]},
+        "router": {
+            "checksum": router.checksum,
+            "kind": router.kind,
+            "embedder": router.header["embedder"],
+            "dim": router.header["dim"],
+            "prefix_tokens": router.header["prefix_tokens"],
+        },
         "router_checksum": router.checksum,
         "tokenizer": describe(root, config.model.tokenizer),
         "max_docs": config.data.max_docs,

@@ -48,7 +48,15 @@ def load_articles() -> list[dict]:
         if not text:
             continue
         url = "https://en.wikipedia.org/wiki/" + urllib.parse.quote(title.replace(" ", "_"))
-        articles.append({"text": text, "url": url, "timestamp": TIMESTAMP, "topic": entry.get("topic") or "Uncategorized", "title": title})
+        articles.append(
+            {
+                "text": text,
+                "url": url,
+                "timestamp": TIMESTAMP,
+                "topic": entry.get("topic") or "Uncategorized",
+                "title": title,
+            }
+        )
     return articles
 
 
@@ -62,8 +70,9 @@ def write_c4_file(path: Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
-def build_sample(out: str | Path, validation_fraction: float = 0.05, train_files: int = 4, seed: int = 0,
-                 limit: int | None = None) -> dict:
+def build_sample(
+    out: str | Path, validation_fraction: float = 0.05, train_files: int = 4, seed: int = 0, limit: int | None = None
+) -> dict:
     """Write the sample under `out` (replacing an unfinished one); returns counts."""
     out = Path(out)
     if (out / "_SUCCESS").exists():
@@ -79,8 +88,13 @@ def build_sample(out: str | Path, validation_fraction: float = 0.05, train_files
     for i in range(train_files):
         write_c4_file(out / "train" / f"c4-train.{i:05d}-of-{train_files:05d}.json.gz", train[i::train_files])
     write_c4_file(out / "validation" / "c4-validation.00000-of-00001.json.gz", validation)
-    info = {"train": len(train), "validation": len(validation), "source": str(source_file().name),
-            "topics": sorted({a["topic"] for a in articles}), "license": "CC BY-SA 4.0"}
+    info = {
+        "train": len(train),
+        "validation": len(validation),
+        "source": str(source_file().name),
+        "topics": sorted({a["topic"] for a in articles}),
+        "license": "CC BY-SA 4.0",
+    }
     (out / "_SUCCESS").write_text(json.dumps(info, indent=2) + "\n")
     log.info("sample: %d train and %d validation documents in %s", len(train), len(validation), out)
     return info

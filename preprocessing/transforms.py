@@ -32,8 +32,8 @@ from typing import Any, NamedTuple
 
 import apache_beam as beam
 import numpy as np
-from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult, RunInference
 from apache_beam.metrics import Metrics
+from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult, RunInference
 from apache_beam.transforms.combiners import TopCombineFn
 
 from pipeline.state import layout
@@ -56,6 +56,8 @@ def work_dir(shards: str) -> str:
 
 def summary_file(shards: str) -> str:
     return f"{work_dir(shards)}/summary.json"
+
+
 PROGRESS_EVERY_S = 10.0
 
 
@@ -145,8 +147,12 @@ class _ReadFileFn(beam.DoFn):
         for reason, n in sorted(reasons.items()):  # the exact counts, kept in rejected/ or not
             yield LINES, ("rejected", split, reason, n)
         if unlisted:
-            log.warning("%s: %d rejected lines counted but not listed in rejected/ (over its %d-byte share)",
-                        file, unlisted, self.budgets.get(split, REJECTED_BYTES_PER_SPLIT))
+            log.warning(
+                "%s: %d rejected lines counted but not listed in rejected/ (over its %d-byte share)",
+                file,
+                unlisted,
+                self.budgets.get(split, REJECTED_BYTES_PER_SPLIT),
+            )
             yield LINES, ("unlisted", split, unlisted)
 
 
@@ -175,8 +181,12 @@ class ReadC4(beam.PTransform):
             | "SpreadFiles" >> beam.Reshuffle()  # one file per element: files read in parallel
             | "ParseLines" >> beam.ParDo(_ReadFileFn(self.max_doc_bytes, self.batch_size, rejected_budgets(self.plan)))
         )
-        return ReadC4Outputs(*(records | f"Select{kind.title()}" >> beam.FlatMap(_of_kind, kind)
-                               for kind in (DOCUMENTS, REJECTED, LINES)))
+        return ReadC4Outputs(
+            *(
+                records | f"Select{kind.title()}" >> beam.FlatMap(_of_kind, kind)
+                for kind in (DOCUMENTS, REJECTED, LINES)
+            )
+        )
 
 
 # -- TokenizeDocs --------------------------------------------------------------------------------
@@ -197,8 +207,10 @@ class _TokenizeFn(beam.DoFn):
 
         ids = encode([d.text for d in batch], self.tokenizer)
         self.tokens.inc(sum(len(i) for i in ids))
-        yield [((doc.split, doc.doc_id, doc_ids), prefix)
-               for doc, doc_ids, prefix in zip(batch, ids, prefix_texts(ids, self.prefix_tokens, self.tokenizer))]
+        yield [
+            ((doc.split, doc.doc_id, doc_ids), prefix)
+            for doc, doc_ids, prefix in zip(batch, ids, prefix_texts(ids, self.prefix_tokens, self.tokenizer))
+        ]
 
 
 class TokenizeDocs(beam.PTransform):
@@ -217,7 +229,9 @@ class TokenizeDocs(beam.PTransform):
 class RouterEmbedderHandler(ModelHandler[str, PredictionResult, Any]):
     """Beam ML's view of the router's embedder: loaded once per worker, fed batches of prefixes."""
 
-    def __init__(self, root_url: str, config_dict: dict | None, threads: int | None, router_dir: str = layout.ROUTER_DIR):
+    def __init__(
+        self, root_url: str, config_dict: dict | None, threads: int | None, router_dir: str = layout.ROUTER_DIR
+    ):
         super().__init__()
         self.root_url, self.config_dict, self.threads, self.router_dir = root_url, config_dict, threads, router_dir
 
@@ -298,7 +312,9 @@ class _WriteShardFn(beam.DoFn):
         (split, path, bucket), rows = element
         rows = sorted(rows, key=lambda r: (r[0], r[1]))  # fixed order, whatever the bundling
         table = shard_table([r[0] for r in rows], [r[1] for r in rows])
-        write_shard_file(RunRoot(self.root_url), f"{layout.shard_dir(path, split, self.shards)}/part-{bucket:05d}.parquet", table)
+        write_shard_file(
+            RunRoot(self.root_url), f"{layout.shard_dir(path, split, self.shards)}/part-{bucket:05d}.parquet", table
+        )
         yield ("shard", split, path, len(rows), sum(len(r[1]) for r in rows))
 
 
@@ -310,8 +326,11 @@ class WriteShards(beam.PTransform):
         self.root_url, self.shards = root_url, shards
 
     def expand(self, routed):
-        return (routed | "GroupByShard" >> beam.GroupByKey()
-                | "WriteParts" >> beam.ParDo(_WriteShardFn(self.root_url, self.shards)))
+        return (
+            routed
+            | "GroupByShard" >> beam.GroupByKey()
+            | "WriteParts" >> beam.ParDo(_WriteShardFn(self.root_url, self.shards))
+        )
 
 
 class _WriteRejectedFn(beam.DoFn):
@@ -397,7 +416,8 @@ class Summarize(beam.PTransform):
         return (
             stats
             | "CombineStats" >> beam.CombineGlobally(SummaryFn()).without_defaults()  # never empty: lines
-            | "WriteSummary" >> beam.Map(lambda s, url, rel: RunRoot(url).write_json(rel, s), self.root_url, self.summary)
+            | "WriteSummary"
+            >> beam.Map(lambda s, url, rel: RunRoot(url).write_json(rel, s), self.root_url, self.summary)
         )
 
 
@@ -428,7 +448,11 @@ class SampleDocs(beam.PTransform):
     def expand(self, batches):
         return (
             batches
-            | "KeyBySample" >> beam.FlatMap(lambda b, seed, chars: [(sample_key(seed, d), d.doc_id, d.text[:chars])
-                                                                    for d in b], self.seed, self.chars)
+            | "KeyBySample"
+            >> beam.FlatMap(
+                lambda b, seed, chars: [(sample_key(seed, d), d.doc_id, d.text[:chars]) for d in b],
+                self.seed,
+                self.chars,
+            )
             | "SmallestKeys" >> beam.CombineGlobally(TopCombineFn(self.n, reverse=True)).without_defaults()
         )

@@ -40,9 +40,9 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import closing
 import urllib.error
 import urllib.request
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -152,10 +152,14 @@ def create_database(pg_url: str, name: str, owner: str | None = None) -> bool:
         cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
         if cur.fetchone():
             if owner:
-                cur.execute(sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(name), sql.Identifier(owner)))
+                cur.execute(
+                    sql.SQL("ALTER DATABASE {} OWNER TO {}").format(sql.Identifier(name), sql.Identifier(owner))
+                )
             return False
-        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
-                    + (sql.SQL(" OWNER {}").format(sql.Identifier(owner)) if owner else sql.SQL("")))
+        cur.execute(
+            sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+            + (sql.SQL(" OWNER {}").format(sql.Identifier(owner)) if owner else sql.SQL(""))
+        )
         return True
 
 
@@ -167,8 +171,12 @@ def create_role(pg_url: str, role: str, password: str) -> None:
     with closing(_admin(pg_url)) as conn, conn.cursor() as cur:
         cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,))
         verb = sql.SQL("ALTER" if cur.fetchone() else "CREATE")
-        cur.execute(sql.SQL("{} ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD %s").format(
-            verb, sql.Identifier(role)), (password,))
+        cur.execute(
+            sql.SQL("{} ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD %s").format(
+                verb, sql.Identifier(role)
+            ),
+            (password,),
+        )
 
 
 def drop_role(pg_url: str, role: str) -> None:
@@ -191,8 +199,9 @@ def role_url(pg_url: str, role: str, password: str) -> str:
     """postgresql://postgres@h:p -> postgresql://role:password@h:p."""
     parts = urlsplit(pg_url)
     host = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, f"{quote(role, safe='')}:{quote(password, safe='')}@{host}", parts.path,
-                       parts.query, ""))
+    return urlunsplit(
+        (parts.scheme, f"{quote(role, safe='')}:{quote(password, safe='')}@{host}", parts.path, parts.query, "")
+    )
 
 
 def drop_database(pg_url: str, name: str) -> None:
@@ -242,14 +251,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def spawn(deployment: Deployment, name: str, argv: list[str], env: dict[str, str], logs: Path,
-          address: str = "") -> Service:
+def spawn(
+    deployment: Deployment, name: str, argv: list[str], env: dict[str, str], logs: Path, address: str = ""
+) -> Service:
     """Start argv in its own session (so stop() can end its whole tree), output to logs/NAME.log."""
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{name}.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            start_new_session=True,
+        )
     return deployment.add(Service(name, proc.pid, address, str(log)))
 
 
@@ -334,11 +351,33 @@ def start_dask(deployment: Deployment, port: int, workers: int, logs: Path, time
     """A scheduler and `workers` single-threaded worker processes; returns tcp://HOST:port."""
     address = f"tcp://{HOST}:{port}"
     env = base_env()
-    scheduler = spawn(deployment, "dask-scheduler", [str(BIN / "dask"), "scheduler", "--host", HOST, "--port",
-                                                      str(port), "--no-dashboard"], env, logs, address)
+    scheduler = spawn(
+        deployment,
+        "dask-scheduler",
+        [str(BIN / "dask"), "scheduler", "--host", HOST, "--port", str(port), "--no-dashboard"],
+        env,
+        logs,
+        address,
+    )
     wait_until(lambda: port_open(port), scheduler, timeout_s, "open port")
-    spawn(deployment, "dask-workers", [str(BIN / "dask"), "worker", address, "--nworkers", str(workers),
-                                       "--nthreads", "1", "--host", HOST, "--no-dashboard"], env, logs)
+    spawn(
+        deployment,
+        "dask-workers",
+        [
+            str(BIN / "dask"),
+            "worker",
+            address,
+            "--nworkers",
+            str(workers),
+            "--nthreads",
+            "1",
+            "--host",
+            HOST,
+            "--no-dashboard",
+        ],
+        env,
+        logs,
+    )
     from distributed import Client
 
     with Client(address, timeout=timeout_s) as client:
@@ -356,8 +395,16 @@ def mlflow_credentials(secrets_dir: Path) -> dict[str, str]:
     return {"MLFLOW_TRACKING_USERNAME": MLFLOW_ADMIN, "MLFLOW_TRACKING_PASSWORD": password}
 
 
-def start_mlflow(deployment: Deployment, pg_url: str, database: str, artifacts: Path, port: int, logs: Path,
-                 secrets_dir: Path, timeout_s: float = 180) -> str:
+def start_mlflow(
+    deployment: Deployment,
+    pg_url: str,
+    database: str,
+    artifacts: Path,
+    port: int,
+    logs: Path,
+    secrets_dir: Path,
+    timeout_s: float = 180,
+) -> str:
     """`mlflow server` on PostgreSQL with proxied artifacts behind its basic-auth app (every
     request but /health needs the admin's credentials, mlflow_credentials); returns its address."""
     address = f"http://{HOST}:{port}"
@@ -367,18 +414,39 @@ def start_mlflow(deployment: Deployment, pg_url: str, database: str, artifacts: 
         write_private(auth_db, "")
     auth_db.chmod(0o600)
     # users and permissions in a SQLite file of their own; nobody but the admin may read or write
-    write_private(auth_ini, "[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
-                            f"database_uri = sqlite:///{auth_db}\n"
-                            f"admin_username = {MLFLOW_ADMIN}\n"
-                            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-    argv = [str(BIN / "mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1",
-            "--backend-store-uri", database_url(pg_url, database, "psycopg2"), "--serve-artifacts",
-            "--artifacts-destination", str(artifacts), "--app-name", "basic-auth"]
+    write_private(
+        auth_ini,
+        "[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+        f"database_uri = sqlite:///{auth_db}\n"
+        f"admin_username = {MLFLOW_ADMIN}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n",
+    )
+    argv = [
+        str(BIN / "mlflow"),
+        "server",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        database_url(pg_url, database, "psycopg2"),
+        "--serve-artifacts",
+        "--artifacts-destination",
+        str(artifacts),
+        "--app-name",
+        "basic-auth",
+    ]
     # MLflow 3.17 starts a job runner with 7 huey consumer processes beside a database-backed server
     # (for GenAI jobs); the pipeline runs none, and on 2 cores they slowed every request
-    env = {**base_env(), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_AUTH_CONFIG_PATH": str(auth_ini),
-           "MLFLOW_AUTH_ADMIN_PASSWORD": mlflow_credentials(secrets_dir)["MLFLOW_TRACKING_PASSWORD"],
-           "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(secrets_dir / "mlflow-flask-secret")[0]}
+    env = {
+        **base_env(),
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_AUTH_CONFIG_PATH": str(auth_ini),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": mlflow_credentials(secrets_dir)["MLFLOW_TRACKING_PASSWORD"],
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(secrets_dir / "mlflow-flask-secret")[0],
+    }
     server = spawn(deployment, "mlflow", argv, env, logs, address)
     wait_until(lambda: http_ok(f"{address}/health"), server, timeout_s, "answer on /health")
     return address
@@ -396,46 +464,64 @@ def airflow_secrets(secrets_dir: Path) -> dict[str, str]:
     passwords = secrets_dir / "airflow-passwords.json"  # the simple auth manager's users file
     write_private(passwords, json.dumps({AIRFLOW_ADMIN: password}) + "\n")
     if made:
-        print(f"Airflow: user {AIRFLOW_ADMIN!r}, password {password} (printed once; kept in "
-              f"{secrets_dir / 'airflow-admin-password'}, mode 0600)", flush=True)
-    return {"passwords_file": str(passwords), "password": password,
-            "fernet": secret(secrets_dir / "airflow-fernet-key", fernet_key)[0],
-            "jwt": secret(secrets_dir / "airflow-jwt-secret")[0], "api": secret(secrets_dir / "airflow-api-secret")[0]}
+        print(
+            f"Airflow: user {AIRFLOW_ADMIN!r}, password {password} (printed once; kept in "
+            f"{secrets_dir / 'airflow-admin-password'}, mode 0600)",
+            flush=True,
+        )
+    return {
+        "passwords_file": str(passwords),
+        "password": password,
+        "fernet": secret(secrets_dir / "airflow-fernet-key", fernet_key)[0],
+        "jwt": secret(secrets_dir / "airflow-jwt-secret")[0],
+        "api": secret(secrets_dir / "airflow-api-secret")[0],
+    }
 
 
-def airflow_env(home: Path, pg_url: str, database: str, redis_url: str, queue: str, port: int,
-                dipaco_config: Path, concurrency: int, secrets_dir: Path) -> dict[str, str]:
+def airflow_env(
+    home: Path,
+    pg_url: str,
+    database: str,
+    redis_url: str,
+    queue: str,
+    port: int,
+    dipaco_config: Path,
+    concurrency: int,
+    secrets_dir: Path,
+) -> dict[str, str]:
     """One environment for every Airflow process: PostgreSQL, CeleryExecutor on Redis, the
     api-server the task runners report to (Airflow 3's execution API), the simple auth manager
     with one admin (no anonymous admins), a Fernet key, separate JWT and API secrets."""
     db = database_url(pg_url, database, "psycopg2")
     keys = airflow_secrets(secrets_dir)
     env = base_env()
-    env.update({
-        "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "airflow" / "dags"),
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://{HOST}:{port}/execution/",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{AIRFLOW_ADMIN}:admin",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": keys["passwords_file"],
-        "AIRFLOW__CORE__FERNET_KEY": keys["fernet"],
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db,
-        "AIRFLOW__CELERY__BROKER_URL": redis_url,
-        "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{db}",
-        "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(concurrency),
-        "AIRFLOW__OPERATORS__DEFAULT_QUEUE": queue,
-        "AIRFLOW__API__HOST": HOST,
-        "AIRFLOW__API__PORT": str(port),
-        "AIRFLOW__API__BASE_URL": f"http://{HOST}:{port}",
-        "AIRFLOW__API__WORKERS": "1",
-        "AIRFLOW__API__SECRET_KEY": keys["api"],
-        "AIRFLOW__API_AUTH__JWT_SECRET": keys["jwt"],
-        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",  # new DAG files within seconds
-        "DIPACO_CONFIG": str(dipaco_config),
-    })
+    env.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "airflow" / "dags"),
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://{HOST}:{port}/execution/",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{AIRFLOW_ADMIN}:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": keys["passwords_file"],
+            "AIRFLOW__CORE__FERNET_KEY": keys["fernet"],
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": db,
+            "AIRFLOW__CELERY__BROKER_URL": redis_url,
+            "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{db}",
+            "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(concurrency),
+            "AIRFLOW__OPERATORS__DEFAULT_QUEUE": queue,
+            "AIRFLOW__API__HOST": HOST,
+            "AIRFLOW__API__PORT": str(port),
+            "AIRFLOW__API__BASE_URL": f"http://{HOST}:{port}",
+            "AIRFLOW__API__WORKERS": "1",
+            "AIRFLOW__API__SECRET_KEY": keys["api"],
+            "AIRFLOW__API_AUTH__JWT_SECRET": keys["jwt"],
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",  # new DAG files within seconds
+            "DIPACO_CONFIG": str(dipaco_config),
+        }
+    )
     # airflow/config/airflow_local_settings.py: the Celery worker preloads the pipeline
     env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], str(REPO / "airflow" / "config")))
     return env
@@ -443,15 +529,23 @@ def airflow_env(home: Path, pg_url: str, database: str, redis_url: str, queue: s
 
 def airflow(env: dict[str, str], *args: str, timeout_s: float = 300) -> str:
     """Run one `airflow` CLI command to completion; its output, or RuntimeError with it."""
-    done = subprocess.run([str(BIN / "airflow"), *args], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout_s)
+    done = subprocess.run(
+        [str(BIN / "airflow"), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s
+    )
     if done.returncode != 0:
         raise RuntimeError(f"airflow {' '.join(args)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return done.stdout
 
 
-def start_airflow(deployment: Deployment, env: dict[str, str], pool: str, pool_slots: int, queue: str,
-                  logs: Path, timeout_s: float = 180) -> str:
+def start_airflow(
+    deployment: Deployment,
+    env: dict[str, str],
+    pool: str,
+    pool_slots: int,
+    queue: str,
+    logs: Path,
+    timeout_s: float = 180,
+) -> str:
     """Migrate the metadata DB, create the path trainers' pool, start the five components."""
     airflow(env, "db", "migrate")
     airflow(env, "pools", "set", pool, str(pool_slots), "dipaco path trainers")
@@ -464,9 +558,22 @@ def start_airflow(deployment: Deployment, env: dict[str, str], pool: str, pool_s
     # one machine, one AIRFLOW_HOME: the api-server reads task logs from disk, so neither the worker
     # nor the triggerer serves its own (they would listen on every interface)
     spawn(deployment, "airflow-triggerer", [command, "triggerer", "--skip-serve-logs"], env, logs)
-    spawn(deployment, "airflow-celery-worker", [command, "celery", "worker", "--queues", queue, "--skip-serve-logs",
-                                                "--concurrency", env["AIRFLOW__CELERY__WORKER_CONCURRENCY"]],
-          env, logs)
+    spawn(
+        deployment,
+        "airflow-celery-worker",
+        [
+            command,
+            "celery",
+            "worker",
+            "--queues",
+            queue,
+            "--skip-serve-logs",
+            "--concurrency",
+            env["AIRFLOW__CELERY__WORKER_CONCURRENCY"],
+        ],
+        env,
+        logs,
+    )
     wait_until(lambda: http_ok(f"{address}/api/v2/monitor/health"), api, timeout_s, "answer on /api/v2/monitor/health")
     return address
 
@@ -483,15 +590,34 @@ def start_all(settings: Settings) -> Deployment:
     try:
         start_dask(deployment, settings.dask_port, settings.dask_workers, logs)
         mlflow_pg = service_database(settings.pg_url, settings.mlflow_db, home / "secrets")  # its own role
-        mlflow = start_mlflow(deployment, mlflow_pg, settings.mlflow_db, home / "mlflow-artifacts",
-                              settings.mlflow_port, logs, home / "secrets")
-        write_private(home / "mlflow.env", "".join(
-            f"export {k}={shlex.quote(v)}\n"
-            for k, v in {"MLFLOW_TRACKING_URI": mlflow, **mlflow_credentials(home / "secrets")}.items()))
+        mlflow = start_mlflow(
+            deployment,
+            mlflow_pg,
+            settings.mlflow_db,
+            home / "mlflow-artifacts",
+            settings.mlflow_port,
+            logs,
+            home / "secrets",
+        )
+        write_private(
+            home / "mlflow.env",
+            "".join(
+                f"export {k}={shlex.quote(v)}\n"
+                for k, v in {"MLFLOW_TRACKING_URI": mlflow, **mlflow_credentials(home / "secrets")}.items()
+            ),
+        )
         airflow_pg = service_database(settings.pg_url, settings.airflow_db, home / "secrets")
-        env = airflow_env(home / "airflow", airflow_pg, settings.airflow_db, settings.redis_url,
-                          settings.celery_queue, settings.airflow_port, settings.dipaco_config,
-                          settings.celery_concurrency, home / "secrets")
+        env = airflow_env(
+            home / "airflow",
+            airflow_pg,
+            settings.airflow_db,
+            settings.redis_url,
+            settings.celery_queue,
+            settings.airflow_port,
+            settings.dipaco_config,
+            settings.celery_concurrency,
+            home / "secrets",
+        )
         start_airflow(deployment, env, "dipaco_paths", settings.pool_slots, settings.celery_queue, logs)
         write_env_file(home / "airflow.env", env)
     except BaseException:
@@ -527,16 +653,23 @@ def main(argv: list[str] | None = None) -> int:
         start_all(settings)
         print(f"services started in {time.monotonic() - started:.0f}s (logs in {settings.home / 'logs'}):")
         print(f"  Dask scheduler  tcp://{HOST}:{settings.dask_port}  ({settings.dask_workers} workers)")
-        print(f"  MLflow          http://{HOST}:{settings.mlflow_port}  "
-              f"(PostgreSQL database {settings.mlflow_db}, artifacts {settings.home / 'mlflow-artifacts'}; "
-              f"basic auth: . {settings.home / 'mlflow.env'})")
-        print(f"  Airflow         http://{HOST}:{settings.airflow_port}  (PostgreSQL database "
-              f"{settings.airflow_db}, CeleryExecutor on {settings.redis_url}, queue {settings.celery_queue}; "
-              f"user {AIRFLOW_ADMIN}, password in {settings.home / 'secrets' / 'airflow-admin-password'})")
+        print(
+            f"  MLflow          http://{HOST}:{settings.mlflow_port}  "
+            f"(PostgreSQL database {settings.mlflow_db}, artifacts {settings.home / 'mlflow-artifacts'}; "
+            f"basic auth: . {settings.home / 'mlflow.env'})"
+        )
+        print(
+            f"  Airflow         http://{HOST}:{settings.airflow_port}  (PostgreSQL database "
+            f"{settings.airflow_db}, CeleryExecutor on {settings.redis_url}, queue {settings.celery_queue}; "
+            f"user {AIRFLOW_ADMIN}, password in {settings.home / 'secrets' / 'airflow-admin-password'})"
+        )
         print(f"run on them:      dipaco run --config {settings.dipaco_config.relative_to(REPO)}")
-        print(f"                  . {settings.home / 'airflow.env'} && airflow dags trigger dipaco_train "
-              f"-c '{{\"overrides\": [\"run_root=runs/services-dag\"]}}'  (or the UI, http://{HOST}:{settings.airflow_port}; "
-              f"a run root other than the CLI's)")
+        print(
+            f"                  . {settings.home / 'airflow.env'} && airflow dags trigger dipaco_train "
+            f'-c \'{{"overrides": ["run_root=runs/services-dag"]}}\'  '
+            f"(or the UI, http://{HOST}:{settings.airflow_port}; "
+            f"a run root other than the CLI's)"
+        )
         return 0
     if args.action == "status":
         for service in load_state(settings.home):

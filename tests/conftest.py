@@ -39,12 +39,21 @@ def synthetic_documents(path_index: int, n_docs: int, vocab: int, seed: int) -> 
     for _ in range(n_docs):
         motif = rng.integers(low, low + band, size=4)
         length = int(rng.integers(24, 72))
-        docs.append([int(motif[i % 4]) if rng.random() < 0.8 else int(rng.integers(0, vocab - 1)) for i in range(length)])
+        docs.append(
+            [int(motif[i % 4]) if rng.random() < 0.8 else int(rng.integers(0, vocab - 1)) for i in range(length)]
+        )
     return docs
 
 
-def write_synthetic_shards(root: RunRoot, grid: list[int], vocab: int = TINY_VOCAB, docs_per_path: int | dict = 40,
-                           seed: int = 0, same_shard: bool = False, validation_docs: int = 6) -> None:
+def write_synthetic_shards(
+    root: RunRoot,
+    grid: list[int],
+    vocab: int = TINY_VOCAB,
+    docs_per_path: int | dict = 40,
+    seed: int = 0,
+    same_shard: bool = False,
+    validation_docs: int = 6,
+) -> None:
     """Write and commit shards/ as the prepare job would (train and validation splits)."""
     for index, path_id in enumerate(all_path_ids(grid)):
         n = docs_per_path[path_id] if isinstance(docs_per_path, dict) else docs_per_path
@@ -53,8 +62,9 @@ def write_synthetic_shards(root: RunRoot, grid: list[int], vocab: int = TINY_VOC
         ids = [f"doc-{source}-{i}" for i in range(len(docs))]
         write_shard_file(root, f"shards/path={path_id}/part-00000.parquet", shard_table(ids[:n], docs[:n]))
         if validation_docs:
-            write_shard_file(root, f"shards/validation/path={path_id}/part-00000.parquet",
-                             shard_table(ids[n:], docs[n:]))
+            write_shard_file(
+                root, f"shards/validation/path={path_id}/part-00000.parquet", shard_table(ids[n:], docs[n:])
+            )
     root.write_json("shards/manifest.json", {"synthetic": True})
     root.commit("shards")
 
@@ -73,8 +83,13 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.05):
 def tiny_config(run_root: Path, *overrides: str) -> Config:
     """configs/tiny.yaml on a small vocabulary of GPT-2 ids (synthetic shards need no trained
     tokenizer), in-process launcher, tracking off."""
-    base = [f"run_root={run_root}", "model.tokenizer=gpt2", f"model.vocab_size={TINY_VOCAB}", "train.launcher=inprocess",
-            "mlflow.enabled=false"]
+    base = [
+        f"run_root={run_root}",
+        "model.tokenizer=gpt2",
+        f"model.vocab_size={TINY_VOCAB}",
+        "train.launcher=inprocess",
+        "mlflow.enabled=false",
+    ]
     return load_config(REPO / "configs" / "tiny.yaml", [*base, *overrides])
 
 

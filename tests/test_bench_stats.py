@@ -37,8 +37,10 @@ def test_unpaired_rows_use_welchs_interval():
 
 def test_the_evaluation_noise_shrinks_with_more_documents():
     rng = random.Random(1)
+
     def noise(n):
         sizes = [rng.randint(200, 800) for _ in range(n)]
         return evaluation_noise([s * rng.uniform(1.5, 2.5) for s in sizes], sizes)
+
     small, large = noise(50), noise(5000)
     assert 0 < large < small / 5

@@ -10,12 +10,12 @@ import pytest
 import yaml
 
 from conftest import REPO, tiny_config, write_synthetic_shards
-from pipeline.state import layout
 from pipeline import stages
 from pipeline.cli import main
 from pipeline.core.config import config_from_dict, load_config
 from pipeline.core.errors import ConfigError
 from pipeline.run import Run
+from pipeline.state import layout
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 
@@ -68,8 +68,13 @@ def test_an_unwritable_run_root_exits_2_in_one_line_in_under_2_s(where, tmp_path
         (tmp_path / "file").write_text("")
         root = str(tmp_path / "file" / "run")
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--config", TINY, "--set", f"run_root={root}"],
-                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "run", "--config", TINY, "--set", f"run_root={root}"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     elapsed = time.monotonic() - started
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.startswith(f"dipaco run: {TINY}: run_root {root}: cannot create and write files there")
@@ -86,7 +91,9 @@ def test_missing_or_broken_config_files_are_named(tmp_path, capsys):
 
 
 def test_a_path_id_outside_the_grid_is_refused(tmp_path, capsys):
-    code = main(["train-path", "--round", "0", "--path", "p9-9", "--config", TINY, "--set", f"run_root={tmp_path / 'r'}"])
+    code = main(
+        ["train-path", "--round", "0", "--path", "p9-9", "--config", TINY, "--set", f"run_root={tmp_path / 'r'}"]
+    )
     assert code == 2 and "--path" in capsys.readouterr().err
 
 
@@ -108,8 +115,9 @@ def test_a_run_root_refuses_a_config_that_changes_the_model(run_root):
 
 def test_the_installed_console_script_exits_2_without_a_traceback(tmp_path):
     dipaco = Path(sys.executable).with_name("dipaco")
-    result = subprocess.run([str(dipaco), "eval", "--config", TINY, "--set", "train.rounds=-1"],
-                            capture_output=True, text=True, cwd=REPO)
+    result = subprocess.run(
+        [str(dipaco), "eval", "--config", TINY, "--set", "train.rounds=-1"], capture_output=True, text=True, cwd=REPO
+    )
     assert result.returncode == 2
     assert "train.rounds" in result.stderr and "Traceback" not in result.stderr
 
@@ -124,25 +132,46 @@ def test_multi_node_islands_launch_through_a_hostfile(tmp_path, run_root):
     config = tiny_config(run_root, "train.num_nodes=2", f"train.hostfile={hostfile}", "train.procs_per_path=8")
     command = launcher_command("s3://bucket/run", 3, "p1-0", config.train, 29500)
     assert Path(command[0]).name == "deepspeed"
-    assert command[1:9] == ["--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "8", "--master_port", "29500"]
+    assert command[1:9] == [
+        "--hostfile",
+        str(hostfile),
+        "--num_nodes",
+        "2",
+        "--num_gpus",
+        "8",
+        "--master_port",
+        "29500",
+    ]
     assert command[-6:] == ["--run-root", "s3://bucket/run", "--round", "3", "--path", "p1-0"]
 
 
 def dipaco(args: list[str], cwd=REPO, **kwargs) -> subprocess.CompletedProcess:
     """The installed console script, as a user runs it."""
-    return subprocess.run([str(Path(sys.executable).with_name("dipaco")), *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300, **kwargs)
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("dipaco")), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        **kwargs,
+    )
 
 
 def files_under(path: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()} if path.exists() else {}
+    return (
+        {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+        if path.exists()
+        else {}
+    )
 
 
 REFUSED = {
     "path outside the grid": (["train-path", "--round", "0", "--path", "p9-9"], "--path"),
     "train-path unprepared": (["train-path", "--round", "0", "--path", "p0-1"], "prepare` first"),
-    "prepare bad glob": (["prepare", "--set", "data.train=nowhere/*.json"],
-                         "nowhere/*.json: no input files match (data.train); relative globs resolve against"),
+    "prepare bad glob": (
+        ["prepare", "--set", "data.train=nowhere/*.json"],
+        "nowhere/*.json: no input files match (data.train); relative globs resolve against",
+    ),
     "run bad glob": (["run", "--set", "data.eval=nowhere/*.json"], "nowhere/*.json: no input files match (data.eval)"),
     "eval unprepared": (["eval", "--round", "3"], "prepare` first"),
     "merge unprepared": (["merge", "--round", "0"], "prepare` first"),
@@ -163,8 +192,20 @@ def test_a_refused_argument_leaves_an_existing_run_root_unchanged(run_root, caps
     config = tiny_config(run_root)
     write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
     before = files_under(run_root)
-    base = ["--config", TINY, "--set", f"run_root={run_root}", "--set", "model.tokenizer=gpt2",
-            "--set", "model.vocab_size=256", "--set", "train.launcher=inprocess", "--set", "train.inner_steps=9"]  # would rewrite run.yaml
+    base = [
+        "--config",
+        TINY,
+        "--set",
+        f"run_root={run_root}",
+        "--set",
+        "model.tokenizer=gpt2",
+        "--set",
+        "model.vocab_size=256",
+        "--set",
+        "train.launcher=inprocess",
+        "--set",
+        "train.inner_steps=9",
+    ]  # would rewrite run.yaml
     assert main(["train-path", "--round", "0", "--path", "p9-9", *base]) == 2
     assert main(["merge", "--round", "0", *base]) == 2  # no path of round 0 trained yet
     assert "dipaco train-path --round 0" in capsys.readouterr().err
@@ -208,9 +249,28 @@ def test_a_path_jobs_input_error_is_not_retried_and_reaches_the_caller(launcher,
 
 def test_config_errors_are_reported_before_torch_is_imported(tmp_path):
     """A wrong key costs a fraction of a second: the config is checked before torch loads."""
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline.cli", "train-path", "--config", TINY,
-                             "--set", "train.inner_stepz=3", "--round", "0", "--path", "p0-1"],
-                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "pipeline.cli",
+            "train-path",
+            "--config",
+            TINY,
+            "--set",
+            "train.inner_stepz=3",
+            "--round",
+            "0",
+            "--path",
+            "p0-1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert result.returncode == 2 and "train.inner_stepz" in result.stderr
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
     assert "pipeline.core.config" in imported

@@ -20,16 +20,24 @@ LAYERS = ["models", *(f"pipeline.{p}" for p in ORDER), "preprocessing", "pipelin
 # Layers that do not depend on each other although one comes first. The path job (train) writes
 # its outer gradient in the merge's format (outer.compression), so outer comes first; the Beam app
 # routes (pipeline.routing) and writes shards (pipeline.state), and needs nothing that trains.
-INDEPENDENT = {("pipeline.evaluation", "pipeline.train"), ("pipeline.evaluation", "pipeline.outer"),
-               *(("preprocessing", f"pipeline.{p}") for p in ("outer", "train", "evaluation", "islands", "tracking"))}
+INDEPENDENT = {
+    ("pipeline.evaluation", "pipeline.train"),
+    ("pipeline.evaluation", "pipeline.outer"),
+    *(("preprocessing", f"pipeline.{p}") for p in ("outer", "train", "evaluation", "islands", "tracking")),
+}
 NOT_CODE = ("tests/",)  # the test suite
 
 
 def _module_files(root: Path) -> dict[str, Path]:
     """Dotted module name -> file, for every .py file of the repository outside the tests: tracked
     or new, never ignored (a run root under runs/ holds copies of the code in its registered models)."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
-                            capture_output=True, text=True, cwd=root, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        check=True,
+    ).stdout.split()
     files = {}
     for rel in sorted(listed):
         path = root / rel
@@ -114,7 +122,7 @@ def _cycle_in(group: set[str], graph: dict[str, set[str]]) -> list[str]:
     while True:
         step = min(t for t in graph[trail[-1]] if t in group)
         if step in trail:
-            return trail[trail.index(step):] + [step]
+            return trail[trail.index(step) :] + [step]
         trail.append(step)
 
 
@@ -153,8 +161,11 @@ def test_the_beam_app_is_imported_only_by_the_top_and_above():
     """preprocessing/ is a leaf of pipeline/: below stages, cli, preflight and island_rank,
     nothing imports it (the re-routing is handed its Beam job instead)."""
     allowed = {"preprocessing", "pipeline", "benchmarks", "airflow", "scripts"}
-    wrong = sorted(m for m, targets in _imports().items()
-                   if _layer(m) not in allowed and any(_layer(t) == "preprocessing" for t in targets))
+    wrong = sorted(
+        m
+        for m, targets in _imports().items()
+        if _layer(m) not in allowed and any(_layer(t) == "preprocessing" for t in targets)
+    )
     assert not wrong, "\n".join(wrong)
 
 
@@ -168,28 +179,47 @@ def test_the_layout_is_what_the_package_docstring_says():
 
 
 # The checks themselves, on made-up graphs: each catches what it is for.
-@pytest.mark.parametrize("graph, caught", [
-    ({"pipeline.evaluation.evaluate": {"preprocessing.tokenizer"}, "preprocessing.tokenizer": set()},
-     ["pipeline.evaluation.evaluate (pipeline.evaluation) imports preprocessing.tokenizer (preprocessing)"]),
-    ({"pipeline.state.shards": {"pipeline.routing.router"}}, ["pipeline.state.shards (pipeline.state) imports "
-                                                             "pipeline.routing.router (pipeline.routing)"]),
-    ({"models.grid": {"pipeline.core.config"}}, ["models.grid (models) imports pipeline.core.config (pipeline.core)"]),
-    ({"pipeline.islands.island": {"pipeline.stages"}}, ["pipeline.islands.island (pipeline.islands) imports "
-                                                        "pipeline.stages (pipeline)"]),
-    ({"preprocessing.prepare": {"pipeline.evaluation.evaluate"}}, ["preprocessing.prepare (preprocessing) imports "
-                                                                  "pipeline.evaluation.evaluate (pipeline.evaluation)"]),
-    ({"pipeline.stages": {"airflow.dags.dipaco_train"}}, ["pipeline.stages (pipeline) imports "
-                                                          "airflow.dags.dipaco_train (airflow)"]),
-    ({"benchmarks.run": {"pipeline.stages", "preprocessing.prepare", "models.grid"}}, []),
-])
+@pytest.mark.parametrize(
+    "graph, caught",
+    [
+        (
+            {"pipeline.evaluation.evaluate": {"preprocessing.tokenizer"}, "preprocessing.tokenizer": set()},
+            ["pipeline.evaluation.evaluate (pipeline.evaluation) imports preprocessing.tokenizer (preprocessing)"],
+        ),
+        (
+            {"pipeline.state.shards": {"pipeline.routing.router"}},
+            ["pipeline.state.shards (pipeline.state) imports pipeline.routing.router (pipeline.routing)"],
+        ),
+        (
+            {"models.grid": {"pipeline.core.config"}},
+            ["models.grid (models) imports pipeline.core.config (pipeline.core)"],
+        ),
+        (
+            {"pipeline.islands.island": {"pipeline.stages"}},
+            ["pipeline.islands.island (pipeline.islands) imports pipeline.stages (pipeline)"],
+        ),
+        (
+            {"preprocessing.prepare": {"pipeline.evaluation.evaluate"}},
+            ["preprocessing.prepare (preprocessing) imports pipeline.evaluation.evaluate (pipeline.evaluation)"],
+        ),
+        (
+            {"pipeline.stages": {"airflow.dags.dipaco_train"}},
+            ["pipeline.stages (pipeline) imports airflow.dags.dipaco_train (airflow)"],
+        ),
+        ({"benchmarks.run": {"pipeline.stages", "preprocessing.prepare", "models.grid"}}, []),
+    ],
+)
 def test_an_import_against_the_order_is_caught(graph, caught):
     assert _wrong_imports(graph) == caught
 
 
 def test_a_cycle_through_three_layers_is_caught_where_no_two_modules_import_each_other():
     # main's cycle before pipeline.routing: islands -> discriminative -> evaluation -> tokenizer
-    graph = {"pipeline.islands.island": {"preprocessing.discriminative"},
-             "preprocessing.discriminative": {"pipeline.evaluation.evaluate"},
-             "pipeline.evaluation.evaluate": {"preprocessing.tokenizer"}, "preprocessing.tokenizer": set()}
+    graph = {
+        "pipeline.islands.island": {"preprocessing.discriminative"},
+        "preprocessing.discriminative": {"pipeline.evaluation.evaluate"},
+        "pipeline.evaluation.evaluate": {"preprocessing.tokenizer"},
+        "preprocessing.tokenizer": set(),
+    }
     assert _cycles(graph) == []  # no module cycle
     assert _cycles(_layer_imports(graph)) == ["pipeline.evaluation -> preprocessing -> pipeline.evaluation"]

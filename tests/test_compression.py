@@ -32,8 +32,12 @@ def _blocky(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     matrix = torch.randn(10, 77, generator=g) * torch.logspace(-6, 0, 10)[:, None]
     matrix.view(-1)[128:256] = 0.0  # the second block of the flattened tensor
-    return {"matrix": matrix, "odd": torch.randn(257, generator=g) * 1e-3, "tiny": torch.randn(3, generator=g),
-            "zeros": torch.zeros(5)}
+    return {
+        "matrix": matrix,
+        "odd": torch.randn(257, generator=g) * 1e-3,
+        "tiny": torch.randn(3, generator=g),
+        "zeros": torch.zeros(5),
+    }
 
 
 @pytest.mark.parametrize("kind,levels", [("int8", 127), ("int4", 7)])
@@ -45,14 +49,16 @@ def test_quantised_round_trip_is_within_half_a_step_of_each_blocks_scale(kind, l
     for name, x in grad.items():
         flat = x.reshape(-1)
         blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % compression.BLOCK)).view(-1, compression.BLOCK)
-        step = (blocks.abs().amax(dim=1) / levels).repeat_interleave(compression.BLOCK)[:flat.numel()]  # (n,)
+        step = (blocks.abs().amax(dim=1) / levels).repeat_interleave(compression.BLOCK)[: flat.numel()]  # (n,)
         error = (decoded[name].reshape(-1) - flat).abs()
         assert decoded[name].shape == x.shape and decoded[name].dtype == torch.float32
         assert bool((error <= step / 2 * (1 + 1e-5) + 1e-30).all()), f"{name}: {float((error / step).max())} steps off"
         assert torch.equal(compression.error_bound(x, kind).reshape(-1), step / 2)
         zero = step == 0
         assert torch.equal(decoded[name].reshape(-1)[zero], flat[zero])  # all-zero blocks are exact
-    assert torch.equal(decoded["matrix"].view(-1)[128:256], torch.zeros(128)) and torch.equal(decoded["zeros"], torch.zeros(5))
+    assert torch.equal(decoded["matrix"].view(-1)[128:256], torch.zeros(128)) and torch.equal(
+        decoded["zeros"], torch.zeros(5)
+    )
     codes = stored["odd:q"]
     assert codes.dtype == (torch.int8 if kind == "int8" else torch.uint8)
     assert codes.numel() == (257 if kind == "int8" else 129)  # int4: two codes a byte
@@ -64,7 +70,7 @@ def test_bf16_round_trip_is_the_cast_within_half_an_ulp():
     decoded = compression.decode(compression.encode(grad, "bf16"), "bf16")
     for name, x in grad.items():
         assert torch.equal(decoded[name], x.to(torch.bfloat16).float())
-        assert bool(((decoded[name] - x).abs() <= x.abs() * 2.0 ** -8).all())
+        assert bool(((decoded[name] - x).abs() <= x.abs() * 2.0**-8).all())
     assert compression.decode(compression.encode(grad, "none"), "none").keys() == grad.keys()
 
 
@@ -124,9 +130,12 @@ def test_the_path_job_writes_compressed_gradients_only_when_asked(trained):
     assert weights[0] == weights[1]  # the full-precision weights stay as they are
 
 
-@pytest.mark.parametrize("kind,update_error,data_ratio", [("bf16", 0.01, 1 / 2), ("int8", 0.02, 1 / 4), ("int4", 0.25, 1 / 8)])
-def test_a_compressed_merge_is_close_to_the_uncompressed_one_and_sends_fewer_bytes(trained, tmp_path, kind,
-                                                                                  update_error, data_ratio):
+@pytest.mark.parametrize(
+    "kind,update_error,data_ratio", [("bf16", 0.01, 1 / 2), ("int8", 0.02, 1 / 4), ("int4", 0.25, 1 / 8)]
+)
+def test_a_compressed_merge_is_close_to_the_uncompressed_one_and_sends_fewer_bytes(
+    trained, tmp_path, kind, update_error, data_ratio
+):
     _copy(trained, "none", tmp_path / "none")
     plain, packed = tiny_config(tmp_path / "none", *SETS), _copy(trained, kind, tmp_path / kind)
     reference, report = merge_round(plain, 0), merge_round(packed, 0)
@@ -142,7 +151,11 @@ def test_a_compressed_merge_is_close_to_the_uncompressed_one_and_sends_fewer_byt
     written = [p.read_bytes() for p in Path(packed.run_root).glob("rounds/round=0/paths/*/outer_grad/*.safetensors")]
     assert report["bytes_outer"] == 2 * sum(map(len, written)) and report["compression"] == kind
     assert report["bytes_outer_uncompressed"] == reference["bytes_outer"]
-    assert report["bytes_data_parallel"] == reference["bytes_data_parallel"] == plain.train.inner_steps * reference["bytes_outer"]
+    assert (
+        report["bytes_data_parallel"]
+        == reference["bytes_data_parallel"]
+        == plain.train.inner_steps * reference["bytes_outer"]
+    )
     headers = sum(8 + int.from_bytes(data[:8], "little") for data in written)  # safetensors' JSON headers
     tensors = 2 * (sum(map(len, written)) - headers) / reference["bytes_outer"]
     assert data_ratio <= tensors < data_ratio * 1.1, tensors  # + 4 bytes of scale per 128 and the shapes

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import REPO
 
 # Airflow reads its configuration when first imported: point it at a private home and SQLite DB,
@@ -27,13 +28,15 @@ POOL = "dipaco_test_paths"
 _raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
 _raw["airflow"] = {"schedule": "@daily", "rounds_per_run": 2, "pool": POOL, "retries": 1, "retry_delay_s": 5}
 DAG_CONFIG.write_text(yaml.safe_dump(_raw))
-os.environ.update({
-    "AIRFLOW_HOME": str(AIRFLOW_HOME),
-    "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-    "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{AIRFLOW_HOME}/airflow.db",
-    "DIPACO_CONFIG": str(DAG_CONFIG),
-})
+os.environ.update(
+    {
+        "AIRFLOW_HOME": str(AIRFLOW_HOME),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{AIRFLOW_HOME}/airflow.db",
+        "DIPACO_CONFIG": str(DAG_CONFIG),
+    }
+)
 
 ROUND_TASKS = ["finished", "register"]
 
@@ -82,8 +85,9 @@ def test_a_wrong_dipaco_config_fails_the_parse_in_one_line(tmp_path, monkeypatch
 
 def test_task_graph_wires_islands_beside_one_group_per_round(dag):
     downstream = {t.task_id: set(t.downstream_task_ids) for t in dag.tasks}
-    expected = {"configure", "prepare", "plan", "evaluate_initial", "islands", "island", "report"} | \
-        {f"round_{k}.{t}" for k in (0, 1) for t in ROUND_TASKS}
+    expected = {"configure", "prepare", "plan", "evaluate_initial", "islands", "island", "report"} | {
+        f"round_{k}.{t}" for k in (0, 1) for t in ROUND_TASKS
+    }
     assert set(downstream) == expected  # no path-level tasks any more: islands pull them from the queue
     assert "plan" in downstream["prepare"] and "prepare" in downstream["configure"]
     assert {"evaluate_initial", "islands", "round_0.finished", "round_1.finished"} <= downstream["plan"]
@@ -145,8 +149,11 @@ def xcom(run, task_id: str):
     from airflow.settings import Session
 
     with Session() as session:
-        row = session.query(XComModel).filter(XComModel.run_id == run.run_id, XComModel.task_id == task_id,
-                                              XComModel.key == "return_value").one()  # a dict also pushes its keys
+        row = (
+            session.query(XComModel)
+            .filter(XComModel.run_id == run.run_id, XComModel.task_id == task_id, XComModel.key == "return_value")
+            .one()
+        )  # a dict also pushes its keys
         return XComModel.deserialize_value(row)
 
 
@@ -160,8 +167,8 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     from test_registry import write_c4
 
     from models.grid import all_path_ids
-    from pipeline.state import layout
     from pipeline.core.config import load_config
+    from pipeline.state import layout
     from pipeline.state.storage import RunRoot
     from pipeline.tracking.uris import tracking_uri
 
@@ -169,11 +176,18 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     data = write_c4(tmp_path / "c4")
     # what a trigger may not set (data, launcher, MLflow) is the config file's, in a folder the DAG trusts
     run_config = AIRFLOW_HOME / f"{tmp_path.name}.yaml"
-    run_config.write_text(yaml.safe_dump({
-        **_raw, "data": {"train": data["train"], "eval": data["eval"]},
-        "model": {**_raw["model"], "tokenizer": "gpt2", "vocab_size": 50257}, "train": {**_raw["train"], "launcher": "inprocess"},
-        "mlflow": {"enabled": True, "experiment": "test-dag"},
-        "airflow": {**_raw["airflow"], "trigger_run_roots": str(tmp_path)}}))
+    run_config.write_text(
+        yaml.safe_dump(
+            {
+                **_raw,
+                "data": {"train": data["train"], "eval": data["eval"]},
+                "model": {**_raw["model"], "tokenizer": "gpt2", "vocab_size": 50257},
+                "train": {**_raw["train"], "launcher": "inprocess"},
+                "mlflow": {"enabled": True, "experiment": "test-dag"},
+                "airflow": {**_raw["airflow"], "trigger_run_roots": str(tmp_path)},
+            }
+        )
+    )
     overrides = [f"run_root={tmp_path / 'run'}", "train.inner_steps=2", "eval.max_docs=4", "airflow.rounds_per_run=1"]
     run = dag.test(run_conf={"config": str(run_config), "overrides": overrides, "project_dir": str(REPO)})
     assert run.state == "success"
@@ -184,15 +198,31 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     assert sorted(m for (t, m) in states if t == "island") == [0, 1]
     assert {states[("island", m)] for m in (0, 1)} == {"success"}
     with Session() as session:
-        labels = [ti.rendered_map_index for ti in session.query(TaskInstance).filter(
-            TaskInstance.run_id == run.run_id, TaskInstance.task_id == "island")]
+        labels = [
+            ti.rendered_map_index
+            for ti in session.query(TaskInstance).filter(
+                TaskInstance.run_id == run.run_id, TaskInstance.task_id == "island"
+            )
+        ]
         # the sensor poked before the islands ran, gave its slot back, and found the round in later
-        reschedules = session.query(TaskReschedule).join(TaskInstance, TaskReschedule.ti_id == TaskInstance.id).filter(
-            TaskInstance.run_id == run.run_id, TaskInstance.task_id == "round_0.finished").count()
+        reschedules = (
+            session.query(TaskReschedule)
+            .join(TaskInstance, TaskReschedule.ti_id == TaskInstance.id)
+            .filter(TaskInstance.run_id == run.run_id, TaskInstance.task_id == "round_0.finished")
+            .count()
+        )
     assert sorted(labels) == ["island-0", "island-1"]
     assert reschedules >= 1
-    for name in ("configure", "prepare", "plan", "evaluate_initial", "islands", "round_0.finished",
-                 "round_0.register", "report"):
+    for name in (
+        "configure",
+        "prepare",
+        "plan",
+        "evaluate_initial",
+        "islands",
+        "round_0.finished",
+        "round_0.register",
+        "report",
+    ):
         assert states[(name, -1)] == "success", name
     # rounds_per_run=1: round 1's group is left to the next DAG run, skipped, not failed
     assert {s for (t, _), s in states.items() if t.startswith("round_1.")} == {"skipped"}
@@ -234,12 +264,15 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     assert "raise train.rounds to train further" in xcom(again, "report")
 
 
-@pytest.mark.parametrize("params, expected", [
-    ({"overrides": ["beam.options=[lol]"] * 300}, "is too long"),
-    ({"overrides": ["no key before the equals sign"]}, "does not match"),
-    ({"overrides": ["run_root=" + "r" * 70_000]}, "is too long"),
-    ({"config": ""}, "should be non-empty"),
-])
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        ({"overrides": ["beam.options=[lol]"] * 300}, "is too long"),
+        ({"overrides": ["no key before the equals sign"]}, "does not match"),
+        ({"overrides": ["run_root=" + "r" * 70_000]}, "is too long"),
+        ({"config": ""}, "should be non-empty"),
+    ],
+)
 def test_a_trigger_whose_params_break_the_schema_is_refused(dag, params, expected):
     """Airflow checks the params' JSON schema when a run is triggered, before any task runs;
     configure then checks them again (pipeline.core.config.check_dag_params) and loads the config."""
@@ -254,17 +287,24 @@ def test_a_trigger_whose_params_break_the_schema_is_refused(dag, params, expecte
         changed.validate()
 
 
-@pytest.mark.parametrize("override", [
-    "beam.runner=os.getcwd", "mlflow.tracking_uri=http://127.0.0.1:1",
-    "beam.options=['--environment_type=beam:env:harness_subprocess_python:v1', '--environment_config=id>pwned']",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "beam.runner=os.getcwd",
+        "mlflow.tracking_uri=http://127.0.0.1:1",
+        "beam.options=['--environment_type=beam:env:harness_subprocess_python:v1', '--environment_config=id>pwned']",
+    ],
+)
 def test_a_trigger_that_would_run_code_is_refused_by_configure_before_anything_runs(dag, tmp_path, override):
     """The first task refuses an override outside the allow-list (pipeline.core.trust) before it
     loads the config: no run root, no Beam, no MLflow."""
     from pipeline.core.errors import ConfigError
 
-    params = {"config": str(DAG_CONFIG), "project_dir": str(REPO),
-              "overrides": [f"run_root={tmp_path / 'run'}", override]}
+    params = {
+        "config": str(DAG_CONFIG),
+        "project_dir": str(REPO),
+        "overrides": [f"run_root={tmp_path / 'run'}", override],
+    }
     key = override.split("=", 1)[0]
     with pytest.raises(ConfigError, match=rf"overrides\[1\]: a DAG trigger may not set '{key}'"):
         dag.task_dict["configure"].python_callable(params=params)

@@ -6,8 +6,8 @@ import shutil
 from types import SimpleNamespace
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from conftest import REPO, tiny_config
 from models.grid import all_path_ids
@@ -15,14 +15,14 @@ from pipeline import stages
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError
 from pipeline.islands.island import run_task
 from pipeline.islands.task_queue import Task, TaskQueue
+from pipeline.routing.discriminative import fit_classifier
+from pipeline.routing.router import DiscriminativeRouter, Router
 from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.shards import read_path_doc_ids
 from pipeline.state.storage import RunRoot
 from pipeline.tracking.registry import DipacoModel, build_bundle
 from pipeline.tracking.tracker import get_tracker
-from pipeline.routing.discriminative import fit_classifier
-from pipeline.routing.router import DiscriminativeRouter, Router
 from preprocessing.c4 import doc_id_for
 
 
@@ -109,8 +109,15 @@ def _stamps(run) -> dict[str, bytes]:
 
 def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(tmp_path):
     run = tmp_path / "run"
-    config = tiny_config(run, "router.discriminative_after=0", "train.rounds=2", "train.inner_steps=2",
-                         "model.tokenizer=bpe", "model.vocab_size=512", "data.max_docs=48")
+    config = tiny_config(
+        run,
+        "router.discriminative_after=0",
+        "train.rounds=2",
+        "train.inner_steps=2",
+        "model.tokenizer=bpe",
+        "model.vocab_size=512",
+        "data.max_docs=48",
+    )
     torch.set_num_threads(1)  # the in-process island, sized to one core
     stages.run(Run(config), rounds=1)  # round 0, then the re-routing: the plan reaches round R
     assert torch.get_num_threads() == 1  # the re-sharding Beam job's embedder left it as it was
@@ -122,8 +129,15 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
     # Round 1's train tasks wait for the new shards: without them only the reroute task is ready.
     shutil.copytree(run, tmp_path / "copy")
     shutil.rmtree(tmp_path / "copy" / "reroute")
-    copy = tiny_config(tmp_path / "copy", "router.discriminative_after=0", "train.rounds=2", "train.inner_steps=2",
-                       "model.tokenizer=bpe", "model.vocab_size=512", "data.max_docs=48")
+    copy = tiny_config(
+        tmp_path / "copy",
+        "router.discriminative_after=0",
+        "train.rounds=2",
+        "train.inner_steps=2",
+        "model.tokenizer=bpe",
+        "model.vocab_size=512",
+        "data.max_docs=48",
+    )
     waiting = {t.name for t in TaskQueue(RunRoot(copy.run_root), copy).ready(2)}
     assert "reroute.r0" in waiting and not any(n.startswith("train.r1") for n in waiting)
     assert {f"train.r1.{p}" for p in all_path_ids([2, 2])} <= {t.name for t in TaskQueue(root, config).ready(2)}
@@ -144,8 +158,10 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
     report = root.read_json(layout.reroute_report(1))
     assert 0.0 <= report["accuracy"] <= 1.0 and report["heldout_docs"] >= 1
     assert 0 <= report["changed"] <= report["documents"] == old["splits"]["train"]["routed"]
-    moved = sum(abs(manifest["paths"][p]["train"]["documents"] - old["paths"][p]["train"]["documents"])
-                for p in all_path_ids([2, 2]))
+    moved = sum(
+        abs(manifest["paths"][p]["train"]["documents"] - old["paths"][p]["train"]["documents"])
+        for p in all_path_ids([2, 2])
+    )
     assert report["changed"] >= moved / 2  # a path's size changes only by documents that moved
     assert report["perplexity_before"] > 1 and report["perplexity_after"] > 1
     assert report["perplexity_after"] == pytest.approx(summary["eval"][1]["perplexity"], rel=1e-9)  # new shards
@@ -173,11 +189,24 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
 
 def test_the_report_goes_to_mlflow_as_reroute_metrics(tmp_path):
     config = tiny_config(tmp_path / "run", "router.discriminative_after=0", "mlflow.enabled=true")
-    report = {"after_round": 0, "round": 1, "accuracy": 0.75, "changed": 12, "perplexity_before": 9.5,
-              "perplexity_after": 9.25, "label_counts": {"p0-0": 3}}
+    report = {
+        "after_round": 0,
+        "round": 1,
+        "accuracy": 0.75,
+        "changed": 12,
+        "perplexity_before": 9.5,
+        "perplexity_after": 9.25,
+        "label_counts": {"p0-0": 3},
+    }
     tracker = get_tracker(config)
     tracker.log_reroute(0, report)
     metrics = tracker.client.get_run(tracker._parent()).data.metrics
     assert {k: v for k, v in metrics.items() if k.startswith("reroute/")} == {
-        "reroute/accuracy": 0.75, "reroute/changed": 12.0, "reroute/perplexity_before": 9.5, "reroute/perplexity_after": 9.25}
-    assert [a.path for a in tracker.client.list_artifacts(tracker._parent(), "reroute/round=1")] == ["reroute/round=1/report.json"]
+        "reroute/accuracy": 0.75,
+        "reroute/changed": 12.0,
+        "reroute/perplexity_before": 9.5,
+        "reroute/perplexity_after": 9.25,
+    }
+    assert [a.path for a in tracker.client.list_artifacts(tracker._parent(), "reroute/round=1")] == [
+        "reroute/round=1/report.json"
+    ]

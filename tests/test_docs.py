@@ -8,14 +8,14 @@ import re
 import typing
 
 from conftest import REPO
-
 from pipeline.core import configdoc
 from pipeline.core.config import Config, flatten
 
 
 def test_config_md_is_what_the_generator_writes_now():
-    assert (REPO / "docs" / "config.md").read_text() == configdoc.render(), \
+    assert (REPO / "docs" / "config.md").read_text() == configdoc.render(), (
         "docs/config.md is stale: run `python -m pipeline.core.configdoc`"
+    )
 
 
 def test_every_config_key_is_in_config_md_with_its_help():
@@ -33,8 +33,7 @@ def test_every_config_key_is_in_config_md_with_its_help():
 
 
 def test_field_comments_take_the_trailing_comment_and_the_lines_below_it():
-    source = ("class A:\n    x: int = 1  # first\n    #          second\n    y: str = 'a'  # only\n"
-              "    z: int = 2\n")
+    source = "class A:\n    x: int = 1  # first\n    #          second\n    y: str = 'a'  # only\n    z: int = 2\n"
     assert configdoc.field_comments(source) == {("A", "x"): "first second", ("A", "y"): "only", ("A", "z"): ""}
 
 
@@ -57,14 +56,20 @@ def test_benchmarks_write_results_md_between_markers_and_never_the_readme(tmp_pa
     results.write_text("<!-- bench -->\nold table\n<!-- /bench -->\n\nnotes by hand\n")
     commit_block("bench", "new table\n", path=results)
     commit_block("chaos", "chaos table", heading="## Faults", path=results)
-    assert results.read_text() == ("<!-- bench -->\nnew table\n<!-- /bench -->\n\nnotes by hand\n\n"
-                                   "## Faults\n\n<!-- chaos -->\nchaos table\n<!-- /chaos -->\n")
+    assert results.read_text() == (
+        "<!-- bench -->\nnew table\n<!-- /bench -->\n\nnotes by hand\n\n"
+        "## Faults\n\n<!-- chaos -->\nchaos table\n<!-- /chaos -->\n"
+    )
     committed = (REPO / "benchmarks" / "RESULTS.md").read_text()
     assert all(marker in committed for marker in ("<!-- bench -->", "<!-- /bench -->", "<!-- chaos -->"))
 
 
 def test_docstrings_name_the_design_doc_by_its_path():
     old = "DESIGN" + ".md"  # the design doc is docs/design.md
-    stale = [str(p.relative_to(REPO)) for d in ("pipeline", "preprocessing", "models", "benchmarks", "airflow", "tests",
-                                                 "scripts") for p in (REPO / d).rglob("*.py") if old in p.read_text()]
+    stale = [
+        str(p.relative_to(REPO))
+        for d in ("pipeline", "preprocessing", "models", "benchmarks", "airflow", "tests", "scripts")
+        for p in (REPO / d).rglob("*.py")
+        if old in p.read_text()
+    ]
     assert not stale, stale

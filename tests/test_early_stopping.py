@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
 
+from conftest import tiny_config
 from pipeline import stages
 from pipeline.evaluation import evaluate
 from pipeline.evaluation.early_stopping import BEST_FILE, choose_rounds, early_stopped, write_best
@@ -34,7 +34,11 @@ EVALS = {
 
 def test_each_path_keeps_its_argmin_round_and_a_tie_keeps_the_earliest():
     chosen = choose_rounds(EVALS)
-    assert {p: (c["round"], c["perplexity"]) for p, c in chosen.items()} == {"a": (1, 30.0), "b": (0, 20.0), "c": (2, 60.0)}
+    assert {p: (c["round"], c["perplexity"]) for p, c in chosen.items()} == {
+        "a": (1, 30.0),
+        "b": (0, 20.0),
+        "c": (2, 60.0),
+    }
     assert {p: c["round"] for p, c in choose_rounds({r: EVALS[r] for r in (0, 1)}).items()} == {"a": 1, "b": 0, "c": 1}
     assert choose_rounds({}) == {}
 
@@ -48,9 +52,11 @@ def test_best_json_combines_each_paths_best_round_by_summed_nll(tmp_path):
     write_best(root)
     best = json.loads((tmp_path / "run" / BEST_FILE).read_text())
 
-    assert best["paths"] == {"a": {"round": 1, "perplexity": 30.0, "bits_per_byte": EVALS[1]["paths"]["a"]["bits_per_byte"]},
-                             "b": {"round": 0, "perplexity": 20.0, "bits_per_byte": EVALS[0]["paths"]["b"]["bits_per_byte"]},
-                             "c": {"round": 2, "perplexity": 60.0, "bits_per_byte": EVALS[2]["paths"]["c"]["bits_per_byte"]}}
+    assert best["paths"] == {
+        "a": {"round": 1, "perplexity": 30.0, "bits_per_byte": EVALS[1]["paths"]["a"]["bits_per_byte"]},
+        "b": {"round": 0, "perplexity": 20.0, "bits_per_byte": EVALS[0]["paths"]["b"]["bits_per_byte"]},
+        "c": {"round": 2, "perplexity": 60.0, "bits_per_byte": EVALS[2]["paths"]["c"]["bits_per_byte"]},
+    }
     nll = 100 * math.log(30.0) + 200 * math.log(20.0) + 50 * math.log(60.0)  # nats
     assert best["tokens"] == 350 and best["bytes"] == 400 + 900 + 150
     assert best["perplexity"] == pytest.approx(math.exp(nll / 350), rel=1e-12)
@@ -102,16 +108,26 @@ def test_a_run_registers_the_early_stopped_model_as_champion(tmp_path, monkeypat
         result = real(config, round_index, path_id)
         if result and round_index == LAST and path_id == PENALISED:
             nll = result["nll"] + 3.0 * result["tokens"]  # perplexity x e^3
-            result = {**result, "nll": nll, "perplexity": math.exp(nll / result["tokens"]),
-                      "bits_per_byte": evaluate.bits_per_byte(nll, result["bytes"])}
+            result = {
+                **result,
+                "nll": nll,
+                "perplexity": math.exp(nll / result["tokens"]),
+                "bits_per_byte": evaluate.bits_per_byte(nll, result["bytes"]),
+            }
         return result
 
     monkeypatch.setattr(evaluate, "evaluate_path", penalised)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    config = real_text_config(tmp_path / "run", write_c4(tmp_path / "c4"), "model.grid=[2, 1]", f"train.rounds={LAST}",
-                              "train.inner_steps=2",
-                              "eval.early_stopping=true", "mlflow.experiment=test-early-stopping",
-                              "mlflow.registered_model=dipaco-es")
+    config = real_text_config(
+        tmp_path / "run",
+        write_c4(tmp_path / "c4"),
+        "model.grid=[2, 1]",
+        f"train.rounds={LAST}",
+        "train.inner_steps=2",
+        "eval.early_stopping=true",
+        "mlflow.experiment=test-early-stopping",
+        "mlflow.registered_model=dipaco-es",
+    )
     summary = stages.run(Run(config))
     root = RunRoot(config.run_root)
 
@@ -127,13 +143,18 @@ def test_a_run_registers_the_early_stopped_model_as_champion(tmp_path, monkeypat
     champion = client.get_model_version_by_alias("dipaco-es", "champion")
     assert champion.tags["dipaco.early_stopped"] == "true" and champion.tags["dipaco.round"] == str(LAST)
     assert float(champion.tags["perplexity"]) == best["perplexity"]
-    plain = {v.tags["dipaco.round"] for v in client.search_model_versions("name = 'dipaco-es'")
-             if "dipaco.early_stopped" not in v.tags}
+    plain = {
+        v.tags["dipaco.round"]
+        for v in client.search_model_versions("name = 'dipaco-es'")
+        if "dipaco.early_stopped" not in v.tags
+    }
     assert plain == {"1", "2"}  # each round's own modules are still registered, as without early stopping
     parent = client.get_run(root.read_json("tracking.json")["parent_run_id"])
     assert parent.data.metrics["early_stopped_perplexity"] == pytest.approx(best["perplexity"])
     assert parent.data.metrics["early_stopped_bits_per_byte"] == pytest.approx(best["bits_per_byte"])
-    assert {p: parent.data.metrics[f"early_stopped_round/{p}"] for p in rounds} == {p: float(r) for p, r in rounds.items()}
+    assert {p: parent.data.metrics[f"early_stopped_round/{p}"] for p in rounds} == {
+        p: float(r) for p, r in rounds.items()
+    }
     line = [ln for ln in format_summary(summary).splitlines() if ln.startswith("early-stopped model")]
     assert line and f"perplexity {best['perplexity']:.2f}" in line[0]
     assert line[0].endswith("rounds " + " ".join(f"{p}={r}" for p, r in sorted(rounds.items())))

@@ -18,17 +18,22 @@ import torch
 
 from conftest import REPO, TINY_VOCAB, tiny_config, write_synthetic_shards
 from models.grid import ModuleKey
-from pipeline.state import layout
 from pipeline import stages
-from pipeline.train.distributed import child_env
 from pipeline.core.errors import CorruptStateError, StorageError
 from pipeline.outer.merge import merge_round
 from pipeline.run import Run
+from pipeline.state import layout
 from pipeline.state.module_store import load_modules
 from pipeline.state.storage import RunRoot
+from pipeline.train.distributed import child_env
 from pipeline.train.train_path import CKPT, train_path
 
-TINY_SETS = ["model.tokenizer=gpt2", f"model.vocab_size={TINY_VOCAB}", "train.launcher=inprocess", "mlflow.enabled=false"]
+TINY_SETS = [
+    "model.tokenizer=gpt2",
+    f"model.vocab_size={TINY_VOCAB}",
+    "train.launcher=inprocess",
+    "mlflow.enabled=false",
+]
 
 
 def cli(args: list[str], run_root: Path, *sets: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
@@ -46,7 +51,12 @@ def rank_pids(path_id: str) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"pipeline.train.train_path" in argv and b"-m" in argv and path_id.encode() in argv and b"--module" not in argv:
+        if (
+            b"pipeline.train.train_path" in argv
+            and b"-m" in argv
+            and path_id.encode() in argv
+            and b"--module" not in argv
+        ):
             pids.append(int(proc.name))
     return pids
 
@@ -72,9 +82,18 @@ class KillAtStep(logging.Handler):
 
 @pytest.mark.slow
 def test_a_path_killed_mid_round_is_retried_or_left_out_and_trained_again_next_round(run_root, caplog):
-    launched = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]", "train.launcher=deepspeed",
-                           "train.inner_steps=60", "train.max_attempts=2", "train.rounds=3")
-    inprocess = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]", "train.inner_steps=60", "train.rounds=3")
+    launched = tiny_config(
+        run_root,
+        "model.grid=[2]",
+        "model.blocks_per_level=[1]",
+        "train.launcher=deepspeed",
+        "train.inner_steps=60",
+        "train.max_attempts=2",
+        "train.rounds=3",
+    )
+    inprocess = tiny_config(
+        run_root, "model.grid=[2]", "model.blocks_per_level=[1]", "train.inner_steps=60", "train.rounds=3"
+    )
     root = stages.init_run(Run(launched))
     write_synthetic_shards(root, [2])
     logger = logging.getLogger("dipaco.launch")
@@ -120,7 +139,9 @@ MERGE_WRITES = 20
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compression,points", [("none", (2, 5, 10, 13, 18, MERGE_WRITES)), ("int4", (4, 12, MERGE_WRITES))])
+@pytest.mark.parametrize(
+    "compression,points", [("none", (2, 5, 10, 13, 18, MERGE_WRITES)), ("int4", (4, 12, MERGE_WRITES))]
+)
 def test_merge_killed_at_several_points_reruns_to_bitwise_identical_files(tmp_path, compression, points):
     """kill -9 of `dipaco merge` before its Nth write; the rerun writes the reference's bytes, also
     when the merge reads compressed outer gradients (outer.compression)."""
@@ -156,10 +177,20 @@ def _merge_outputs(run: Path) -> list[str]:
 def test_a_second_run_is_refused_and_a_killed_holder_leaves_no_stale_lock(run_root):
     config = tiny_config(run_root)
     stages.init_run(Run(config))
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pipeline.state.lock import run_lock; from pipeline.state.storage import RunRoot\n"
-        f"with run_lock(RunRoot({str(run_root)!r})):\n    print('held', flush=True); time.sleep(120)")],
-        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from pipeline.state.lock import run_lock; "
+                "from pipeline.state.storage import RunRoot\n"
+                f"with run_lock(RunRoot({str(run_root)!r})):\n    print('held', flush=True); time.sleep(120)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         second = cli(["run"], run_root)
@@ -193,7 +224,9 @@ def test_a_corrupted_module_file_is_refused_by_name_never_loaded(how, run_root):
     with pytest.raises(CorruptStateError, match="level=0/module=0.safetensors"):
         load_modules(root, 0, [ModuleKey(0, 0)])
     write_synthetic_shards(root, config.model.grid)
-    result = cli(["train-path", "--round", "0", "--path", "p0-0"], run_root, "model.grid=[2, 1]", "train.max_attempts=2")
+    result = cli(
+        ["train-path", "--round", "0", "--path", "p0-0"], run_root, "model.grid=[2, 1]", "train.max_attempts=2"
+    )
     assert result.returncode == 2  # the trainer refused the file: an input error, not retried
     assert "module=0.safetensors" in result.stderr and "Traceback" not in result.stderr
     assert root.listdir(layout.attempts_dir(0, "p0-0")) == ["attempt-1.json"]
@@ -243,14 +276,21 @@ def test_unsafe_names_in_a_commit_record_are_refused(run_root):
 
 def _small_filesystem(path: Path, size_kb: int) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def test_disk_full_during_a_merge_is_a_clear_error_and_the_previous_round_stays_intact(tmp_path):
     mount = tmp_path / "small"
     if not _small_filesystem(mount, 4096):
-        pytest.skip("cannot mount a small tmpfs here (needs root); test_storage covers the write-error path with a kernel file-size limit")
+        pytest.skip(
+            "cannot mount a small tmpfs here (needs root); "
+            "test_storage covers the write-error path with a kernel file-size limit"
+        )
     try:
         config = tiny_config(mount / "run", "model.grid=[2, 1]", "train.inner_steps=1")
         root = stages.init_run(Run(config))

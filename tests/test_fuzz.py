@@ -25,17 +25,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import REPO
-from pipeline.state import layout
 from pipeline.core.bounds import MAX_JSON_DEPTH, too_deep
 from pipeline.core.config import Config, check_dag_params, flatten, load_config
-from pipeline.core.trust import TRIGGER_KEYS
 from pipeline.core.errors import DipacoError
+from pipeline.core.trust import TRIGGER_KEYS
 from pipeline.islands.launch import read_metrics
+from pipeline.routing.router import Router
+from pipeline.state import layout
 from pipeline.state.lock import _heartbeat_lock
 from pipeline.state.module_store import decode, encode
-from pipeline.tracking.report import read_eval
 from pipeline.state.storage import RunRoot
-from pipeline.routing.router import Router
+from pipeline.tracking.report import read_eval
 from preprocessing import c4
 
 LONG_RUN = int(os.environ.get("DIPACO_FUZZ_EXAMPLES", "0"))
@@ -44,9 +44,16 @@ LONG_RUN = int(os.environ.get("DIPACO_FUZZ_EXAMPLES", "0"))
 def fuzz(examples: int):
     """Bounded and reproducible in the suite; long and random with DIPACO_FUZZ_EXAMPLES."""
     return settings(
-        max_examples=LONG_RUN or examples, deadline=timedelta(seconds=5), derandomize=not LONG_RUN, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example,
-                               HealthCheck.function_scoped_fixture],
+        max_examples=LONG_RUN or examples,
+        deadline=timedelta(seconds=5),
+        derandomize=not LONG_RUN,
+        database=None,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.large_base_example,
+            HealthCheck.function_scoped_fixture,
+        ],
     )
 
 
@@ -59,10 +66,15 @@ def refused_in_one_line(error: BaseException) -> None:
 
 # -- strategies ----------------------------------------------------------------------------------
 JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
-JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=20)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
 # text full of what trips up a scanner of JSON: brackets, quotes, backslashes, escapes, surrogates
-TRICKY_TEXT = st.text(alphabet=st.sampled_from(list('[]{}"\\/abc \n\t\u00e9\u2028') + ["\ud800", "\udfff"]), max_size=60)
+TRICKY_TEXT = st.text(
+    alphabet=st.sampled_from(list('[]{}"\\/abc \n\t\u00e9\u2028') + ["\ud800", "\udfff"]), max_size=60
+)
 
 
 @st.composite
@@ -86,13 +98,17 @@ def c4_lines(draw) -> bytes:
     if kind == "bytes":
         raw = draw(st.binary(max_size=300))
     elif kind in ("document", "mutated"):
-        doc = draw(st.fixed_dictionaries({"text": TRICKY_TEXT | JSON_VALUES},
-                                         optional={"url": TRICKY_TEXT | JSON_VALUES, "timestamp": JSON_VALUES}))
+        doc = draw(
+            st.fixed_dictionaries(
+                {"text": TRICKY_TEXT | JSON_VALUES},
+                optional={"url": TRICKY_TEXT | JSON_VALUES, "timestamp": JSON_VALUES},
+            )
+        )
         raw = json.dumps(doc, ensure_ascii=draw(st.booleans())).encode("utf-8", "surrogatepass")
         if kind == "mutated":
             for _ in range(draw(st.integers(1, 4))):
                 at = draw(st.integers(0, len(raw)))
-                raw = raw[:at] + draw(st.binary(max_size=3)) + raw[at + draw(st.integers(0, 3)):]
+                raw = raw[:at] + draw(st.binary(max_size=3)) + raw[at + draw(st.integers(0, 3)) :]
     elif kind == "bomb":
         depth = draw(st.sampled_from([MAX_JSON_DEPTH, MAX_JSON_DEPTH + 1, 1000, 5000, 200_000]))
         opener = draw(st.sampled_from([b"[", b'{"a":', b'[{"b":']))
@@ -130,10 +146,16 @@ def test_the_depth_guard_agrees_with_the_real_nesting_depth(case):
 
 
 @fuzz(50)
-@given(lines=st.lists(c4_lines(), max_size=8), damage=st.sampled_from(["none", "gzip", "truncated gzip", "garbled gzip"]),
-       cut=st.floats(0, 1), data=st.data())
+@given(
+    lines=st.lists(c4_lines(), max_size=8),
+    damage=st.sampled_from(["none", "gzip", "truncated gzip", "garbled gzip"]),
+    cut=st.floats(0, 1),
+    data=st.data(),
+)
 def test_every_line_of_a_file_is_read_once_whatever_the_file_holds(tmp_path_factory, lines, damage, cut, data):
-    content = b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines) + data.draw(st.binary(max_size=50))
+    content = b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines) + data.draw(
+        st.binary(max_size=50)
+    )
     expected_lines = content.count(b"\n") + (0 if content.endswith(b"\n") or not content else 1)
     folder = tmp_path_factory.mktemp("c4")
     name = folder / ("f.json" if damage == "none" else "f.json.gz")
@@ -155,8 +177,9 @@ def test_every_line_of_a_file_is_read_once_whatever_the_file_holds(tmp_path_fact
 
 # -- config --------------------------------------------------------------------------------------
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
-KEYS = sorted(f"{section}.{key}" for section, fields in Config().to_dict().items() if isinstance(fields, dict)
-              for key in fields)
+KEYS = sorted(
+    f"{section}.{key}" for section, fields in Config().to_dict().items() if isinstance(fields, dict) for key in fields
+)
 YAML_BOMBS = [
     "a: &a [x, x]\nb: [*a, *a]\n",
     "model: &m {grid: [2]}\nrouter: *m\n",
@@ -199,9 +222,18 @@ def config_dir(tmp_path_factory):
 
 
 @fuzz(200)
-@given(text=config_texts(), overrides=st.lists(
-    st.builds(lambda k, v: f"{k}={v}", st.sampled_from(KEYS + ["x.y", "model.grid.z"]), st.sampled_from(YAML_BOMBS) | TRICKY_TEXT)
-    | TRICKY_TEXT, max_size=3))
+@given(
+    text=config_texts(),
+    overrides=st.lists(
+        st.builds(
+            lambda k, v: f"{k}={v}",
+            st.sampled_from(KEYS + ["x.y", "model.grid.z"]),
+            st.sampled_from(YAML_BOMBS) | TRICKY_TEXT,
+        )
+        | TRICKY_TEXT,
+        max_size=3,
+    ),
+)
 def test_every_config_loads_or_is_refused_in_one_short_line(config_dir, text, overrides):
     file = config_dir / f"{uuid.uuid4().hex}.yaml"
     file.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
@@ -215,8 +247,12 @@ def test_every_config_loads_or_is_refused_in_one_short_line(config_dir, text, ov
 
 
 @fuzz(150)
-@given(params=st.dictionaries(st.sampled_from(["config", "overrides", "project_dir", "extra"]),
-                              JSON_VALUES | TRICKY_TEXT | st.just(str(REPO)) | st.lists(TRICKY_TEXT, max_size=3)))
+@given(
+    params=st.dictionaries(
+        st.sampled_from(["config", "overrides", "project_dir", "extra"]),
+        JSON_VALUES | TRICKY_TEXT | st.just(str(REPO)) | st.lists(TRICKY_TEXT, max_size=3),
+    )
+)
 def test_dag_params_are_accepted_or_refused_in_one_short_line(params):
     try:
         ref = check_dag_params(params)
@@ -229,9 +265,14 @@ def test_dag_params_are_accepted_or_refused_in_one_short_line(params):
 ALL_KEYS = sorted(flatten(Config().to_dict()))
 TRIGGER_OVERRIDES = st.builds(
     lambda k, v: f"{k}={v}",
-    st.sampled_from(sorted(TRIGGER_KEYS)) | st.sampled_from(ALL_KEYS) | st.text(alphabet="abcdefghij_.", min_size=1, max_size=12),
-    st.sampled_from(["1", "0.5", "true", "null", "[0.9, 0.95]", "os.getcwd", "tokens", "/tmp/x", "'--environment_type=PROCESS'"])
-    | TRICKY_TEXT)
+    st.sampled_from(sorted(TRIGGER_KEYS))
+    | st.sampled_from(ALL_KEYS)
+    | st.text(alphabet="abcdefghij_.", min_size=1, max_size=12),
+    st.sampled_from(
+        ["1", "0.5", "true", "null", "[0.9, 0.95]", "os.getcwd", "tokens", "/tmp/x", "'--environment_type=PROCESS'"]
+    )
+    | TRICKY_TEXT,
+)
 
 
 @fuzz(200)
@@ -248,8 +289,9 @@ def test_a_trigger_sets_only_keys_of_the_allow_list(overrides):
     else:
         assert all(o.split("=", 1)[0] in TRIGGER_KEYS for o in overrides)
         base = flatten(load_config(REPO / "configs" / "tiny.yaml").to_dict())
-        assert {k: v for k, v in flatten(config.to_dict()).items() if k not in TRIGGER_KEYS} == \
-            {k: v for k, v in base.items() if k not in TRIGGER_KEYS}
+        assert {k: v for k, v in flatten(config.to_dict()).items() if k not in TRIGGER_KEYS} == {
+            k: v for k, v in base.items() if k not in TRIGGER_KEYS
+        }
 
 
 # -- run-root readers ----------------------------------------------------------------------------
@@ -258,7 +300,10 @@ def good_router_files() -> dict[str, bytes]:
     """The files of a real committed tfidf router, to mutate one at a time."""
     from pipeline.routing.embedders import TfidfEmbedder
 
-    texts = [json.loads(line)["text"] for line in (REPO / "tests/data/c4/train/c4-train.00000-of-00002.json").read_text().splitlines()]
+    texts = [
+        json.loads(line)["text"]
+        for line in (REPO / "tests/data/c4/train/c4-train.00000-of-00002.json").read_text().splitlines()
+    ]
     embedder = TfidfEmbedder.fit(texts, 8, 0)
     root = RunRoot(f"memory://fuzz-template-{uuid.uuid4().hex}")
     Router.fit(embedder.embed(texts), [2, 2], embedder="tfidf", prefix_tokens=8, seed=0).save(root, embedder)
@@ -269,7 +314,9 @@ def good_router_files() -> dict[str, bytes]:
 def hostile_json(draw, good: dict | None = None) -> bytes:
     """Bytes for a stored JSON file: a valid record with fields replaced or removed, any JSON
     value, random bytes, a nesting bomb, or NaN/Infinity where numbers go."""
-    kind = draw(st.sampled_from(["mutated", "mutated", "value", "bytes", "bomb"] if good else ["value", "bytes", "bomb"]))
+    kind = draw(
+        st.sampled_from(["mutated", "mutated", "value", "bytes", "bomb"] if good else ["value", "bytes", "bomb"])
+    )
     if kind == "mutated":
         record = dict(good)
         for key in draw(st.lists(st.sampled_from(sorted(record)), min_size=1, max_size=3)):
@@ -291,8 +338,14 @@ def hostile_npy(draw) -> bytes:
         return draw(st.binary(max_size=200))
     shape = tuple(draw(st.lists(st.integers(0, 10**7), max_size=3)))
     header = io.BytesIO()
-    np.lib.format.write_array_header_1_0(header, {"descr": draw(st.sampled_from(["<f8", "<f4", "|O", "<i8"])),
-                                                  "fortran_order": draw(st.booleans()), "shape": shape})
+    np.lib.format.write_array_header_1_0(
+        header,
+        {
+            "descr": draw(st.sampled_from(["<f8", "<f4", "|O", "<i8"])),
+            "fortran_order": draw(st.booleans()),
+            "shape": shape,
+        },
+    )
     return header.getvalue() + draw(st.binary(max_size=300))
 
 
@@ -304,7 +357,9 @@ def _fresh_root(files: dict[str, bytes]) -> RunRoot:
 
 
 @fuzz(120)
-@given(data=st.data(), target=st.sampled_from(["router.json", "centroids.npy", "tfidf.json", "tfidf_svd.npy", "_SUCCESS"]))
+@given(
+    data=st.data(), target=st.sampled_from(["router.json", "centroids.npy", "tfidf.json", "tfidf_svd.npy", "_SUCCESS"])
+)
 def test_a_hostile_router_artifact_loads_and_routes_or_is_refused(good_router_files, data, target):
     files = dict(good_router_files)
     if target.endswith(".npy"):
@@ -329,8 +384,15 @@ def test_a_hostile_router_artifact_loads_and_routes_or_is_refused(good_router_fi
         root.remove("")  # the memory filesystem is one store: keep it small, or every glob slows
 
 
-GOOD_METRICS = {"loss": [3.2, 2.9], "lr": [1e-4, 2e-4], "tokens": 640, "tokens_per_s": 100.0, "seconds": 6.4,
-                "round": 0, "path": "p0-0"}
+GOOD_METRICS = {
+    "loss": [3.2, 2.9],
+    "lr": [1e-4, 2e-4],
+    "tokens": 640,
+    "tokens_per_s": 100.0,
+    "seconds": 6.4,
+    "round": 0,
+    "path": "p0-0",
+}
 GOOD_EVAL = {"round": 1, "perplexity": 12.5, "tokens": 300, "paths": {"p0-0": {"perplexity": 12.0, "tokens": 150}}}
 GOOD_LOCK = {"pid": 1, "host": "h", "heartbeat": 0.0}
 
@@ -342,16 +404,22 @@ def test_a_hostile_run_root_json_file_is_read_or_refused(data, target):
     rel = layout.path_dir(0, "p0-0")
     good = {"metrics": GOOD_METRICS, "eval": GOOD_EVAL, "lock": GOOD_LOCK, "manifest": {"routed": 1}}[target]
     content = data.draw(hostile_json(good))
-    name = {"metrics": f"{rel}/metrics.json", "eval": layout.eval_file(0), "lock": layout.LOCK,
-            "manifest": layout.MANIFEST}[target]
+    name = {
+        "metrics": f"{rel}/metrics.json",
+        "eval": layout.eval_file(0),
+        "lock": layout.LOCK,
+        "manifest": layout.MANIFEST,
+    }[target]
     root.write_bytes(name, content)
     root.commit(rel)
     root.commit(layout.SHARDS_DIR)
     try:
         if target == "metrics":
             metrics = read_metrics(root, rel)  # then what `dipaco train-path` prints from it
-            json.dumps({k: metrics[k] for k in ("round", "path", "tokens", "tokens_per_s", "seconds")}
-                       | {"final_loss": metrics["loss"][-1]})
+            json.dumps(
+                {k: metrics[k] for k in ("round", "path", "tokens", "tokens_per_s", "seconds")}
+                | {"final_loss": metrics["loss"][-1]}
+            )
         elif target == "eval":
             from pipeline.tracking.report import format_summary
 
@@ -372,7 +440,7 @@ def hostile_safetensors(draw) -> bytes:
     """A real module file with its header replaced or its fields changed, or random bytes."""
     good = encode({"w": torch.zeros(2, 3), "b": torch.zeros(3, dtype=torch.float16)})
     size = int.from_bytes(good[:8], "little")
-    header, body = json.loads(good[8:8 + size]), good[8 + size:]
+    header, body = json.loads(good[8 : 8 + size]), good[8 + size :]
     kind = draw(st.sampled_from(["fields", "header", "length", "bytes"]))
     if kind == "bytes":
         return draw(st.binary(max_size=200))
@@ -383,8 +451,11 @@ def hostile_safetensors(draw) -> bytes:
     else:
         tensor = header[draw(st.sampled_from(["w", "b"]))]
         field = draw(st.sampled_from(["dtype", "shape", "data_offsets"]))
-        tensor[field] = draw(JSON_VALUES | st.lists(st.integers(-2, 2**40), max_size=3)
-                             | st.sampled_from(["F32", "F64", "BF16", "F8_E4M3", "BOOL", "U64"]))
+        tensor[field] = draw(
+            JSON_VALUES
+            | st.lists(st.integers(-2, 2**40), max_size=3)
+            | st.sampled_from(["F32", "F64", "BF16", "F8_E4M3", "BOOL", "U64"])
+        )
         new_header = json.dumps(header).encode()
     return len(new_header).to_bytes(8, "little") + new_header + body[: draw(st.integers(0, len(body)))]
 
@@ -393,7 +464,9 @@ def hostile_safetensors(draw) -> bytes:
 @given(blob=hostile_safetensors(), writable=st.booleans())
 def test_a_hostile_safetensors_file_decodes_or_is_refused(blob, writable):
     try:
-        state = decode(bytearray(blob) if writable else bytes(blob), "rounds/round=0/modules/level=0/module=0.safetensors")
+        state = decode(
+            bytearray(blob) if writable else bytes(blob), "rounds/round=0/modules/level=0/module=0.safetensors"
+        )
     except Exception as error:  # noqa: BLE001
         refused_in_one_line(error)
     else:

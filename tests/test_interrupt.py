@@ -32,12 +32,14 @@ def _processes_naming(text: str) -> list[str]:
     return found
 
 
-def _start_and_interrupt(command: list[str], queue: TaskQueue, tasks: list[Task], run_root, signum: int,
-                         to_group: bool) -> tuple[str, int, list[Task]]:
+def _start_and_interrupt(
+    command: list[str], queue: TaskQueue, tasks: list[Task], run_root, signum: int, to_group: bool
+) -> tuple[str, int, list[Task]]:
     """Start `dipaco run`, wait until both islands train, send `signum`; within 10 s nothing of
     the run may be left. Its output, exit status and the tasks the islands held."""
-    run = subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           start_new_session=True)
+    run = subprocess.Popen(
+        command, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
     def held() -> list[Task]:
         return [t for t in tasks if (a := queue.attempts(t)) and a[-1].record.get("state") == "running"]
@@ -63,8 +65,16 @@ def _start_and_interrupt(command: list[str], queue: TaskQueue, tasks: list[Task]
 
 @pytest.mark.slow  # ~40 s: two deepspeed islands start twice
 def test_ctrl_c_then_sigterm_on_dipaco_run_stop_every_island_process_and_release_its_tasks(run_root):
-    sets = [f"run_root={run_root}", "model.tokenizer=gpt2", "model.vocab_size=256", "train.launcher=deepspeed", "train.islands=2",
-            "train.rounds=1", "train.inner_steps=100000", "mlflow.enabled=false"]
+    sets = [
+        f"run_root={run_root}",
+        "model.tokenizer=gpt2",
+        "model.vocab_size=256",
+        "train.launcher=deepspeed",
+        "train.islands=2",
+        "train.rounds=1",
+        "train.inner_steps=100000",
+        "mlflow.enabled=false",
+    ]
     config = tiny_config(run_root, *sets)
     write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
     command = [sys.executable, "-m", "pipeline.cli", "run", "--config", "configs/tiny.yaml"]

@@ -12,15 +12,15 @@ import pytest
 
 from conftest import REPO, tiny_config, wait_for, write_synthetic_shards
 from models.grid import ModuleKey
-from pipeline.state import layout
 from pipeline import stages
-from pipeline.outer.merge import merge_module
-from pipeline.state.storage import RunRoot
 from pipeline.core.errors import InputError, IslandError
 from pipeline.islands import supervisor
 from pipeline.islands.attempts import Attempts
 from pipeline.islands.task_queue import Task, TaskQueue, write_plan
+from pipeline.outer.merge import merge_module
 from pipeline.run import Run
+from pipeline.state import layout
+from pipeline.state.storage import RunRoot
 from pipeline.train.train_path import train_path
 
 
@@ -89,7 +89,8 @@ def test_train_max_attempts_counts_failed_tasks_and_launches_and_one_more_for_is
 
 @pytest.mark.parametrize("returncode,error,launches", [(1, IslandError, 3), (2, InputError, 1)])
 def test_a_crashing_island_is_started_again_while_its_attempts_allow_then_the_run_fails(
-        run_root, monkeypatch, returncode, error, launches):
+    run_root, monkeypatch, returncode, error, launches
+):
     """train.max_attempts=2: an island that keeps crashing is launched 3 times (two restarts),
     its running attempt failed each time; a config or input error (status 2) is not retried."""
     config = tiny_config(run_root, "train.launcher=deepspeed", "train.islands=1", "train.max_attempts=2")
@@ -138,11 +139,15 @@ def test_a_module_is_merged_as_soon_as_its_paths_are_in_and_round_1_starts_befor
 
 def _island(run_root, name: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.island_rank", "--run-root", str(run_root), "--island", name],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.island_rank", "--run-root", str(run_root), "--island", name],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.slow  # ~40 s: three island processes
@@ -174,12 +179,34 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
     assert not queue.given_up(task)  # a release costs no attempt, even with max_attempts=1
 
     # Another island joins through the CLI, with a ZeRO stage of its own (the run's is 2).
-    stayer = subprocess.run([sys.executable, "-m", "pipeline.cli", "island", "--config", "configs/tiny.yaml",
-                             "--name", "stayer", "--set", f"run_root={run_root}", "--set", "model.tokenizer=gpt2",
-                             "--set", "model.vocab_size=256",
-                             "--set", "train.launcher=inprocess", "--set", "train.ds_config=ds_configs/zero3.json",
-                             "--set", "mlflow.enabled=false"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    stayer = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "island",
+            "--config",
+            "configs/tiny.yaml",
+            "--name",
+            "stayer",
+            "--set",
+            f"run_root={run_root}",
+            "--set",
+            "model.tokenizer=gpt2",
+            "--set",
+            "model.vocab_size=256",
+            "--set",
+            "train.launcher=inprocess",
+            "--set",
+            "train.ds_config=ds_configs/zero3.json",
+            "--set",
+            "mlflow.enabled=false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert stayer.returncode == 0, (stayer.stdout + stayer.stderr)[-2000:]
     for job in stages.list_paths(config):
         assert root.read_json(f"{layout.path_dir(0, job)}/metrics.json")["ds_config"]["zero_optimization"]["stage"] == 3
@@ -190,8 +217,15 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
 
 @pytest.mark.slow  # ~60 s: two deepspeed islands, 32 path tasks
 def test_two_deepspeed_islands_train_sixteen_paths_and_report_utilisation(run_root):
-    config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=10", "train.launcher=deepspeed",
-                         "train.islands=2", "train.parallel_paths=2", "model.grid=[4, 4]")  # 16 paths, 2 islands
+    config = tiny_config(
+        run_root,
+        "train.rounds=2",
+        "train.inner_steps=10",
+        "train.launcher=deepspeed",
+        "train.islands=2",
+        "train.parallel_paths=2",
+        "model.grid=[4, 4]",
+    )  # 16 paths, 2 islands
     write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
     summary = stages.run(Run(config))
     root = RunRoot(config.run_root)
@@ -219,8 +253,9 @@ def test_utilisation_is_logged_to_mlflow_by_round_and_printed(run_root):
     from pipeline.tracking.report import format_summary
     from pipeline.tracking.uris import tracking_uri
 
-    config = tiny_config(run_root, "train.rounds=2", "train.inner_steps=3", "mlflow.enabled=true",
-                         "model.vocab_size=50257")  # the real prepare: GPT-2 ids
+    config = tiny_config(
+        run_root, "train.rounds=2", "train.inner_steps=3", "mlflow.enabled=true", "model.vocab_size=50257"
+    )  # the real prepare: GPT-2 ids
     summary = stages.run(Run(config))  # prepares tests/data/c4 with Beam, trains on one in-process island
     use = summary["utilisation"]
     assert use["round"] == 1 and use["islands"] == 1 and 0 < use["utilisation"] <= 1
@@ -235,9 +270,12 @@ def test_utilisation_is_logged_to_mlflow_by_round_and_printed(run_root):
 def test_an_input_error_on_a_deepspeed_island_reaches_dipaco_run_in_one_line_without_retries(run_root):
     from pipeline.core.errors import InputError
 
-    config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=2", "train.launcher=deepspeed", "train.islands=1")
-    write_synthetic_shards(stages.init_run(Run(config)), config.model.grid,
-                           docs_per_path={"p0-0": 0, "p0-1": 8, "p1-0": 8, "p1-1": 8})
+    config = tiny_config(
+        run_root, "train.rounds=1", "train.inner_steps=2", "train.launcher=deepspeed", "train.islands=1"
+    )
+    write_synthetic_shards(
+        stages.init_run(Run(config)), config.model.grid, docs_per_path={"p0-0": 0, "p0-1": 8, "p1-0": 8, "p1-1": 8}
+    )
     with pytest.raises(InputError, match=r"island-0: .*shards/path=p0-0: too few tokens for one row"):
         stages.run(Run(config))
     queue = TaskQueue(RunRoot(config.run_root), config)
@@ -247,8 +285,14 @@ def test_an_input_error_on_a_deepspeed_island_reaches_dipaco_run_in_one_line_wit
 
 @pytest.mark.slow  # ~35 s: one island of two gloo ranks
 def test_an_island_of_two_ranks_trains_every_task_with_both(run_root):
-    config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=3", "train.launcher=deepspeed",
-                         "train.islands=1", "train.procs_per_path=2")
+    config = tiny_config(
+        run_root,
+        "train.rounds=1",
+        "train.inner_steps=3",
+        "train.launcher=deepspeed",
+        "train.islands=1",
+        "train.procs_per_path=2",
+    )
     write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
     summary = stages.run(Run(config))  # rank 0 broadcasts each task; both ranks train, rank 0 merges
     root = RunRoot(config.run_root)

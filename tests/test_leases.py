@@ -26,8 +26,6 @@ from pipeline.train.train_path import train_path
 ONE_PATH = ("model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=1")
 
 
-
-
 def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readable(run_root):
     """The issue's wedge: two attempts of one train task both finish. The one whose lease expired
     publishes nothing; the round's path directory is exactly the other's, and it verifies."""
@@ -52,9 +50,15 @@ def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readab
 
 
 def _island(run_root, name: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipeline.island_rank", "--run-root", str(run_root), "--island", name],
-                            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.island_rank", "--run-root", str(run_root), "--island", name],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 @pytest.mark.slow  # ~20 s: a real island process, stopped and resumed
@@ -90,8 +94,9 @@ def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_fin
 
 
 @pytest.mark.parametrize("holder, reader", [(-120, 120), (120, -120)])
-def test_clock_skew_of_two_minutes_expires_no_live_holder_and_still_expires_a_dead_one(run_root, monkeypatch,
-                                                                                        holder, reader):
+def test_clock_skew_of_two_minutes_expires_no_live_holder_and_still_expires_a_dead_one(
+    run_root, monkeypatch, holder, reader
+):
     config = tiny_config(run_root, "train.lease_seconds=0.3")
     root = stages.init_run(Run(config))
     task = Task.of("train", 0, "p0-0")
@@ -143,9 +148,14 @@ def test_a_heartbeat_gives_the_lease_up_after_lease_seconds_without_a_write(run_
         storage.inject_write_errors(0)
 
 
-@pytest.mark.parametrize("content", ['{"state": "running", "heartbeat": "soon", "claimed_at": 1}',
-                                     '{"state": "running", "heartbeat": NaN, "claimed_at": 1}',
-                                     '{"state": "running", "heartb'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"state": "running", "heartbeat": "soon", "claimed_at": 1}',
+        '{"state": "running", "heartbeat": NaN, "claimed_at": 1}',
+        '{"state": "running", "heartb',
+    ],
+)
 def test_a_malformed_lease_record_counts_as_a_failed_attempt_with_one_warning(run_root, caplog, content):
     config = tiny_config(run_root, "train.lease_seconds=60", "train.max_attempts=2")
     root = stages.init_run(Run(config))
@@ -178,8 +188,15 @@ def test_failing_an_islands_leases_never_touches_another_process_of_the_same_nam
 
 
 def test_a_stragglers_task_is_completed_by_a_backup_attempt(run_root):
-    config = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]", "train.rounds=1",
-                         "train.inner_steps=3", "train.lease_seconds=0.4", "train.backup_after=1.5")
+    config = tiny_config(
+        run_root,
+        "model.grid=[2]",
+        "model.blocks_per_level=[1]",
+        "train.rounds=1",
+        "train.inner_steps=3",
+        "train.lease_seconds=0.4",
+        "train.backup_after=1.5",
+    )
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 1)
@@ -190,8 +207,11 @@ def test_a_stragglers_task_is_completed_by_a_backup_attempt(run_root):
     assert [a.number for a in attempts] == [1, 2] and attempts[1].backup and attempts[1].state == "done"
     assert root.read_json(f"{layout.round_dir(0)}/merge.json")["paths_left_out"] == []
     median = queue.median_task_seconds(0)
-    assert attempts[1].record["claimed_at"] - attempts[0].record["claimed_at"] > 1.5 * queue.attempts(
-        Task.of("train", 0, "p0"))[0].record["seconds"] * 0.9 and median > 0
+    assert (
+        attempts[1].record["claimed_at"] - attempts[0].record["claimed_at"]
+        > 1.5 * queue.attempts(Task.of("train", 0, "p0"))[0].record["seconds"] * 0.9
+        and median > 0
+    )
     assert straggler.cancelled.wait(1.0)  # its next heartbeat saw the committed output
     straggler.finish("cancelled")
     assert not queue.given_up(straggler.task)
@@ -211,9 +231,23 @@ def test_an_attempt_killed_mid_task_resumes_from_its_checkpoint_with_the_identic
     config = tiny_config(tmp_path / "crashed", *sets)
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
-    trainer = subprocess.Popen([sys.executable, "-m", "pipeline.train.train_path", "--run-root", str(tmp_path / "crashed"),
-                                "--round", "0", "--path", "p0"], cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.STDOUT)
+    trainer = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.train.train_path",
+            "--run-root",
+            str(tmp_path / "crashed"),
+            "--round",
+            "0",
+            "--path",
+            "p0",
+        ],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_for(lambda: root.glob(f"{checkpoints_dir(0, 'p0')}/*/step=*/_SUCCESS"), 120, "a mid-task checkpoint")
     finally:
@@ -224,13 +258,20 @@ def test_an_attempt_killed_mid_task_resumes_from_its_checkpoint_with_the_identic
     assert resumed["resumed_from_step"] in (30, 60, 90)
     assert resumed["loss"] == expected["loss"] and resumed["lr"] == expected["lr"]  # bitwise, every step
     rel = layout.path_dir(0, "p0")
-    assert root.read_committed(rel, "model.safetensors") == RunRoot(whole.run_root).read_committed(rel, "model.safetensors")
+    assert root.read_committed(rel, "model.safetensors") == RunRoot(whole.run_root).read_committed(
+        rel, "model.safetensors"
+    )
     assert not root.exists(layout.staging_dir(0, "p0"))  # published: checkpoints gone with the staging place
 
 
-@pytest.mark.parametrize("setting, key", [("train.backup_after=0.5", "train.backup_after"),
-                                          ("train.checkpoint_every=0", "train.checkpoint_every"),
-                                          ("train.backup_after=soon", "train.backup_after")])
+@pytest.mark.parametrize(
+    "setting, key",
+    [
+        ("train.backup_after=0.5", "train.backup_after"),
+        ("train.checkpoint_every=0", "train.checkpoint_every"),
+        ("train.backup_after=soon", "train.backup_after"),
+    ],
+)
 def test_bad_backup_and_checkpoint_settings_are_refused_naming_the_key(run_root, setting, key):
     from pipeline.core.errors import ConfigError
 

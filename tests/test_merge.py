@@ -9,10 +9,10 @@ from safetensors.torch import save as st_save
 from conftest import tiny_config, write_synthetic_shards
 from models.grid import ModuleKey, all_modules
 from models.modular import ModelShape, assemble_path_state, split_path_state
-from pipeline.state import layout
 from pipeline import stages
 from pipeline.outer.merge import OuterOptimizer, finish_round, merge_module, merge_round
 from pipeline.run import Run
+from pipeline.state import layout
 from pipeline.state.module_store import load_modules, load_path_modules, read_state
 from pipeline.state.storage import RunRoot
 from pipeline.train.train_path import train_path
@@ -24,7 +24,9 @@ def fake_path(root: RunRoot, config, round_index: int, path_id: str, shift: floa
     """Commit a path's training output as the trainer would: its modules moved by `shift`."""
     shape = ModelShape.from_config(config.model)
     modules = load_path_modules(root, round_index, tuple(int(k) for k in path_id[1:].split("-")))
-    trained = [{k: v + shift * (1 + torch.arange(v.numel()).reshape(v.shape) % 3) for k, v in m.items()} for m in modules]
+    trained = [
+        {k: v + shift * (1 + torch.arange(v.numel()).reshape(v.shape) % 3) for k, v in m.items()} for m in modules
+    ]
     rel = layout.path_dir(round_index, path_id)
     root.write_bytes(f"{rel}/model.safetensors", st_save(assemble_path_state(shape, trained)))
     root.write_json(f"{rel}/metrics.json", {"tokens": tokens})
@@ -168,8 +170,10 @@ def test_grid_2x2_averages_each_shared_module_over_exactly_two_trained_paths(run
     shape = ModelShape.from_config(config.model)
     from pipeline.state.module_store import decode
 
-    trained = {p: split_path_state(shape, decode(root.read_committed(layout.path_dir(0, p), "model.safetensors"), p))
-               for p in stages.list_paths(config)}
+    trained = {
+        p: split_path_state(shape, decode(root.read_committed(layout.path_dir(0, p), "model.safetensors"), p))
+        for p in stages.list_paths(config)
+    }
     before = load_modules(root, 0, all_modules([2, 2]))
     after = load_modules(root, 1, all_modules([2, 2]))
     for key in all_modules([2, 2]):

@@ -3,12 +3,21 @@
 import pytest
 import torch
 
-from models.grid import all_job_ids, all_path_ids, parse_job_id, parse_path_id, paths_through, ModuleKey
-from models.modular import ModelShape, assemble_path_state, build_path_model, path_state, split_path_state, to_hf_key, to_module_key
+from models.grid import ModuleKey, all_job_ids, all_path_ids, parse_job_id, parse_path_id, paths_through
+from models.modular import (
+    ModelShape,
+    assemble_path_state,
+    build_path_model,
+    path_state,
+    split_path_state,
+    to_hf_key,
+    to_module_key,
+)
 from pipeline.core.config import ModelConfig
 
-SHAPE = ModelShape.from_config(ModelConfig(grid=[2, 3], blocks_per_level=[1, 2], hidden_size=32, num_heads=2,
-                                           seq_len=16, vocab_size=64))
+SHAPE = ModelShape.from_config(
+    ModelConfig(grid=[2, 3], blocks_per_level=[1, 2], hidden_size=32, num_heads=2, seq_len=16, vocab_size=64)
+)
 
 
 def test_assembled_path_gives_the_same_logits_as_the_path_it_came_from():

@@ -12,14 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 
+from conftest import REPO
 from pipeline.run import Run
 from pipeline.tracking.report import format_summary
 
 README = (REPO / "README.md").read_text()
-DOCS = {path: path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
-                                            REPO / "benchmarks" / "RESULTS.md"]}
+DOCS = {
+    path: path.read_text()
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "RESULTS.md"]
+}
 
 
 def code_blocks(language: str) -> list[str]:
@@ -57,9 +59,15 @@ def test_the_docs_show_no_machine_path_and_commands_that_need_no_activated_venv(
 
 def test_the_summary_prints_commands_that_run_from_where_it_was_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    summary = {"run_root": str(tmp_path / "runs" / "demo"), "rounds_committed": 2, "train_rounds": 2,
-               "eval": {0: {"perplexity": 9.0, "paths": {}}}, "registered_model": "dipaco-demo", "model_version": "2",
-               "tracking_uri": f"sqlite:///{tmp_path}/runs/demo/mlflow.db"}
+    summary = {
+        "run_root": str(tmp_path / "runs" / "demo"),
+        "rounds_committed": 2,
+        "train_rounds": 2,
+        "eval": {0: {"perplexity": 9.0, "paths": {}}},
+        "registered_model": "dipaco-demo",
+        "model_version": "2",
+        "tracking_uri": f"sqlite:///{tmp_path}/runs/demo/mlflow.db",
+    }
     text = format_summary(summary)
     assert text.splitlines()[0] == "dipaco run: runs/demo: 2 round(s) of train.rounds=2 committed"
     assert "--backend-store-uri sqlite:///runs/demo/mlflow.db --port " in text
@@ -110,8 +118,9 @@ def demo_clone(tmp_path_factory):
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     clone = tmp_path_factory.mktemp("clone")
     data = write_c4(tmp_path_factory.mktemp("c4"))
-    config = real_text_config(clone / "runs" / "demo", data, "mlflow.experiment=dipaco-demo",
-                              "mlflow.registered_model=dipaco-demo")
+    config = real_text_config(
+        clone / "runs" / "demo", data, "mlflow.experiment=dipaco-demo", "mlflow.registered_model=dipaco-demo"
+    )
     run = Run(config)
     stages.init_run(run)
     stages.prepare(run)
@@ -124,8 +133,9 @@ def test_the_documented_pyfunc_snippet_runs_as_written_in_a_fresh_process(demo_c
     (snippet,) = [block for block in code_blocks("python") if "pyfunc.load_model" in block]
     before = sorted(p.name for p in demo_clone.iterdir())
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    done = subprocess.run([sys.executable, "-c", snippet], cwd=demo_clone, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=demo_clone, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (continuation,) = ast.literal_eval(done.stdout.strip().splitlines()[-1])  # print() of a list of str
     assert isinstance(continuation, str)
@@ -145,7 +155,8 @@ def test_the_registered_model_describes_itself(demo_clone):
     import mlflow
 
     mlflow.set_registry_uri(uri)
-    source = mlflow.artifacts.download_artifacts("models:/dipaco-demo/1", dst_path=str(demo_clone.parent / "dl"),
-                                                 tracking_uri=uri)
+    source = mlflow.artifacts.download_artifacts(
+        "models:/dipaco-demo/1", dst_path=str(demo_clone.parent / "dl"), tracking_uri=uri
+    )
     example = json.loads((Path(source) / "serving_input_example.json").read_text())
     assert example["params"] == {"max_new_tokens": 8}  # MLflow predicted this before registering

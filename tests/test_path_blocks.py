@@ -7,8 +7,16 @@ from safetensors.torch import save as st_save
 
 from conftest import tiny_config, write_synthetic_shards
 from models.grid import ModuleKey, all_modules, path_modules, paths_through
-from models.modular import (ModelShape, assemble_path_state, build_path_model, initial_level_states, path_state,
-                            split_path_state, to_hf_key, to_module_key)
+from models.modular import (
+    ModelShape,
+    assemble_path_state,
+    build_path_model,
+    initial_level_states,
+    path_state,
+    split_path_state,
+    to_hf_key,
+    to_module_key,
+)
 from pipeline import stages
 from pipeline.core.config import ModelConfig
 from pipeline.core.errors import ConfigError
@@ -19,8 +27,17 @@ from pipeline.state import layout
 from pipeline.state.module_store import decode, load_modules, load_path_modules
 from pipeline.state.storage import RunRoot
 
-SHAPE = ModelShape.from_config(ModelConfig(grid=[2, 3], blocks_per_level=[1, 2], hidden_size=32, num_heads=2,
-                                           vocab_size=64, seq_len=16, path_specific_blocks=2))
+SHAPE = ModelShape.from_config(
+    ModelConfig(
+        grid=[2, 3],
+        blocks_per_level=[1, 2],
+        hidden_size=32,
+        num_heads=2,
+        vocab_size=64,
+        seq_len=16,
+        path_specific_blocks=2,
+    )
+)
 
 
 def _module_files(run, round_index: int, directory: str = "modules") -> dict[str, bytes]:
@@ -83,15 +100,21 @@ def test_zero_blocks_keep_todays_module_files_and_one_block_adds_a_private_modul
     loaded = load_modules(RunRoot(plain.run_root), 0, all_modules([2, 2]))
     assert all(torch.equal(loaded[key][k], levels[key.level][k]) for key in loaded for k in levels[key.level])
     # N = 1: the same shared names plus level=2/module=<path index> for the 4 paths.
-    assert list(_module_files(tmp_path / "private", 0)) == shared_names + [f"level=2/module={i}.safetensors" for i in range(4)]
+    assert list(_module_files(tmp_path / "private", 0)) == shared_names + [
+        f"level=2/module={i}.safetensors" for i in range(4)
+    ]
     assert root.marker(layout.modules_dir(0))["modules"][4:] == [[2, i] for i in range(4)]
 
 
 def _fake_path(root: RunRoot, config, round_index: int, path_id: str, shift: float, tokens: int) -> list[dict]:
     """Commit a path's training output as the trainer would: all its modules moved by `shift`."""
     shape = ModelShape.from_config(config.model)
-    modules = load_path_modules(root, round_index, tuple(int(k) for k in path_id[1:].split("-")), shape, config.model.grid)
-    trained = [{k: v + shift * (1 + torch.arange(v.numel()).reshape(v.shape) % 3) for k, v in m.items()} for m in modules]
+    modules = load_path_modules(
+        root, round_index, tuple(int(k) for k in path_id[1:].split("-")), shape, config.model.grid
+    )
+    trained = [
+        {k: v + shift * (1 + torch.arange(v.numel()).reshape(v.shape) % 3) for k, v in m.items()} for m in modules
+    ]
     rel = layout.path_dir(round_index, path_id)
     root.write_bytes(f"{rel}/model.safetensors", st_save(assemble_path_state(shape, trained)))
     root.write_json(f"{rel}/metrics.json", {"tokens": tokens})
@@ -102,7 +125,10 @@ def _fake_path(root: RunRoot, config, round_index: int, path_id: str, shift: flo
 def test_the_merge_carries_each_paths_private_module_over_and_steps_the_shared_ones(tmp_path):
     config = tiny_config(tmp_path / "whole", "model.grid=[2, 1]", "model.path_specific_blocks=1")
     root = stages.init_run(Run(config))
-    trained = {p: _fake_path(root, config, 0, p, shift, tokens) for p, shift, tokens in (("p0-0", 0.01, 30), ("p1-0", -0.02, 10))}
+    trained = {
+        p: _fake_path(root, config, 0, p, shift, tokens)
+        for p, shift, tokens in (("p0-0", 0.01, 30), ("p1-0", -0.02, 10))
+    }
     report = merge_round(config, 0)
     after = load_modules(root, 1, all_modules([2, 1], private=True))
     for index, path_id in enumerate(("p0-0", "p1-0")):
@@ -114,15 +140,24 @@ def test_the_merge_carries_each_paths_private_module_over_and_steps_the_shared_o
     shared = after[ModuleKey(1, 0)]
     assert not any(torch.equal(shared[k], trained[p][1][k]) for p in trained for k in shared)
     assert list(_module_files(tmp_path / "whole", 1, "outer_state")) == [
-        "level=0/module=0.safetensors", "level=0/module=1.safetensors", "level=1/module=0.safetensors"]
+        "level=0/module=0.safetensors",
+        "level=0/module=1.safetensors",
+        "level=1/module=0.safetensors",
+    ]
     # Communication counts the shared modules only: the private ones never leave their island.
     shared_bytes = sum(t.numel() * 4 for lvl in (0, 1) for t in trained["p0-0"][lvl].values())
     assert report["bytes_outer"] == 2 * 2 * shared_bytes
 
 
 def test_a_round_on_islands_carries_each_paths_blocks_over_and_a_failed_paths_blocks_stay(run_root):
-    config = tiny_config(run_root, "model.grid=[3, 1]", "model.path_specific_blocks=1", "train.rounds=1",
-                         "train.inner_steps=2", "train.max_attempts=1")
+    config = tiny_config(
+        run_root,
+        "model.grid=[3, 1]",
+        "model.path_specific_blocks=1",
+        "train.rounds=1",
+        "train.inner_steps=2",
+        "train.max_attempts=1",
+    )
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     TaskQueue(root, config).claim(Task.of("train", 0, "p2-0"), "crashed").finish("failed", error="killed")
@@ -137,7 +172,9 @@ def test_a_round_on_islands_carries_each_paths_blocks_over_and_a_failed_paths_bl
     for index, path_id in enumerate(("p0-0", "p1-0")):  # bitwise its path's committed weights
         mine = after[ModuleKey(2, index)]
         assert any(not torch.equal(before[ModuleKey(2, index)][k], mine[k]) for k in mine)  # training moved it
-        assert all(torch.equal(mine[k], trained[path_id][2][k]) and mine[k].dtype == trained[path_id][2][k].dtype for k in mine)
+        assert all(
+            torch.equal(mine[k], trained[path_id][2][k]) and mine[k].dtype == trained[path_id][2][k].dtype for k in mine
+        )
     kept = ModuleKey(2, 2)  # p2-0 failed: its blocks keep round 0's values
     assert all(torch.equal(after[kept][k], before[kept][k]) for k in before[kept])
     # The shared head level: the token-weighted Nesterov step of DiLoCo over both paths (first step: buf = g).
@@ -145,6 +182,8 @@ def test_a_round_on_islands_carries_each_paths_blocks_over_and_a_failed_paths_bl
     total = tokens["p0-0"] + tokens["p1-0"]
     for name, theta in before[ModuleKey(1, 0)].items():
         grad = sum(tokens[p] / total * (theta - trained[p][1][name]) for p in trained)
-        torch.testing.assert_close(after[ModuleKey(1, 0)][name], theta - lr * (1 + momentum) * grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            after[ModuleKey(1, 0)][name], theta - lr * (1 + momentum) * grad, rtol=1e-5, atol=1e-6
+        )
     assert "level=2/module=0.safetensors" not in root.marker(layout.outer_state_dir(1))["files"]
     assert root.exists(layout.eval_file(1))  # every path's model, private blocks included, was assembled

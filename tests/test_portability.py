@@ -19,9 +19,9 @@ from pipeline.core.config import REPO_ROOT, resolve_ds_config
 from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
-from pipeline.train.zero import compile_forward
 from pipeline.train.distributed import rank_threads
 from pipeline.train.train_path import train_path
+from pipeline.train.zero import compile_forward
 
 
 def test_the_repository_root_is_the_repository(tmp_path, monkeypatch):
@@ -39,21 +39,48 @@ def test_dipaco_run_from_another_directory_registers_a_model_with_the_pipelines_
     elsewhere.mkdir()
     data = REPO / "tests" / "data" / "c4"
     run_root = tmp_path / "run"
-    sets = [f"run_root={run_root}", f"data.train={data}/train/*.json", f"data.eval={data}/validation/*.json",
-            "model.grid=[2]", "model.blocks_per_level=[1]", "train.rounds=1", "train.inner_steps=2",
-            "train.launcher=inprocess", "train.precision=auto", "mlflow.enabled=true", "eval.max_docs=4"]
+    sets = [
+        f"run_root={run_root}",
+        f"data.train={data}/train/*.json",
+        f"data.eval={data}/validation/*.json",
+        "model.grid=[2]",
+        "model.blocks_per_level=[1]",
+        "train.rounds=1",
+        "train.inner_steps=2",
+        "train.launcher=inprocess",
+        "train.precision=auto",
+        "mlflow.enabled=true",
+        "eval.max_docs=4",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING")}
     env["PYTHONPATH"] = str(REPO)  # this checkout's code, wherever the console script was installed from
-    done = subprocess.run([str(Path(sys.executable).with_name("dipaco")), "run", "--config", str(REPO / "configs" / "tiny.yaml"),
-                           *[arg for item in sets for arg in ("--set", item)]],
-                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("dipaco")),
+            "run",
+            "--config",
+            str(REPO / "configs" / "tiny.yaml"),
+            *[arg for item in sets for arg in ("--set", item)],
+        ],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in elsewhere.iterdir()) == []  # nothing written where it ran
 
     (mlmodel,) = run_root.glob("mlartifacts/**/MLmodel")  # one registered round
     code_dir = mlmodel.parent / yaml.safe_load(mlmodel.read_text())["flavors"]["python_function"]["code"]
-    for shipped in ("pipeline/core/config.py", "pipeline/train/precision.py", "models/modular.py",
-                    "pipeline/routing/router.py", "pipeline/routing/tokenizer.py", "pipeline/routing/embedders.py"):
+    for shipped in (
+        "pipeline/core/config.py",
+        "pipeline/train/precision.py",
+        "models/modular.py",
+        "pipeline/routing/router.py",
+        "pipeline/routing/tokenizer.py",
+        "pipeline/routing/embedders.py",
+    ):
         assert (code_dir / shipped).is_file(), shipped
     assert not (code_dir / "preprocessing").exists()
     assert not list(code_dir.rglob("__pycache__"))
@@ -89,14 +116,30 @@ def test_rank_threads_share_the_given_cores_among_the_ranks_at_once(run_root):
 def test_a_launched_rank_sets_its_threads_from_its_cores_whatever_its_environment(run_root):
     """A path rank started on one core with OMP_NUM_THREADS=7 in its environment (as a launcher
     or a shell might leave it) trains with 1 thread, and says so in its metrics."""
-    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.parallel_paths=1",
-                         "train.inner_steps=1")
+    config = tiny_config(
+        run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.parallel_paths=1", "train.inner_steps=1"
+    )
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     env = {**os.environ, "OMP_NUM_THREADS": "7", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "pipeline.train.train_path", "--run-root", str(run_root),
-                           "--round", "0", "--path", "p0"], env=env, capture_output=True, text=True, timeout=300,
-                          preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.train.train_path",
+            "--run-root",
+            str(run_root),
+            "--round",
+            "0",
+            "--path",
+            "p0",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert root.read_json(f"{layout.path_dir(0, 'p0')}/metrics.json")["threads"] == 1
 
@@ -105,8 +148,10 @@ def test_the_makefile_leaves_the_accelerator_to_the_code():
     makefile = (REPO / "Makefile").read_text()
     assert "DS_ACCELERATOR" not in makefile
     env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
-    code = ("import logging, os; logging.basicConfig(level=logging.INFO, format='%(message)s');"
-            "from pipeline.train.distributed import set_runtime_env; set_runtime_env(); print(os.environ['DS_ACCELERATOR'])")
+    code = (
+        "import logging, os; logging.basicConfig(level=logging.INFO, format='%(message)s');"
+        "from pipeline.train.distributed import set_runtime_env; set_runtime_env(); print(os.environ['DS_ACCELERATOR'])"
+    )
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
     import torch
 
@@ -122,8 +167,13 @@ def test_the_makefile_leaves_the_accelerator_to_the_code():
 def test_a_compiled_path_trains_like_the_eager_one(run_root):
     losses = {}
     for compiled in (False, True):
-        config = tiny_config(run_root / str(compiled), "model.grid=[1]", "model.blocks_per_level=[1]",
-                             "train.inner_steps=3", f"train.compile={str(compiled).lower()}")
+        config = tiny_config(
+            run_root / str(compiled),
+            "model.grid=[1]",
+            "model.blocks_per_level=[1]",
+            "train.inner_steps=3",
+            f"train.compile={str(compiled).lower()}",
+        )
         root = stages.init_run(Run(config))
         write_synthetic_shards(root, config.model.grid)
         metrics = train_path(config, 0, "p0")

@@ -45,12 +45,16 @@ def test_auto_follows_the_hardware_not_the_config_file(run_root, tmp_path):
     assert "AVX2" in chosen.reason and "no native bfloat16" in chosen.reason
 
     bf16_wins = CountingProbe(fp32=0.41, bf16=0.29)
-    chosen = P.resolve(train, shape, device="cpu", native_bf16=(True, "AVX512"), probe=bf16_wins, cache_dir=tmp_path / "b")
+    chosen = P.resolve(
+        train, shape, device="cpu", native_bf16=(True, "AVX512"), probe=bf16_wins, cache_dir=tmp_path / "b"
+    )
     assert (chosen.name, bf16_wins.calls) == ("bf16", 1)
     assert "bf16 0.290 s vs fp32 0.410 s" in chosen.reason
 
     fp32_wins = CountingProbe(fp32=0.20, bf16=0.25)  # native bf16 that measures slower (a tiny model)
-    chosen = P.resolve(train, shape, device="cpu", native_bf16=(True, "AVX512"), probe=fp32_wins, cache_dir=tmp_path / "c")
+    chosen = P.resolve(
+        train, shape, device="cpu", native_bf16=(True, "AVX512"), probe=fp32_wins, cache_dir=tmp_path / "c"
+    )
     assert chosen.name == "fp32"
 
 
@@ -65,7 +69,9 @@ def test_explicit_precisions_are_honoured_and_emulated_bf16_warns_with_the_slowd
     train, shape = _train_and_shape(run_root, "bf16")
     slow = CountingProbe(fp32=0.47, bf16=4.8)
     with caplog.at_level(logging.WARNING, logger="dipaco.precision"):
-        chosen = P.resolve(train, shape, device="cpu", native_bf16=(False, "AVX2"), probe=slow, cache_dir=tmp_path / "x")
+        chosen = P.resolve(
+            train, shape, device="cpu", native_bf16=(False, "AVX2"), probe=slow, cache_dir=tmp_path / "x"
+        )
     assert chosen.name == "bf16"
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert "emulated" in warning and "10.2x slower" in warning and "AVX2" in warning
@@ -85,8 +91,12 @@ def test_the_probe_runs_once_per_host_shape_and_threads(run_root, tmp_path):
     train, shape = _train_and_shape(run_root)
     probe = CountingProbe(fp32=0.41, bf16=0.29)
     for _ in range(3):
-        assert P.resolve(train, shape, threads=1, device="cpu", native_bf16=(True, "AVX512"), probe=probe,
-                         cache_dir=tmp_path).name == "bf16"
+        assert (
+            P.resolve(
+                train, shape, threads=1, device="cpu", native_bf16=(True, "AVX512"), probe=probe, cache_dir=tmp_path
+            ).name
+            == "bf16"
+        )
     assert probe.calls == 1
     cache = json.loads((tmp_path / P.CACHE_FILE).read_text())
     (key,) = cache
@@ -130,7 +140,9 @@ def test_a_zero2_step_trains_in_the_resolved_precision(run_root, name):
     model = build_path_model(shape, seed=0)
     engine = wrap_with_zero(model, adamw_for(model, config.train), load_ds_config(config.train, shape, 1, chosen))
     try:
-        assert engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == getattr(torch, P.AUTOCAST_DTYPES[name])
+        assert engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == getattr(
+            torch, P.AUTOCAST_DTYPES[name]
+        )
         inputs = torch.randint(0, shape.vocab_size, (2, config.model.seq_len))
         losses = []
         for _ in range(4):
@@ -165,8 +177,11 @@ def test_an_fp32_engine_after_an_fp16_one_in_the_same_process_has_no_grad_scaler
         config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", f"train.precision={name}")
         shape = ModelShape.from_config(config.model)
         model = build_path_model(shape, seed=0)
-        engine = wrap_with_zero(model, adamw_for(model, config.train),
-                                load_ds_config(config.train, shape, 1, P.resolve(config.train, shape)))
+        engine = wrap_with_zero(
+            model,
+            adamw_for(model, config.train),
+            load_ds_config(config.train, shape, 1, P.resolve(config.train, shape)),
+        )
         engines.append(engine.optimizer.torch_autocast_gradscaler)
         release_engine(engine)
     assert engines[0] is not None and engines[1] is None

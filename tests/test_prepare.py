@@ -12,13 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
-from pipeline.state import layout
 from pipeline.core.config import config_from_dict
 from pipeline.core.errors import InputError
-from pipeline.state.shards import read_path_documents
-from pipeline.state.storage import RunRoot
 from pipeline.routing.router import Router
 from pipeline.routing.tokenizer import encode
+from pipeline.state import layout
+from pipeline.state.shards import read_path_documents
+from pipeline.state.storage import RunRoot
 from preprocessing.prepare import run_prepare
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,13 +64,15 @@ def encoded(docs: list[dict]) -> list[bytes]:
 
 
 def config(tmp_path, train, eval=None, name="run", options=IN_MEMORY, **router):
-    return config_from_dict({
-        "run_root": str(tmp_path / name),
-        "data": {"train": train, "eval": eval, "max_doc_bytes": 1000},
-        "router": {"embedder": "tfidf", "sample_docs": 1000, "tfidf_dim": 16, **router},
-        "model": {"grid": [3], "blocks_per_level": [1]},
-        "beam": {"options": options},
-    })
+    return config_from_dict(
+        {
+            "run_root": str(tmp_path / name),
+            "data": {"train": train, "eval": eval, "max_doc_bytes": 1000},
+            "router": {"embedder": "tfidf", "sample_docs": 1000, "tfidf_dim": 16, **router},
+            "model": {"grid": [3], "blocks_per_level": [1]},
+            "beam": {"options": options},
+        }
+    )
 
 
 def shard_rows(run_root) -> dict[tuple[str, str], list[tuple[str, tuple[int, ...]]]]:
@@ -119,7 +121,12 @@ def test_every_line_is_routed_or_rejected_exactly_once(messy, tmp_path):
     for reason in bad_at.values():
         expected_reasons[reason] = expected_reasons.get(reason, 0) + 1
     assert train["rejected_by_reason"] == expected_reasons
-    assert manifest["splits"]["validation"] == {**manifest["splits"]["validation"], "lines_read": 10, "routed": 9, "rejected": 1}
+    assert manifest["splits"]["validation"] == {
+        **manifest["splits"]["validation"],
+        "lines_read": 10,
+        "routed": 9,
+        "rejected": 1,
+    }
     assert manifest["lines_read"] == manifest["routed"] + manifest["rejected"] == 77
 
     # every good document is in exactly one train shard, with its own tokens
@@ -128,7 +135,9 @@ def test_every_line_is_routed_or_rejected_exactly_once(messy, tmp_path):
     assert len(train_rows) == len(docs) == len({doc_id for doc_id, _ in train_rows})
     by_id = dict(train_rows)
     for doc in docs:
-        doc_id = doc.get("url") or next(i for i in by_id if i.startswith("sha256:") and list(by_id[i]) == encode([doc["text"]])[0])
+        doc_id = doc.get("url") or next(
+            i for i in by_id if i.startswith("sha256:") and list(by_id[i]) == encode([doc["text"]])[0]
+        )
         assert list(by_id[doc_id]) == encode([doc["text"]])[0]
     # per-path counts in the manifest match the files, and the trainer's reader agrees
     for path, entry in manifest["paths"].items():
@@ -139,7 +148,9 @@ def test_every_line_is_routed_or_rejected_exactly_once(messy, tmp_path):
 
     # every bad line is in rejected/ with its file, line number and reason
     rejected_dir = tmp_path / "run" / "shards" / "rejected"
-    records = [json.loads(line) for f in sorted(rejected_dir.glob("part-*.jsonl")) for line in f.read_text().splitlines()]
+    records = [
+        json.loads(line) for f in sorted(rejected_dir.glob("part-*.jsonl")) for line in f.read_text().splitlines()
+    ]
     train_records = {r["line"]: r for r in records if r["split"] == "train"}
     assert {line: r["reason"] for line, r in train_records.items()} == bad_at
     assert all(r["file"].endswith("c4-train.00000-of-00001.json") for r in train_records.values())
@@ -177,7 +188,7 @@ def test_gzip_plain_and_a_glob_over_several_files_give_identical_shards(tmp_path
     write_lines(tmp_path / "plain" / "c4-train.00000-of-00001.json", docs)
     write_lines(tmp_path / "gz" / "c4-train.00000-of-00001.json.gz", docs, gz=True)
     for i in range(3):  # the same lines cut into three files
-        write_lines(tmp_path / "many" / f"c4-train.{i:05d}-of-00003.json.gz", docs[i * 15:(i + 1) * 15], gz=True)
+        write_lines(tmp_path / "many" / f"c4-train.{i:05d}-of-00003.json.gz", docs[i * 15 : (i + 1) * 15], gz=True)
     results = {}
     for name in ("plain", "gz", "many"):
         cfg = config(tmp_path, str(tmp_path / name / "*.json*"), name=f"run-{name}")
@@ -191,8 +202,9 @@ def test_multiprocessing_with_two_workers_matches_one_worker(messy, tmp_path):
     base, _, _ = messy
     train, val = str(base / "train/*.json"), str(base / "validation/*.json")
     single = run_prepare(config(tmp_path, train, val, name="one", options=IN_MEMORY))
-    multi_cfg = config(tmp_path, train, val, name="two",
-                       options=["--direct_num_workers=2", "--direct_running_mode=multi_processing"])
+    multi_cfg = config(
+        tmp_path, train, val, name="two", options=["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
+    )
     multi = run_prepare(multi_cfg)
     assert without_timing(multi) == without_timing(single)
     assert shard_rows(multi_cfg.run_root) == shard_rows(tmp_path / "one")
@@ -207,8 +219,12 @@ def test_missing_inputs_raise_an_input_error_naming_the_glob(tmp_path):
 
 def test_max_docs_caps_the_lines_read_in_file_order(messy, tmp_path):
     base, _, _ = messy
-    cfg = config_from_dict({**config(tmp_path, str(base / "train/*.json")).to_dict(), "data": {
-        "train": str(base / "train/*.json"), "eval": None, "max_docs": 20, "max_doc_bytes": 1000}})
+    cfg = config_from_dict(
+        {
+            **config(tmp_path, str(base / "train/*.json")).to_dict(),
+            "data": {"train": str(base / "train/*.json"), "eval": None, "max_docs": 20, "max_doc_bytes": 1000},
+        }
+    )
     manifest = run_prepare(cfg)
     assert manifest["lines_read"] == 20 == manifest["routed"] + manifest["rejected"]
     assert manifest["rejected"] == 3  # lines 4, 11 and 18 of the file
@@ -241,13 +257,15 @@ def routed_nmi(run_root, sample_dir) -> float:
 
 def test_minilm_routing_of_the_wikipedia_sample_separates_topics(wiki, tmp_path):
     """12 paths on 800 Wikipedia leads with the default embedder, through RunInference."""
-    cfg = config_from_dict({
-        "run_root": str(tmp_path / "run"),
-        "data": {"train": str(wiki / "train/*.json.gz"), "eval": str(wiki / "validation/*.json.gz")},
-        "router": {"embedder": "minilm", "sample_docs": 600, "seed": 0},
-        "model": {"grid": [12], "blocks_per_level": [1]},
-        "beam": {"options": IN_MEMORY},
-    })
+    cfg = config_from_dict(
+        {
+            "run_root": str(tmp_path / "run"),
+            "data": {"train": str(wiki / "train/*.json.gz"), "eval": str(wiki / "validation/*.json.gz")},
+            "router": {"embedder": "minilm", "sample_docs": 600, "seed": 0},
+            "model": {"grid": [12], "blocks_per_level": [1]},
+            "beam": {"options": IN_MEMORY},
+        }
+    )
     manifest = run_prepare(cfg)
     assert manifest["routed"] == 800 and manifest["rejected"] == 0
     assert min(p["train"]["documents"] for p in manifest["paths"].values()) > 0

@@ -8,14 +8,17 @@ from conftest import REPO
 
 
 def _stderr_of(code: str) -> str:
-    done = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stderr
 
 
 def test_importing_the_beam_job_prints_no_gcp_warnings_and_the_pyfunc_no_type_hint_warning():
-    quiet = _stderr_of("import logging; logging.basicConfig(); import preprocessing.transforms, pipeline.tracking.registry")
+    quiet = _stderr_of(
+        "import logging; logging.basicConfig(); import preprocessing.transforms, pipeline.tracking.registry"
+    )
     assert "apitools" not in quiet and "bigquery" not in quiet
     assert "Add type hints" not in quiet
     assert "apitools" in _stderr_of("import logging; logging.basicConfig(); import apache_beam")  # what it hides
@@ -35,8 +38,15 @@ def test_a_sensor_waiting_in_dags_test_is_not_reported_as_unrunnable(caplog):
     quiet = module._SensorWaitIsNotAFailure()
 
     def record(*states):
-        return logging.LogRecord("airflow.sdk.definitions.dag", logging.WARNING, __file__, 1,
-                                 "No tasks to run. unrunnable tasks: %s", ({TI(s) for s in states},), None)
+        return logging.LogRecord(
+            "airflow.sdk.definitions.dag",
+            logging.WARNING,
+            __file__,
+            1,
+            "No tasks to run. unrunnable tasks: %s",
+            ({TI(s) for s in states},),
+            None,
+        )
 
     assert not quiet.filter(record("up_for_reschedule", None))  # a round's sensor waits: its normal state
     assert quiet.filter(record(None, None))  # nothing waits on a sensor: a real deadlock, still reported

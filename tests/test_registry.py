@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_config
 
+from conftest import REPO, tiny_config
+from pipeline import stages
 from pipeline.run import Run
 from pipeline.state import layout
-from pipeline import stages
 from pipeline.state.storage import RunRoot
 from pipeline.tracking.tracker import get_tracker, tracking_uri
 
@@ -37,16 +37,26 @@ def write_c4(out: Path, train_per_topic: int = 12, eval_per_topic: int = 3) -> d
             for topic, words in TOPICS.items():
                 for i in range(n):
                     text = " ".join(" ".join(rng.choices(words.split(), k=8)) + "." for _ in range(10))
-                    record = {"text": f"A {topic} story. {text}", "url": f"https://example.com/{split}/{topic}/{i}",
-                              "timestamp": "2019-04-25T00:00:00Z"}
+                    record = {
+                        "text": f"A {topic} story. {text}",
+                        "url": f"https://example.com/{split}/{topic}/{i}",
+                        "timestamp": "2019-04-25T00:00:00Z",
+                    }
                     handle.write(json.dumps(record) + "\n")
     return {"train": str(out / "train" / "*.json"), "eval": str(out / "validation" / "*.json")}
 
 
 def real_text_config(run_root: Path, data: dict[str, str], *overrides: str):
     """tiny.yaml on real text: a BPE trained by prepare, tracking on, an experiment of the test's own."""
-    return tiny_config(run_root, "model.tokenizer=bpe", "model.vocab_size=512", f"data.train={data['train']}",
-                       f"data.eval={data['eval']}", "mlflow.enabled=true", *overrides)
+    return tiny_config(
+        run_root,
+        "model.tokenizer=bpe",
+        "model.vocab_size=512",
+        f"data.train={data['train']}",
+        f"data.eval={data['eval']}",
+        "mlflow.enabled=true",
+        *overrides,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +64,9 @@ def prepared(tmp_path_factory):
     """A run root with a fitted router and shards (the real Beam job) and round 0's modules."""
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     base = tmp_path_factory.mktemp("registry")
-    config = real_text_config(base / "run", write_c4(base / "c4"), "mlflow.experiment=test-registry",
-                              "mlflow.registered_model=dipaco-test")
+    config = real_text_config(
+        base / "run", write_c4(base / "c4"), "mlflow.experiment=test-registry", "mlflow.registered_model=dipaco-test"
+    )
     run = Run(config)
     stages.init_run(run)
     stages.prepare(run)
@@ -95,9 +106,9 @@ def test_versions_aliases_and_idempotent_registration(prepared):
 def test_champion_loads_in_a_fresh_process_with_its_tokenizer_and_generates_like_its_path(prepared, tmp_path):
     import torch
 
-    from pipeline.state.module_store import load_path_model
     from pipeline.routing.router import Router
     from pipeline.routing.tokenizer import load_tokenizer
+    from pipeline.state.module_store import load_path_model
 
     name = prepared.mlflow.registered_model
     get_tracker(prepared).register(1, {"round": 1, "perplexity": 50.0, "tokens": 10})
@@ -111,12 +122,19 @@ def test_champion_loads_in_a_fresh_process_with_its_tokenizer_and_generates_like
         " 'short': model.predict(texts, params={'max_new_tokens': 4, 'temperature': 0.0}),\n"
         " 'seeded': [model.predict(texts, params={'seed': 7}) for _ in range(2)],\n"
         " 'other_seed': model.predict(texts, params={'seed': 8}),\n"
-        " 'vocab': len(inner.tokenizer), 'bundled': (inner.root.local_path('tokenizer') / 'tokenizer.json').is_file()}))\n"
+        " 'vocab': len(inner.tokenizer),"
+        " 'bundled': (inner.root.local_path('tokenizer') / 'tokenizer.json').is_file()}))\n"
     )
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(PROMPTS)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(PROMPTS)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     # the run's trained tokenizer travelled inside the model: no run root, no GPT-2 files needed
@@ -134,11 +152,18 @@ def test_champion_loads_in_a_fresh_process_with_its_tokenizer_and_generates_like
         path_id = Router.load(root, prepared).route_texts([text])[0]
         model = load_path_model(root, prepared, 1, path_id).eval()
         for new_tokens, got in ((16, got_greedy), (4, got_short)):
-            ids = ([tokenizer.eos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"])[-(seq_len - new_tokens):]
+            ids = ([tokenizer.eos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"])[
+                -(seq_len - new_tokens) :
+            ]
             with torch.no_grad():
-                gen = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
-                                     pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
-            assert got == tokenizer.decode(gen[0, len(ids):].tolist(), skip_special_tokens=True)
+                gen = model.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.eos_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                )
+            assert got == tokenizer.decode(gen[0, len(ids) :].tolist(), skip_special_tokens=True)
     assert not (REPO / "mlruns").exists()
 
 
@@ -149,10 +174,21 @@ def test_run_summary_shows_the_champions_continuation(prepared):
     get_tracker(prepared).register(1, {"round": 1, "perplexity": 50.0, "tokens": 10})
     text = champion_continuation(prepared, PROMPTS[0])
     assert isinstance(text, str) and text == champion_continuation(prepared, PROMPTS[0])  # seeded: reproducible
-    summary = {"run_root": "runs/x", "rounds_committed": 1, "sample": {"prompt": PROMPTS[0], "continuation": text},
-               "eval": {0: {"perplexity": 600.0, "bits_per_byte": 2.5, "paths": {"p0-0": {"bits_per_byte": 2.25}}},
-                        1: {"perplexity": 300.0, "bits_per_byte": 2.0, "paths": {"p0-0": {"bits_per_byte": 1.875}}}}}
+    summary = {
+        "run_root": "runs/x",
+        "rounds_committed": 1,
+        "sample": {"prompt": PROMPTS[0], "continuation": text},
+        "eval": {
+            0: {"perplexity": 600.0, "bits_per_byte": 2.5, "paths": {"p0-0": {"bits_per_byte": 2.25}}},
+            1: {"perplexity": 300.0, "bits_per_byte": 2.0, "paths": {"p0-0": {"bits_per_byte": 1.875}}},
+        },
+    }
     lines = format_summary(summary).splitlines()
     assert lines[2].split() == ["round", "perplexity", "bits/byte", "p0-0"]
-    assert lines[3].split() == ["0", "600.00", "2.500", "2.250"] and lines[4].split() == ["1", "300.00", "2.000", "1.875"]
+    assert lines[3].split() == ["0", "600.00", "2.500", "2.250"] and lines[4].split() == [
+        "1",
+        "300.00",
+        "2.000",
+        "1.875",
+    ]
     assert lines[-1] == f"champion continues {PROMPTS[0]!r}: {text!r}"

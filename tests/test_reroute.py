@@ -10,8 +10,8 @@ import types
 
 import pytest
 import torch
-from conftest import tiny_config
 
+from conftest import tiny_config
 from models.grid import all_modules, all_path_ids
 from pipeline import stages
 from pipeline.core.config import dump_yaml
@@ -20,12 +20,12 @@ from pipeline.evaluation import evaluate
 from pipeline.evaluation.evaluate import evaluate_round
 from pipeline.islands.island import run_task
 from pipeline.islands.task_queue import Task, TaskQueue
+from pipeline.routing.router import Router
+from pipeline.routing.tokenizer import load_tokenizer, token_byte_lengths
 from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.module_store import load_path_model, read_module, write_states
 from pipeline.state.storage import RunRoot
-from pipeline.routing.router import Router
-from pipeline.routing.tokenizer import load_tokenizer, token_byte_lengths
 
 PROMPTS = ["The football team scored a goal in the cup match", "Bake the bread in a hot oven with butter"]
 EVERY = 4  # tiny.yaml: prefix 8, seq_len 32, so 25 scored tokens a document: 7 chunks
@@ -44,8 +44,10 @@ def prepared(tmp_path_factory):
     states = {}
     for key in all_modules(config.model.grid):
         noise = torch.Generator().manual_seed(1 + 10 * key.level + key.index)
-        states[key] = {name: t + 0.5 * torch.randn(t.shape, generator=noise).to(t.dtype)
-                       for name, t in read_module(root, 0, key).items()}
+        states[key] = {
+            name: t + 0.5 * torch.randn(t.shape, generator=noise).to(t.dtype)
+            for name, t in read_module(root, 0, key).items()
+        }
     write_states(root, layout.modules_dir(1), states, {"round": 1})
     return config
 
@@ -82,8 +84,9 @@ def test_chunks_longer_than_the_window_score_as_routing_once(prepared):
     assert long["bits_per_byte"] == pytest.approx(once["bits_per_byte"], rel=1e-6)
     assert long["paths"].keys() == once["paths"].keys()
     for path_id, part in once["paths"].items():
-        assert {k: long["paths"][path_id][k] for k in ("tokens", "bytes", "docs")} == \
-               {k: part[k] for k in ("tokens", "bytes", "docs")}
+        assert {k: long["paths"][path_id][k] for k in ("tokens", "bytes", "docs")} == {
+            k: part[k] for k in ("tokens", "bytes", "docs")
+        }
         assert long["paths"][path_id]["perplexity"] == pytest.approx(part["perplexity"], rel=1e-6)
 
 
@@ -96,29 +99,37 @@ def expected_mixed_nll(config, round_index: int, every: int) -> tuple[float, int
     prefix, seq_len = config.router.prefix_tokens, config.model.seq_len
     lengths = token_byte_lengths(tokenizer, config.model.vocab_size)
     models = {p: load_path_model(root, config, round_index, p).eval() for p in all_path_ids(config.model.grid)}
-    docs = [(home, doc[: seq_len + 1]) for home in all_path_ids(config.model.grid)
-            for doc in evaluate.held_out_documents(root, config, home) if len(doc) > prefix]
+    docs = [
+        (home, doc[: seq_len + 1])
+        for home in all_path_ids(config.model.grid)
+        for doc in evaluate.held_out_documents(root, config, home)
+        if len(doc) > prefix
+    ]
     # every window, end-padded (causal: padding after a token never changes its score), by every model
     inputs = torch.zeros((len(docs), seq_len + 1), dtype=torch.long)
     for row, (_, window) in enumerate(docs):
-        inputs[row, :len(window)] = torch.as_tensor(window)
+        inputs[row, : len(window)] = torch.as_tensor(window)
     with torch.no_grad():
-        per_token = {p: -torch.log_softmax(m(input_ids=inputs[:, :-1]).logits.double(), -1)
-                     .gather(2, inputs[:, 1:, None])[..., 0] for p, m in models.items()}  # (docs, seq_len)
+        per_token = {
+            p: -torch.log_softmax(m(input_ids=inputs[:, :-1]).logits.double(), -1).gather(2, inputs[:, 1:, None])[
+                ..., 0
+            ]
+            for p, m in models.items()
+        }  # (docs, seq_len)
     nll, tokens, n_bytes, switched = 0.0, 0, 0, 0
     for row, (home, window) in enumerate(docs):
-        per_path = {p: scores[row, prefix - 1:].numpy() for p, scores in per_token.items()}  # tokens prefix..
+        per_path = {p: scores[row, prefix - 1 :].numpy() for p, scores in per_token.items()}  # tokens prefix..
         for begin in range(0, len(window) - prefix, every):
             end = min(begin + every, len(window) - prefix)
             if begin == 0:
                 path_id = home
             else:
-                text = tokenizer.decode(window[prefix + begin - every: prefix + begin].tolist())
+                text = tokenizer.decode(window[prefix + begin - every : prefix + begin].tolist())
                 path_id = router.route_features(router.embed_prefixes([text]))[0]
             switched += path_id != home
             nll += per_path[path_id][begin:end].sum()
             tokens += end - begin
-            n_bytes += int(lengths[window[prefix + begin: prefix + end]].sum())
+            n_bytes += int(lengths[window[prefix + begin : prefix + end]].sum())
     return nll, tokens, n_bytes, switched
 
 
@@ -134,7 +145,9 @@ def test_chunks_switching_paths_give_the_nll_of_the_mixed_scoring(prepared):
     assert mixed["bits_per_byte"] * mixed["bytes"] * math.log(2) == pytest.approx(nll, rel=1e-5)
     assert abs(nll_of(mixed) - nll_of(once)) > 1e-3 * nll  # and it is not routing once
     assert sum(p["tokens"] for p in mixed["paths"].values()) == tokens
-    assert math.fsum(math.log(p["perplexity"]) * p["tokens"] for p in mixed["paths"].values()) == pytest.approx(nll, rel=1e-5)
+    assert math.fsum(math.log(p["perplexity"]) * p["tokens"] for p in mixed["paths"].values()) == pytest.approx(
+        nll, rel=1e-5
+    )
     # the routes were committed once under eval/ with what they depend on
     root = RunRoot(prepared.run_root)
     routes = root.read_committed_json(layout.eval_routes_dir(EVERY), evaluate.ROUTES_FILE)
@@ -170,16 +183,22 @@ def test_routes_committed_for_other_settings_are_routed_again(prepared):
     routes = root.read_committed_json(layout.eval_routes_dir(EVERY), evaluate.ROUTES_FILE)
     assert routes["max_docs"] == 2 and all(len(docs) <= 2 for docs in routes["paths"].values())
     window, prefix = config.model.seq_len + 1, config.router.prefix_tokens
-    scored = sum(max(0, min(len(d), window) - prefix) for home in routes["paths"]
-                 for d in evaluate.held_out_documents(root, config, home))
+    scored = sum(
+        max(0, min(len(d), window) - prefix)
+        for home in routes["paths"]
+        for d in evaluate.held_out_documents(root, config, home)
+    )
     assert sum(p["tokens"] for p in result["paths"].values()) == result["tokens"] == scored > 0
 
 
 def test_run_summary_names_the_chunk_length():
     from pipeline.tracking.report import format_summary
 
-    summary = {"run_root": "runs/x", "rounds_committed": 1,
-               "eval": {1: {"perplexity": 300.0, "bits_per_byte": 2.0, "reroute_every": 64, "paths": {}}}}
+    summary = {
+        "run_root": "runs/x",
+        "rounds_committed": 1,
+        "eval": {1: {"perplexity": 300.0, "bits_per_byte": 2.0, "reroute_every": 64, "paths": {}}},
+    }
     assert "re-routed every 64 tokens" in format_summary(summary).splitlines()[1]
     summary["eval"][1]["reroute_every"] = None
     assert "re-routed" not in format_summary(summary)
@@ -204,8 +223,9 @@ def test_pyfunc_reroutes_while_generating_and_long_chunks_generate_as_routing_on
     once = pyfunc.predict(None, PROMPTS, params={"reroute_every": 0, "max_new_tokens": 8, "seed": 3})
     assert pyfunc.predict(None, PROMPTS, params={"reroute_every": 100, "max_new_tokens": 8, "seed": 3}) == once
     # no param: the run's eval.reroute_every
-    assert pyfunc.predict(None, PROMPTS[:1], params={"seed": 5, "max_new_tokens": 8}) == \
-           pyfunc.predict(None, PROMPTS[:1], params={"seed": 5, "max_new_tokens": 8, "reroute_every": EVERY})
+    assert pyfunc.predict(None, PROMPTS[:1], params={"seed": 5, "max_new_tokens": 8}) == pyfunc.predict(
+        None, PROMPTS[:1], params={"seed": 5, "max_new_tokens": 8, "reroute_every": EVERY}
+    )
 
 
 def test_pyfunc_continues_each_chunk_with_the_path_of_the_tokens_before_it(pyfunc, monkeypatch):
@@ -219,22 +239,24 @@ def test_pyfunc_continues_each_chunk_with_the_path_of_the_tokens_before_it(pyfun
     got = pyfunc.predict(None, PROMPTS[:1], params={"reroute_every": 4, "max_new_tokens": 12, "temperature": 0.0})[0]
 
     tokenizer, eos = pyfunc.tokenizer, pyfunc.tokenizer.eos_token_id
-    ids = ([eos] + tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"])[-(pyfunc.config.model.seq_len - 12):]
+    ids = ([eos] + tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"])[-(pyfunc.config.model.seq_len - 12) :]
     context = torch.tensor([ids])
     for path_id in (first, other, other):
         model = load_path_model(pyfunc.root, pyfunc.config, 1, path_id).eval()
         with torch.no_grad():
             context = model.generate(context, max_new_tokens=4, do_sample=False, pad_token_id=eos, eos_token_id=eos)
     assert context.shape[1] == len(ids) + 12  # no end of text on the way: every chunk was generated
-    assert got == tokenizer.decode(context[0, len(ids):].tolist(), skip_special_tokens=True)
-    assert [list(r) for r in seen] == [context[0, len(ids) + 4 * k: len(ids) + 4 * k + 4].tolist() for k in (0, 1)]
+    assert got == tokenizer.decode(context[0, len(ids) :].tolist(), skip_special_tokens=True)
+    assert [list(r) for r in seen] == [context[0, len(ids) + 4 * k : len(ids) + 4 * k + 4].tolist() for k in (0, 1)]
 
 
 def test_a_request_asking_for_too_much_is_refused_naming_the_param(pyfunc):
     """One request may not tie up a served model: tokens beyond the window, a re-route every token."""
-    for params, expected in [({"max_new_tokens": 10**9}, r"max_new_tokens=1000000000 must be within \[1, 32\]"),
-                             ({"reroute_every": 1}, r"reroute_every=1 must be within \[4, "),
-                             ({"temperature": float("nan")}, "temperature=nan")]:
+    for params, expected in [
+        ({"max_new_tokens": 10**9}, r"max_new_tokens=1000000000 must be within \[1, 32\]"),
+        ({"reroute_every": 1}, r"reroute_every=1 must be within \[4, "),
+        ({"temperature": float("nan")}, "temperature=nan"),
+    ]:
         with pytest.raises(ValueError, match=expected):
             pyfunc.predict(None, PROMPTS[:1], params=params)
     with pytest.raises(ValueError, match="at most 256 texts"):

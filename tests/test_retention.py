@@ -3,7 +3,7 @@ removes a run root (keeping the registry on request); the champion stays loadabl
 
 import os
 
-import pytest
+from test_registry import PROMPTS, real_text_config, write_c4
 
 from conftest import REPO
 from pipeline import stages
@@ -12,7 +12,6 @@ from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.retention import run_root_size
 from pipeline.state.storage import RunRoot
-from test_registry import PROMPTS, real_text_config, write_c4
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 
@@ -22,8 +21,12 @@ def test_keep_rounds_1_keeps_the_champion_loadable_and_the_run_resumable_and_cle
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     data = write_c4(tmp_path / "c4")
-    sets = ("train.keep_rounds=1", "eval.early_stopping=true", "mlflow.experiment=test-retention",
-            "mlflow.registered_model=dipaco-retention")
+    sets = (
+        "train.keep_rounds=1",
+        "eval.early_stopping=true",
+        "mlflow.experiment=test-retention",
+        "mlflow.registered_model=dipaco-retention",
+    )
     config = real_text_config(tmp_path / "run", data, "train.rounds=2", *sets)
     summary = stages.run(Run(config))
     root = RunRoot(config.run_root)

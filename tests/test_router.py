@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from sklearn.metrics import normalized_mutual_info_score
 
-from pipeline.state import layout
 from pipeline.core.errors import CorruptStateError, InputError
-from pipeline.state.storage import RunRoot
 from pipeline.routing import kmeans
 from pipeline.routing.router import CENTROIDS, Router
+from pipeline.state import layout
+from pipeline.state.storage import RunRoot
 from preprocessing import c4
 
 

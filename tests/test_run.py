@@ -3,10 +3,10 @@
 import pytest
 
 from conftest import tiny_config, write_synthetic_shards
-from pipeline.state import layout
 from pipeline import stages
 from pipeline.core.errors import RunLockedError
 from pipeline.run import Run
+from pipeline.state import layout
 from pipeline.state.lock import run_lock
 from pipeline.state.storage import RunRoot
 

@@ -22,7 +22,9 @@ def test_sample_is_c4_format_with_topics_and_reproducible(tmp_path):
     assert (tmp_path / "a/_SUCCESS").exists() and info["train"] + info["validation"] == 300
     train = list_input_files(str(tmp_path / "a/train/*.json.gz"))
     assert [f.rsplit("/", 1)[1] for f in train] == [f"c4-train.{i:05d}-of-00004.json.gz" for i in range(4)]
-    assert list_input_files(str(tmp_path / "a/validation/*.json.gz"))[0].endswith("c4-validation.00000-of-00001.json.gz")
+    assert list_input_files(str(tmp_path / "a/validation/*.json.gz"))[0].endswith(
+        "c4-validation.00000-of-00001.json.gz"
+    )
     lines = 0
     for file in train + list_input_files(str(tmp_path / "a/validation/*.json.gz")):
         for number, raw in read_lines(file):

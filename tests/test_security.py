@@ -21,16 +21,24 @@ def pickle_loads(source: Path) -> list[str]:
             continue
         name = ast.unparse(node.func)
         keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
-        if (name in PICKLE_LOADS
-                or name == "torch.load" and keywords.get("weights_only") != "True"
-                or name in ("np.load", "numpy.load") and keywords.get("allow_pickle") != "False"):
+        if (
+            name in PICKLE_LOADS
+            or name == "torch.load"
+            and keywords.get("weights_only") != "True"
+            or name in ("np.load", "numpy.load")
+            and keywords.get("allow_pickle") != "False"
+        ):
             found.append(f"{source.name}:{node.lineno}: {name}")
     return found
 
 
 def tracked_python_files() -> list[Path]:
     listed = subprocess.run(["git", "ls-files", "*.py"], capture_output=True, text=True, cwd=REPO).stdout.split()
-    return [REPO / name for name in listed if name.split("/")[0] in ("pipeline", "models", "preprocessing", "airflow", "benchmarks")]
+    return [
+        REPO / name
+        for name in listed
+        if name.split("/")[0] in ("pipeline", "models", "preprocessing", "airflow", "benchmarks")
+    ]
 
 
 def test_no_pickle_loads_in_the_code():
@@ -39,13 +47,13 @@ def test_no_pickle_loads_in_the_code():
     assert [hit for f in files for hit in pickle_loads(f)] == []
 
 
-@pytest.mark.parametrize("code", ["torch.load('x.pt')", "torch.load('x.pt', weights_only=False)", "np.load('c.npy')",
-                                  "pickle.loads(blob)"])
+@pytest.mark.parametrize(
+    "code", ["torch.load('x.pt')", "torch.load('x.pt', weights_only=False)", "np.load('c.npy')", "pickle.loads(blob)"]
+)
 def test_the_scan_catches_pickle_loads(code, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(f"import torch, numpy as np, pickle\nvalue = {code}\n")
     assert pickle_loads(bad) != []
-
 
 
 # -- trust levels: what a DAG trigger may set ----------------------------------------------------
@@ -53,14 +61,22 @@ from pipeline.core.config import check_dag_params, load_config  # noqa: E402
 from pipeline.core.errors import ConfigError  # noqa: E402
 
 TINY = REPO / "configs" / "tiny.yaml"
-ENV_OPTION = "beam.options=['--environment_type=beam:env:harness_subprocess_python:v1', '--environment_config=id>pwned']"
+ENV_OPTION = (
+    "beam.options=['--environment_type=beam:env:harness_subprocess_python:v1', '--environment_config=id>pwned']"
+)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("beam.runner=os.getcwd", "beam.runner"), (ENV_OPTION, "beam.options"),
-    ("mlflow.tracking_uri=http://attacker:5000", "mlflow.tracking_uri"), ("train.hostfile=/etc/hosts", "train.hostfile"),
-    ("train.ds_config=/tmp/x.json", "train.ds_config"), ("router.embedder=model", "router.embedder"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("beam.runner=os.getcwd", "beam.runner"),
+        (ENV_OPTION, "beam.options"),
+        ("mlflow.tracking_uri=http://attacker:5000", "mlflow.tracking_uri"),
+        ("train.hostfile=/etc/hosts", "train.hostfile"),
+        ("train.ds_config=/tmp/x.json", "train.ds_config"),
+        ("router.embedder=model", "router.embedder"),
+    ],
+)
 def test_a_trigger_override_outside_the_allow_list_is_refused_naming_the_key(override, key):
     params = {"config": "configs/tiny.yaml", "overrides": ["train.lr=0.001", override], "project_dir": str(REPO)}
     with pytest.raises(ConfigError, match=rf"overrides\[1\]: a DAG trigger may not set '{key}'") as error:
@@ -100,7 +116,9 @@ def test_runners_come_from_an_allow_list_whoever_names_them(tmp_path):
     with pytest.raises(ConfigError, match="beam.runner must be one of DirectRunner.*got 'os.getcwd'"):
         load_config(TINY, ["beam.runner=os.getcwd"])  # even from the operator's --set
     listed = tmp_path / "c.yaml"
-    listed.write_text(TINY.read_text().replace("runner: DirectRunner", "runner: PrismRunner\n  extra_runners: [PrismRunner]"))
+    listed.write_text(
+        TINY.read_text().replace("runner: DirectRunner", "runner: PrismRunner\n  extra_runners: [PrismRunner]")
+    )
     assert load_config(listed).beam.runner == "PrismRunner"  # the config file may list one more
 
 
@@ -108,7 +126,9 @@ def test_environment_options_must_come_from_the_config_file_itself(tmp_path):
     with pytest.raises(ConfigError, match="only the config file itself may set --environment_type"):
         load_config(TINY, [ENV_OPTION])
     own = tmp_path / "c.yaml"
-    own.write_text(TINY.read_text().replace('options: ["--direct_num_workers=1"', 'options: ["--environment_type=LOOPBACK"'))
+    own.write_text(
+        TINY.read_text().replace('options: ["--direct_num_workers=1"', 'options: ["--environment_type=LOOPBACK"')
+    )
     assert "--environment_type=LOOPBACK" in load_config(own).beam.options
 
 
@@ -121,7 +141,7 @@ def pdsh_remote_line(command: list[str]) -> str:
     args = parse_args(command[1:])
     args.master_addr = "10.0.0.1"
     cmd, _, _ = PDSHRunner(args, "e30=").get_cmd({}, {"node-a": [0], "node-b": [0]})
-    return " ".join(cmd[cmd.index("node-a,node-b") + 1:])
+    return " ".join(cmd[cmd.index("node-a,node-b") + 1 :])
 
 
 def test_a_multi_node_launch_line_quotes_its_values_and_refuses_shell_syntax(tmp_path):
@@ -212,11 +232,13 @@ def test_generation_params_are_capped_with_a_message_naming_the_param():
     assert generation_options({"max_new_tokens": 256, "reroute_every": 8}, None, 256, 512)["max_new_tokens"] == 256
     assert generation_options({"reroute_every": 0}, 64, 256)["reroute_every"] is None  # 0: route once
     assert generation_options({"reroute_every": 4}, 4, 256)["reroute_every"] == 4  # the run's own, smaller
-    for params, expected in [({"max_new_tokens": 10**9}, r"max_new_tokens=1000000000 must be within \[1, 256\]"),
-                             ({"reroute_every": 1}, r"reroute_every=1 must be within \[8, "),
-                             ({"top_k": 10**6}, r"top_k=1000000 must be within \[0, 512\]"),
-                             ({"temperature": float("inf")}, "temperature=inf"),
-                             ({"max_new_tokens": float("inf")}, "must be numbers")]:
+    for params, expected in [
+        ({"max_new_tokens": 10**9}, r"max_new_tokens=1000000000 must be within \[1, 256\]"),
+        ({"reroute_every": 1}, r"reroute_every=1 must be within \[8, "),
+        ({"top_k": 10**6}, r"top_k=1000000 must be within \[0, 512\]"),
+        ({"temperature": float("inf")}, "temperature=inf"),
+        ({"max_new_tokens": float("inf")}, "must be numbers"),
+    ]:
         with pytest.raises(ValueError, match=expected):
             generation_options(params, None, 256, 512)
 
@@ -238,14 +260,24 @@ def test_a_ds_config_with_a_checkpoint_section_is_refused(tmp_path):
 
 
 # -- redaction -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("text, expected", [
-    ("https://user:p@ss@host/x", "https://***@host/x"),  # '@' inside the password
-    ("https://h/x?token=abc&n=1", "https://h/x?token=***&n=1"),
-    ("s3://b/k?X-Amz-Signature=ff&X-Amz-Credential=AK&X-Amz-Date=1", "s3://b/k?X-Amz-Signature=***&X-Amz-Credential=***&X-Amz-Date=1"),
-    ("--set data.train=https://r:s3cr3t@d.example.com/c4/*.json?api_key=k#f", "--set data.train=https://***@d.example.com/c4/*.json?api_key=***#f"),
-    ("['--dask_client_address=tcp://u:pw@h:8786']", "['--dask_client_address=tcp://***@h:8786']"),
-    ("sqlite:////tmp/run/mlflow.db", "sqlite:////tmp/run/mlflow.db"), ("runs/a b=c", "runs/a b=c"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("https://user:p@ss@host/x", "https://***@host/x"),  # '@' inside the password
+        ("https://h/x?token=abc&n=1", "https://h/x?token=***&n=1"),
+        (
+            "s3://b/k?X-Amz-Signature=ff&X-Amz-Credential=AK&X-Amz-Date=1",
+            "s3://b/k?X-Amz-Signature=***&X-Amz-Credential=***&X-Amz-Date=1",
+        ),
+        (
+            "--set data.train=https://r:s3cr3t@d.example.com/c4/*.json?api_key=k#f",
+            "--set data.train=https://***@d.example.com/c4/*.json?api_key=***#f",
+        ),
+        ("['--dask_client_address=tcp://u:pw@h:8786']", "['--dask_client_address=tcp://***@h:8786']"),
+        ("sqlite:////tmp/run/mlflow.db", "sqlite:////tmp/run/mlflow.db"),
+        ("runs/a b=c", "runs/a b=c"),
+    ],
+)
 def test_redact_hides_userinfo_and_secret_query_params(text, expected):
     from urllib.parse import urlsplit
 
@@ -263,8 +295,12 @@ def test_redact_takes_linear_time_on_a_megabyte():
     from pipeline.tracking.uris import redact
 
     url = "https://user:p@ss@host.example.com/p?token=t0k3n&n=1 "
-    texts = {"urls": "x=" + url * ((1 << 20) // len(url)), "scheme run": "a" * (1 << 20) + "://u:p@h",
-             "one authority": "x=https://" + "a" * (1 << 20), "at signs": "a@" * (1 << 19) + "://"}
+    texts = {
+        "urls": "x=" + url * ((1 << 20) // len(url)),
+        "scheme run": "a" * (1 << 20) + "://u:p@h",
+        "one authority": "x=https://" + "a" * (1 << 20),
+        "at signs": "a@" * (1 << 19) + "://",
+    }
     for name, text in texts.items():
         seconds = min(_timed(redact, text, time) for _ in range(3))
         assert seconds < 0.05, f"{name}: {seconds * 1000:.0f} ms for 1 MB"

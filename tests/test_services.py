@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, tiny_config, wait_for
 
-from pipeline.state import layout
+from conftest import REPO, tiny_config, wait_for
 from pipeline.core.errors import ConfigError
+from pipeline.state import layout
 from preprocessing.prepare import DASK_RUNNER, make_runner, pipeline_options, run_prepare
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -36,8 +36,11 @@ BAD_LINES = b'{not json\n{"url": "https://example.com/no-text"}\n[1, 2, 3]\n'
 def tree_digest(root: Path, rel: str) -> dict[str, str]:
     """sha256 of every file under root/rel but the _SUCCESS markers (commit times) and the
     manifest (its "seconds"; compared as data)."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted((root / rel).rglob("*")) if p.is_file() and p.name not in ("_SUCCESS", "manifest.json")}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((root / rel).rglob("*"))
+        if p.is_file() and p.name not in ("_SUCCESS", "manifest.json")
+    }
 
 
 def stop_pids(pids: list[int]) -> None:
@@ -69,8 +72,7 @@ def dask_cluster():
     """A distributed.LocalCluster of 2 worker processes (1 thread each) on 127.0.0.1."""
     from distributed import Client, LocalCluster
 
-    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
-                           dashboard_address=None)
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None)
     pids = []
     try:
         with Client(cluster) as client:
@@ -91,9 +93,14 @@ def test_prepare_on_a_dask_cluster_writes_what_the_direct_runner_writes(dask_clu
     train = f"data.train={data}/*.json*"
     direct = run_prepare(tiny_config(tmp_path / "direct", train))
     start = time.time()
-    dask = run_prepare(tiny_config(
-        tmp_path / "dask", train, "beam.runner=DaskRunner",
-        f"beam.options=['--dask_client_address={dask_cluster}', '--dask_npartitions=2']"))
+    dask = run_prepare(
+        tiny_config(
+            tmp_path / "dask",
+            train,
+            "beam.runner=DaskRunner",
+            f"beam.options=['--dask_client_address={dask_cluster}', '--dask_npartitions=2']",
+        )
+    )
 
     print(f"prepare on Dask: {time.time() - start:.1f}s")
     assert direct.pop("seconds") > 0 and dask.pop("seconds") > 0
@@ -168,8 +175,11 @@ def loopback_only(deployment) -> list[str]:
                 sockets = proc.net_connections(kind="inet")
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            wide += [f"{proc.name()} {c.laddr.ip}:{c.laddr.port}" for c in sockets
-                     if c.status == psutil.CONN_LISTEN and c.laddr.ip != "127.0.0.1"]
+            wide += [
+                f"{proc.name()} {c.laddr.ip}:{c.laddr.port}"
+                for c in sockets
+                if c.status == psutil.CONN_LISTEN and c.laddr.ip != "127.0.0.1"
+            ]
     return wide
 
 
@@ -201,30 +211,55 @@ def query(database: str, sql: str, *args) -> list[tuple]:
 @pytest.mark.slow  # ~65 s (210 s loaded 4x): the server and its PostgreSQL migrations, a one-round run
 @pytest.mark.timeout(400)
 def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_loads_over_http(
-        pg_database, pg_service, deployment, tmp_path):
-    from test_registry import PROMPTS, write_c4
-
+    pg_database, pg_service, deployment, tmp_path
+):
     import base64
+
+    from test_registry import PROMPTS, write_c4
 
     artifacts, keys = tmp_path / "server-artifacts", tmp_path / "secrets"
     uri = svc.start_mlflow(deployment, pg_service, pg_database, artifacts, svc.free_port(), tmp_path / "logs", keys)
     credentials = svc.mlflow_credentials(keys)
     search = f"{uri}/api/2.0/mlflow/experiments/search?max_results=1"
-    basic = base64.b64encode(f"{credentials['MLFLOW_TRACKING_USERNAME']}:{credentials['MLFLOW_TRACKING_PASSWORD']}".encode())
+    basic = base64.b64encode(
+        f"{credentials['MLFLOW_TRACKING_USERNAME']}:{credentials['MLFLOW_TRACKING_PASSWORD']}".encode()
+    )
     assert http_status(search) == 401  # the basic-auth app: nothing without credentials
     assert http_status(search, {"Authorization": f"Basic {basic.decode()}"}) == 200
     assert private_files(keys) == {} and loopback_only(deployment) == []
     data = write_c4(tmp_path / "c4")
     name = "dipaco-services"
-    overrides = [f"run_root={tmp_path / 'run'}", f"data.train={data['train']}", f"data.eval={data['eval']}",
-                 "train.launcher=inprocess", "train.rounds=1", "train.inner_steps=2", "eval.max_docs=4",
-                 "mlflow.enabled=true",
-                 f"mlflow.tracking_uri={uri}", "mlflow.experiment=services", f"mlflow.registered_model={name}"]
+    overrides = [
+        f"run_root={tmp_path / 'run'}",
+        f"data.train={data['train']}",
+        f"data.eval={data['eval']}",
+        "train.launcher=inprocess",
+        "train.rounds=1",
+        "train.inner_steps=2",
+        "eval.max_docs=4",
+        "mlflow.enabled=true",
+        f"mlflow.tracking_uri={uri}",
+        "mlflow.experiment=services",
+        f"mlflow.registered_model={name}",
+    ]
     env = {**svc.base_env(), "OMP_NUM_THREADS": "1", **credentials}  # the pipeline logs in as MLflow's client does
     env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", "--config", "configs/tiny.yaml",
-                           *(a for o in overrides for a in ("--set", o))],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "run",
+            "--config",
+            "configs/tiny.yaml",
+            *(a for o in overrides for a in ("--set", o)),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     # the server's PostgreSQL store holds the runs and the registry; its artifact store the files
@@ -232,20 +267,30 @@ def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_
     assert query(pg_database, "SELECT count(*) FROM runs")[0][0] >= 4  # parent, prepare, round, paths...
     # the server's store belongs to its own password-protected role, not to the superuser
     assert query(pg_database, "SELECT tableowner FROM pg_tables WHERE tablename = 'runs'") == [(pg_database,)]
-    assert query(pg_database, "SELECT rolsuper, rolpassword IS NOT NULL FROM pg_authid WHERE rolname = %s",
-                 pg_database) == [(False, True)]
+    assert query(
+        pg_database, "SELECT rolsuper, rolpassword IS NOT NULL FROM pg_authid WHERE rolname = %s", pg_database
+    ) == [(False, True)]
     assert query(pg_database, "SELECT version FROM model_versions WHERE name = %s", name) == [(1,)]
-    assert query(pg_database, "SELECT version FROM registered_model_aliases WHERE name = %s AND alias = 'champion'",
-                 name) == [(1,)]
+    assert query(
+        pg_database, "SELECT version FROM registered_model_aliases WHERE name = %s AND alias = 'champion'", name
+    ) == [(1,)]
     assert list(artifacts.rglob("MLmodel")) and list(artifacts.rglob("router.json"))
 
     # a fresh process that knows only the server's address loads the champion and generates
-    script = ("import json, sys, mlflow\n"
-              f"model = mlflow.pyfunc.load_model('models:/{name}@champion')\n"
-              "print(json.dumps(model.predict(json.loads(sys.argv[1]), params={'max_new_tokens': 4})))\n")
+    script = (
+        "import json, sys, mlflow\n"
+        f"model = mlflow.pyfunc.load_model('models:/{name}@champion')\n"
+        "print(json.dumps(model.predict(json.loads(sys.argv[1]), params={'max_new_tokens': 4})))\n"
+    )
     fresh = {**env, "MLFLOW_TRACKING_URI": uri}
-    loaded = subprocess.run([sys.executable, "-c", script, json.dumps(PROMPTS)], cwd=tmp_path, env=fresh,
-                            capture_output=True, text=True, timeout=180)
+    loaded = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(PROMPTS)],
+        cwd=tmp_path,
+        env=fresh,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     texts = json.loads(loaded.stdout.strip().splitlines()[-1])
     assert len(texts) == len(PROMPTS) and all(isinstance(t, str) and t for t in texts)
@@ -261,17 +306,22 @@ class AirflowApi:
 
     def __init__(self, address: str, password: str):
         self.address, self.token = address, None
-        self.token = self.call("POST", "/auth/token", {"username": svc.AIRFLOW_ADMIN, "password": password},
-                               api=False)["access_token"]
+        self.token = self.call("POST", "/auth/token", {"username": svc.AIRFLOW_ADMIN, "password": password}, api=False)[
+            "access_token"
+        ]
 
     def call(self, method: str, path: str, body: dict | None = None, api: bool = True):
         import urllib.request
 
         request = urllib.request.Request(
-            f"{self.address}{'/api/v2' if api else ''}{path}", method=method,
+            f"{self.address}{'/api/v2' if api else ''}{path}",
+            method=method,
             data=None if body is None else json.dumps(body).encode(),
-            headers={"Content-Type": "application/json",
-                     **({"Authorization": f"Bearer {self.token}"} if api and self.token else {})})
+            headers={
+                "Content-Type": "application/json",
+                **({"Authorization": f"Bearer {self.token}"} if api and self.token else {}),
+            },
+        )
         with urllib.request.urlopen(request, timeout=30) as response:
             return json.loads(response.read() or b"null")
 
@@ -279,8 +329,8 @@ class AirflowApi:
 def kill_an_island_holding_a_train_lease(database: str, run_id: str, run_root: Path, timeout_s: float) -> tuple:
     """SIGKILL the task process (`airflow worker -- <ti id>`; an in-process island runs in it) of the
     first island task seen running while it holds a train task's lease; returns (island, lease file)."""
-    import psycopg2
     import psutil
+    import psycopg2
 
     def holder():
         for attempt in sorted((run_root / "queue" / "leases").glob("train.*/attempt-*.json")):
@@ -291,8 +341,13 @@ def kill_an_island_holding_a_train_lease(database: str, run_id: str, run_root: P
             if record.get("state") != "running":
                 continue
             try:
-                rows = query(database, "SELECT id FROM task_instance WHERE run_id = %s AND task_id = 'island' "
-                             "AND rendered_map_index = %s AND state = 'running'", run_id, record["island"])
+                rows = query(
+                    database,
+                    "SELECT id FROM task_instance WHERE run_id = %s AND task_id = 'island' "
+                    "AND rendered_map_index = %s AND state = 'running'",
+                    run_id,
+                    record["island"],
+                )
             except psycopg2.Error:
                 return None
             for (ti_id,) in rows:
@@ -308,20 +363,27 @@ def kill_an_island_holding_a_train_lease(database: str, run_id: str, run_root: P
 @pytest.mark.slow  # ~2 min (3 min loaded 4x): migrations, 5 Airflow components, a DAG run on Celery
 @pytest.mark.timeout(600)
 def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is_retried_and_its_lease_retaken(
-        pg_database, pg_service, deployment, tmp_path):
+    pg_database, pg_service, deployment, tmp_path
+):
     require(redis=True)
     dag_config = tmp_path / "dipaco.yaml"
     raw = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     # what a trigger may not set (launcher, leases, MLflow, where run roots go) is the config file's
-    raw["airflow"] = {"rounds_per_run": 1, "pool": POOL, "retries": 1, "retry_delay_s": 1,
-                      "trigger_run_roots": str(tmp_path)}
+    raw["airflow"] = {
+        "rounds_per_run": 1,
+        "pool": POOL,
+        "retries": 1,
+        "retry_delay_s": 1,
+        "trigger_run_roots": str(tmp_path),
+    }
     raw["train"].update(launcher="inprocess", lease_seconds=10)
     raw["mlflow"] = {"enabled": False}
     dag_config.write_text(yaml.safe_dump(raw))
     queue = f"dipaco-test-{uuid.uuid4().hex[:8]}"
     keys = tmp_path / "secrets"
-    env = svc.airflow_env(tmp_path / "airflow", pg_service, pg_database, REDIS_URL, queue, svc.free_port(),
-                          dag_config, CONCURRENCY, keys)
+    env = svc.airflow_env(
+        tmp_path / "airflow", pg_service, pg_database, REDIS_URL, queue, svc.free_port(), dag_config, CONCURRENCY, keys
+    )
     env["OMP_NUM_THREADS"] = "1"
     try:
         address = svc.start_airflow(deployment, env, POOL, POOL_SLOTS, queue, tmp_path / "logs")
@@ -329,8 +391,15 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
         assert http_status(f"{address}/auth/token") in (401, 403, 405)  # nor a token for the asking
         api = AirflowApi(address, (keys / "airflow-admin-password").read_text().strip())
         assert private_files(keys) == {} and len(list(keys.iterdir())) == 6  # 5 of Airflow's, PostgreSQL's
-        assert len({env[k] for k in ("AIRFLOW__API__SECRET_KEY", "AIRFLOW__API_AUTH__JWT_SECRET",
-                                     "AIRFLOW__CORE__FERNET_KEY")}) == 3  # separate secrets, a Fernet key
+        assert (
+            len(
+                {
+                    env[k]
+                    for k in ("AIRFLOW__API__SECRET_KEY", "AIRFLOW__API_AUTH__JWT_SECRET", "AIRFLOW__CORE__FERNET_KEY")
+                }
+            )
+            == 3
+        )  # separate secrets, a Fernet key
 
         def dag_parsed():
             try:
@@ -342,9 +411,14 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
         assert loopback_only(deployment) == []  # the five components, the api-server included
         # in-process islands (each in its task's process), trained long enough to be caught holding a lease
         overrides = [f"run_root={tmp_path / 'run'}", "train.inner_steps=20", "eval.max_docs=4"]
-        run = api.call("POST", f"/dags/{DAG_ID}/dagRuns", {
-            "logical_date": None,
-            "conf": {"config": str(dag_config), "overrides": overrides, "project_dir": str(REPO)}})
+        run = api.call(
+            "POST",
+            f"/dags/{DAG_ID}/dagRuns",
+            {
+                "logical_date": None,
+                "conf": {"config": str(dag_config), "overrides": overrides, "project_dir": str(REPO)},
+            },
+        )
         run_id = run["dag_run_id"]
         killed, lease = kill_an_island_holding_a_train_lease(pg_database, run_id, tmp_path / "run", 240)
 
@@ -356,11 +430,25 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
     finally:
         svc.clear_celery_queue(REDIS_URL, queue)
 
-    tis = {(t, m): (state, tries, pool, start, end, label) for t, m, state, tries, pool, start, end, label in query(
-        pg_database, "SELECT task_id, map_index, state, try_number, pool, start_date, end_date, rendered_map_index "
-        "FROM task_instance WHERE run_id = %s", run_id)}
-    for name in ("configure", "prepare", "plan", "evaluate_initial", "islands", "round_0.finished",
-                 "round_0.register", "report"):
+    tis = {
+        (t, m): (state, tries, pool, start, end, label)
+        for t, m, state, tries, pool, start, end, label in query(
+            pg_database,
+            "SELECT task_id, map_index, state, try_number, pool, start_date, end_date, rendered_map_index "
+            "FROM task_instance WHERE run_id = %s",
+            run_id,
+        )
+    }
+    for name in (
+        "configure",
+        "prepare",
+        "plan",
+        "evaluate_initial",
+        "islands",
+        "round_0.finished",
+        "round_0.register",
+        "report",
+    ):
         assert tis[(name, -1)][0] == "success", name
     assert {s[0] for (t, _), s in tis.items() if t.startswith("round_1.")} == {"skipped"}  # rounds_per_run=1
     islands = {v[5]: (m, *v) for (t, m), v in tis.items() if t == "island"}
@@ -368,8 +456,13 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
     assert {v[1] for v in islands.values()} == {"success"} and {v[3] for v in islands.values()} == {POOL}
     # the killed island's try failed, and the scheduler ran a second one, which succeeded
     assert islands[killed][2] == 2 and all(v[2] == 1 for name, v in islands.items() if name != killed)
-    history = query(pg_database, "SELECT try_number, state FROM task_instance_history WHERE run_id = %s AND "
-                    "task_id = 'island' AND map_index = %s", run_id, islands[killed][0])
+    history = query(
+        pg_database,
+        "SELECT try_number, state FROM task_instance_history WHERE run_id = %s AND "
+        "task_id = 'island' AND map_index = %s",
+        run_id,
+        islands[killed][0],
+    )
     assert history == [(1, "failed")]
     # no path task was retried by Airflow: the killed island's lease expired (never finished) and an
     # island took the next attempt of its task, which is done
@@ -378,8 +471,10 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
     assert [a["state"] for name, a in sorted(attempts.items()) if name != lease.name] == ["done"]
     # the pool, not the worker's concurrency, capped the islands running at once
     spans = [(v[4], v[5]) for v in islands.values()] + query(
-        pg_database, "SELECT start_date, end_date FROM task_instance_history WHERE run_id = %s AND "
-        "task_id = 'island'", run_id)
+        pg_database,
+        "SELECT start_date, end_date FROM task_instance_history WHERE run_id = %s AND task_id = 'island'",
+        run_id,
+    )
     assert max(sum(1 for s, e in spans if s <= start < e) for start, _ in spans) <= POOL_SLOTS
     from pipeline.state.storage import RunRoot
 

@@ -79,7 +79,12 @@ def test_module_files_decode_in_place_and_malformed_ones_are_refused():
 
     from pipeline.state.module_store import decode
 
-    state = {"w": torch.randn(3, 4), "ids": torch.arange(5), "empty": torch.zeros(0, 2), "half": torch.randn(2).bfloat16()}
+    state = {
+        "w": torch.randn(3, 4),
+        "ids": torch.arange(5),
+        "empty": torch.zeros(0, 2),
+        "half": torch.randn(2).bfloat16(),
+    }
     data = save(state, metadata={"k": "v"})
     viewed, loaded = decode(bytearray(data), "m.safetensors"), load(data)
     assert set(viewed) == set(state)

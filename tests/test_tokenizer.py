@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, tiny_config
 
-from pipeline.state import layout
+from conftest import REPO, tiny_config
 from pipeline import stages
 from pipeline.core.errors import ConfigError
 from pipeline.evaluation.evaluate import bits_per_byte, score_documents, scored_bytes
-from pipeline.run import Run
-from pipeline.state.storage import RunRoot
 from pipeline.routing.tokenizer import commit_bpe, encode, gpt2_tokenizer, load_tokenizer, token_byte_lengths, train_bpe
+from pipeline.run import Run
+from pipeline.state import layout
+from pipeline.state.storage import RunRoot
 
 TRAIN_FILES = sorted(str(p) for p in (REPO / "tests" / "data" / "c4" / "train").iterdir())
 MULTIBYTE = "Café au lait, naïve façade — 東京 🚀 ünïcödé text."
@@ -82,7 +82,10 @@ def test_bits_per_byte_on_a_hand_computed_example():
     assert nll == pytest.approx(math.log(vocab))
     assert bits_per_byte(nll, n_bytes) == pytest.approx(math.log2(vocab) / 6)
     # only the window a model sees counts: seq_len 1 keeps 'Hello world' whole (2 tokens = seq_len + 1)
-    assert scored_bytes([np.asarray(encode(["Hello world again"])[0])], 1, 1, token_byte_lengths(gpt2_tokenizer(), vocab)) == 6
+    assert (
+        scored_bytes([np.asarray(encode(["Hello world again"])[0])], 1, 1, token_byte_lengths(gpt2_tokenizer(), vocab))
+        == 6
+    )
 
 
 def test_a_run_root_refuses_a_changed_tokenizer(run_root):
@@ -138,7 +141,9 @@ def test_prepare_trains_commits_and_uses_the_bpe_then_eval_reports_bits_per_byte
     assert root.read_bytes(f"{layout.TOKENIZER_DIR}/tokenizer.json") == before
 
 
-@pytest.mark.parametrize("content", [b"{}", b'{"model": {"type": "BPE", "vocab": 3}}', b"[" * 100_000, b"\xff\xfe not json"])
+@pytest.mark.parametrize(
+    "content", [b"{}", b'{"model": {"type": "BPE", "vocab": 3}}', b"[" * 100_000, b"\xff\xfe not json"]
+)
 def test_a_corrupt_tokenizer_file_is_one_line_naming_it(tmp_path, content):
     from pipeline.core.errors import CorruptStateError
 

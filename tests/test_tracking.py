@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_config
 
-from pipeline.state import layout
+from conftest import REPO, tiny_config
 from pipeline.core.errors import ConfigError
+from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 from pipeline.tracking.tracker import MlflowTracker, NullTracker, get_tracker, metric_name, redact, tracking_uri
 
@@ -24,28 +24,53 @@ STEPS = 4
 def path_metrics(round_index: int, path_id: str) -> dict:
     idx = PATHS.index(path_id)
     return {
-        "round": round_index, "path": path_id, "modules": [[0, idx // 2], [1, idx % 2]],
-        "loss": [5.0 - 0.25 * s - 0.01 * idx for s in range(STEPS)], "lr": [1e-4 * (s + 1) for s in range(STEPS)],
-        "tokens": 256, "tokens_per_s": 100.0 + idx, "seconds": 2.5, "shard_docs": 10 + idx, "shard_tokens": 400,
-        "ds_config": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}, "world_size": 1,
+        "round": round_index,
+        "path": path_id,
+        "modules": [[0, idx // 2], [1, idx % 2]],
+        "loss": [5.0 - 0.25 * s - 0.01 * idx for s in range(STEPS)],
+        "lr": [1e-4 * (s + 1) for s in range(STEPS)],
+        "tokens": 256,
+        "tokens_per_s": 100.0 + idx,
+        "seconds": 2.5,
+        "shard_docs": 10 + idx,
+        "shard_tokens": 400,
+        "ds_config": {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}},
+        "world_size": 1,
     }
 
 
 MERGE = {
-    "round": 0, "paths_merged": ["p0-0", "p0-1", "p1-0"], "paths_left_out": ["p1-1"],
-    "module_grad_norms": {"level=0/module=0": 0.5, "level=0/module=1": 0.25, "level=1/module=0": 1.5,
-                          "level=1/module=1": 0.75},
-    "bytes_outer": 1000, "bytes_data_parallel": 8000,
+    "round": 0,
+    "paths_merged": ["p0-0", "p0-1", "p1-0"],
+    "paths_left_out": ["p1-1"],
+    "module_grad_norms": {
+        "level=0/module=0": 0.5,
+        "level=0/module=1": 0.25,
+        "level=1/module=0": 1.5,
+        "level=1/module=1": 0.75,
+    },
+    "bytes_outer": 1000,
+    "bytes_data_parallel": 8000,
 }
-EVAL = {"round": 1, "perplexity": 42.0, "bits_per_byte": 1.25, "tokens": 300, "bytes": 1200,
-        "paths": {p: {"perplexity": 40.0 + i, "bits_per_byte": 1.2 + i / 100, "tokens": 75} for i, p in enumerate(PATHS)}}
+EVAL = {
+    "round": 1,
+    "perplexity": 42.0,
+    "bits_per_byte": 1.25,
+    "tokens": 300,
+    "bytes": 1200,
+    "paths": {p: {"perplexity": 40.0 + i, "bits_per_byte": 1.2 + i / 100, "tokens": 75} for i, p in enumerate(PATHS)},
+}
 
 
 @pytest.fixture
 def config(run_root, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    return tiny_config(run_root, "mlflow.enabled=true", "mlflow.experiment=test-tracking",
-                       "data.train=https://reader:s3cr3t@data.example.com/c4/*.json")
+    return tiny_config(
+        run_root,
+        "mlflow.enabled=true",
+        "mlflow.experiment=test-tracking",
+        "data.train=https://reader:s3cr3t@data.example.com/c4/*.json",
+    )
 
 
 def client_for(config):
@@ -93,8 +118,9 @@ def commit_merge(run_root: Path, report: dict) -> float:
     root = RunRoot(str(run_root))
     rel = layout.round_dir(report["round"])
     root.write_json(f"{rel}/merge.json", report)
-    return root.commit(rel, info={"round": report["round"], "next_round": report["round"] + 1},
-                       files=["merge.json"])["committed_at"]
+    return root.commit(rel, info={"round": report["round"], "next_round": report["round"] + 1}, files=["merge.json"])[
+        "committed_at"
+    ]
 
 
 def by_round(config, kind: str) -> dict[int, object]:
@@ -125,7 +151,10 @@ def test_a_round_logs_nested_runs_metrics_and_artifacts(config, run_root):
     round_run = rounds[0]
     assert {r.data.tags["mlflow.parentRunId"] for r in rounds.values()} == {parent.info.run_id}
     # one numbering: the perplexity on `round R` is that of the modules round R starts from
-    assert {r.info.run_name: r.data.metrics["perplexity"] for r in rounds.values()} == {"round 0": 99.0, "round 1": 42.0}
+    assert {r.info.run_name: r.data.metrics["perplexity"] for r in rounds.values()} == {
+        "round 0": 99.0,
+        "round 1": 42.0,
+    }
     assert rounds[1].data.metrics["perplexity/p1-0"] == 42.0 and rounds[1].data.metrics["eval_tokens"] == 300
     assert "modules round 1 starts from" in rounds[1].data.tags["mlflow.note.content"]
     (prepare,) = runs(config, "tags.`dipaco.kind` = 'prepare'")
@@ -155,7 +184,13 @@ def test_a_round_logs_nested_runs_metrics_and_artifacts(config, run_root):
     assert parent.data.metrics["eval_bytes"] == 1200
 
     artifacts = Path(client.download_artifacts(parent.info.run_id, "", str(run_root / "dl")))
-    for name in ("loss_curves", "docs_per_path", "perplexity_by_round", "bits_per_byte_by_round", "outer_grad_norm_heatmap"):
+    for name in (
+        "loss_curves",
+        "docs_per_path",
+        "perplexity_by_round",
+        "bits_per_byte_by_round",
+        "outer_grad_norm_heatmap",
+    ):
         png = artifacts / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert (artifacts / "ds_configs" / "zero2.json").is_file()

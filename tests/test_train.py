@@ -15,15 +15,15 @@ from safetensors.torch import load_file
 from conftest import REPO, tiny_config, write_synthetic_shards
 from models.grid import ModuleKey
 from models.modular import ModelShape, build_path_model, eos_token_id
-from pipeline.state import layout
 from pipeline import stages
-from pipeline.train.data import RowStream, micro_batch_start, pack_documents
-from pipeline.train.distributed import child_env
 from pipeline.islands.launch import train_path_job
 from pipeline.outer.merge import OuterOptimizer, merge_round
 from pipeline.run import Run
+from pipeline.state import layout
 from pipeline.state.module_store import load_modules, load_path_modules
 from pipeline.state.shards import read_path_documents
+from pipeline.train.data import RowStream, micro_batch_start, pack_documents
+from pipeline.train.distributed import child_env
 from pipeline.train.train_path import CKPT, adamw_for, lr_at, train_path
 from pipeline.train.zero import full_state, load_ds_config, set_full_state, wrap_with_zero
 
@@ -33,15 +33,19 @@ def reference_inner_loop(config, root, round_index: int, worker: int, workers: i
     shape = ModelShape.from_config(config.model)
     model = build_path_model(shape, load_path_modules(root, round_index, (0,)))
     docs = read_path_documents(root, "p0")[worker::workers]
-    stream = RowStream(pack_documents(docs, config.model.seq_len, config.train.seed + worker, eos_token_id(shape.vocab_size)),
-                       config.train.seed + worker)
+    stream = RowStream(
+        pack_documents(docs, config.model.seq_len, config.train.seed + worker, eos_token_id(shape.vocab_size)),
+        config.train.seed + worker,
+    )
     optimizer = adamw_for(model, config.train)
     train, losses = config.train, []
     for step in range(train.inner_steps):
         global_step = round_index * train.inner_steps + step
         for group in optimizer.param_groups:
             group["lr"] = lr_at(global_step, train.rounds * train.inner_steps, train)
-        inputs, labels = stream.micro_batch(micro_batch_start(global_step, 0, 0, train.micro_batch_size, 1, 1), train.micro_batch_size)
+        inputs, labels = stream.micro_batch(
+            micro_batch_start(global_step, 0, 0, train.micro_batch_size, 1, 1), train.micro_batch_size
+        )
         loss = F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), labels.flatten())
         optimizer.zero_grad()
         loss.backward()
@@ -54,8 +58,15 @@ def reference_inner_loop(config, root, round_index: int, worker: int, workers: i
 def test_grid_1_with_diloco_workers_equals_plain_diloco(run_root):
     """[1] trained on 2 iid shards = DiLoCo: two plain-PyTorch workers, then one Nesterov outer
     step of the averaged pseudo-gradient; the pipeline's merged module must match it."""
-    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[2]", "train.workers_per_path=2",
-                         "train.inner_steps=3", "train.lr=0.003", "outer.weighting=uniform")
+    config = tiny_config(
+        run_root,
+        "model.grid=[1]",
+        "model.blocks_per_level=[2]",
+        "train.workers_per_path=2",
+        "train.inner_steps=3",
+        "train.lr=0.003",
+        "outer.weighting=uniform",
+    )
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid, docs_per_path=60)
     assert stages.list_paths(config) == ["p0.w0", "p0.w1"]
@@ -82,9 +93,16 @@ def test_zero_stages_give_the_same_loss_curve_on_a_two_process_gloo_launch(run_r
     workspaces_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     curves = {}
     for stage in (1, 2, 3):
-        config = tiny_config(run_root / f"zero{stage}", "model.grid=[1]", "model.blocks_per_level=[1]",
-                             "train.launcher=deepspeed", "train.procs_per_path=2", "train.inner_steps=4",
-                             "train.lr=0.003", f"train.ds_config=ds_configs/zero{stage}.json")
+        config = tiny_config(
+            run_root / f"zero{stage}",
+            "model.grid=[1]",
+            "model.blocks_per_level=[1]",
+            "train.launcher=deepspeed",
+            "train.procs_per_path=2",
+            "train.inner_steps=4",
+            "train.lr=0.003",
+            f"train.ds_config=ds_configs/zero{stage}.json",
+        )
         root = stages.init_run(Run(config))
         write_synthetic_shards(root, config.model.grid)
         metrics = train_path_job(config, 0, "p0")
@@ -94,7 +112,7 @@ def test_zero_stages_give_the_same_loss_curve_on_a_two_process_gloo_launch(run_r
         if stage == 3:  # partitioned over two ranks: DeepSpeed's memory-efficient linear, its default
             assert metrics["ds_config"]["zero_optimization"]["memory_efficient_linear"] is True
             assert metrics["ds_config"]["zero_optimization"]["reduce_scatter"] is True
-            assert metrics["ds_config"]["zero_optimization"]["reduce_bucket_size"] == config.model.hidden_size ** 2
+            assert metrics["ds_config"]["zero_optimization"]["reduce_bucket_size"] == config.model.hidden_size**2
         curves[stage] = metrics["loss"]
     assert curves[1][-1] < curves[1][0]  # it learns
     assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= workspaces_before  # both ranks unlinked theirs
@@ -108,9 +126,17 @@ def test_sync_by_gradient_accumulation_on_one_rank_equals_two_ranks_all_reducing
     train.gradient_accumulation_steps = M on one rank: the same global batches, the same update."""
     curves, states = {}, {}
     for name, ranks, accum in (("ranks", 2, 1), ("accumulation", 1, 2)):
-        config = tiny_config(run_root / name, "model.grid=[1]", "model.blocks_per_level=[1]", "train.launcher=deepspeed",
-                             f"train.procs_per_path={ranks}", f"train.gradient_accumulation_steps={accum}",
-                             "train.inner_steps=5", "train.lr=0.003", "train.ds_config=ds_configs/zero1.json")
+        config = tiny_config(
+            run_root / name,
+            "model.grid=[1]",
+            "model.blocks_per_level=[1]",
+            "train.launcher=deepspeed",
+            f"train.procs_per_path={ranks}",
+            f"train.gradient_accumulation_steps={accum}",
+            "train.inner_steps=5",
+            "train.lr=0.003",
+            "train.ds_config=ds_configs/zero1.json",
+        )
         root = stages.init_run(Run(config))
         write_synthetic_shards(root, config.model.grid)
         metrics = train_path_job(config, 0, "p0")
@@ -127,11 +153,13 @@ def test_sync_by_gradient_accumulation_on_one_rank_equals_two_ranks_all_reducing
 
 def one_rank_engine(run_root, ds_config: str, blocks: int = 1):
     """A path model wrapped by DeepSpeed in this process (one rank), as train_path wraps it."""
-    config = tiny_config(run_root, "model.grid=[1]", f"model.blocks_per_level=[{blocks}]",
-                         f"train.ds_config=ds_configs/{ds_config}.json")
+    config = tiny_config(
+        run_root, "model.grid=[1]", f"model.blocks_per_level=[{blocks}]", f"train.ds_config=ds_configs/{ds_config}.json"
+    )
     shape = ModelShape.from_config(config.model)
-    engine = wrap_with_zero(model := build_path_model(shape, seed=0), adamw_for(model, config.train),
-                            load_ds_config(config.train, shape, 1))
+    engine = wrap_with_zero(
+        model := build_path_model(shape, seed=0), adamw_for(model, config.train), load_ds_config(config.train, shape, 1)
+    )
     return engine, shape, config
 
 
@@ -163,7 +191,9 @@ def test_written_parameters_survive_a_step_in_every_zero_stage(ds_config, run_ro
         torch.testing.assert_close(value, target[name], rtol=0, atol=1e-6)
     reference = build_path_model(shape)
     reference.load_state_dict(target, strict=False)
-    torch.testing.assert_close(engine(input_ids=inputs).logits, reference(input_ids=inputs).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        engine(input_ids=inputs).logits, reference(input_ids=inputs).logits, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_zero3_gathers_each_transformer_block_as_one_unit(run_root):
@@ -245,10 +275,18 @@ def test_a_rank_leaves_no_shared_memory_behind():
     """DeepSpeed's CPU comm op creates a 69 MB workspace per rank in /dev/shm (RAM) and never
     removes it; init_distributed unlinks it once every rank has mapped it, so a finished or killed
     job leaves nothing behind (192 leftovers, 13 GB, once pushed a benchmark out of memory)."""
-    code = ("import os, deepspeed.comm.comm as c; from pipeline.train.distributed import init_distributed; "
-            "init_distributed(); print(c.cdb.shm_comm_op is not None, os.environ['MASTER_PORT'])")
-    done = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=Path(__file__).parents[1], capture_output=True,
-                          text=True, timeout=300)
+    code = (
+        "import os, deepspeed.comm.comm as c; from pipeline.train.distributed import init_distributed; "
+        "init_distributed(); print(c.cdb.shm_comm_op is not None, os.environ['MASTER_PORT'])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(),
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     has_shm_op, port = done.stdout.split()[-2:]
     assert has_shm_op == "True"  # the workspace was created: the check below is not vacuous
@@ -256,8 +294,9 @@ def test_a_rank_leaves_no_shared_memory_behind():
 
 
 def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(run_root):
-    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=3",
-                         "train.lr=0.01", "outer.lr=0.5")
+    config = tiny_config(
+        run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=3", "train.lr=0.01", "outer.lr=0.5"
+    )
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     train_path(config, 0, "p0")
@@ -270,17 +309,21 @@ def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(r
     # checkpoint's (round-0 trained) weights give a different one.
     shape = ModelShape.from_config(config.model)
     docs = read_path_documents(root, "p0")
-    stream = RowStream(pack_documents(docs, config.model.seq_len, config.train.seed, eos_token_id(shape.vocab_size)), config.train.seed)
-    inputs, labels = stream.micro_batch(micro_batch_start(config.train.inner_steps, 0, 0, config.train.micro_batch_size, 1, 1),
-                                        config.train.micro_batch_size)
+    stream = RowStream(
+        pack_documents(docs, config.model.seq_len, config.train.seed, eos_token_id(shape.vocab_size)), config.train.seed
+    )
+    inputs, labels = stream.micro_batch(
+        micro_batch_start(config.train.inner_steps, 0, 0, config.train.micro_batch_size, 1, 1),
+        config.train.micro_batch_size,
+    )
 
     def loss_of(model):
         with torch.no_grad():
             return F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), labels.flatten()).item()
 
     merged_loss = loss_of(build_path_model(shape, load_path_modules(root, 1, (0,))))
-    from pipeline.state.module_store import decode
     from models.modular import split_path_state
+    from pipeline.state.module_store import decode
 
     trained = split_path_state(shape, decode(root.read_committed(layout.path_dir(0, "p0"), "model.safetensors"), "p0"))
     checkpoint_loss = loss_of(build_path_model(shape, trained))
@@ -322,8 +365,13 @@ def test_a_process_that_trains_path_after_path_keeps_no_engine(ds_config, run_ro
         gc.collect()
         return sum(isinstance(o, DeepSpeedEngine) for o in gc.get_objects())
 
-    config = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]", "train.inner_steps=2",
-                         f"train.ds_config=ds_configs/{ds_config}.json")
+    config = tiny_config(
+        run_root,
+        "model.grid=[2]",
+        "model.blocks_per_level=[1]",
+        "train.inner_steps=2",
+        f"train.ds_config=ds_configs/{ds_config}.json",
+    )
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     before = live_engines()
@@ -344,12 +392,20 @@ def test_a_one_rank_job_whose_probed_port_was_taken_picks_another(tmp_path):
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     taken = holder.getsockname()[1]
-    script = ("import os\nfrom pipeline.train.distributed import close_distributed, init_distributed\n"
-              "print(init_distributed(), os.environ['MASTER_PORT'])\nclose_distributed()\n")
+    script = (
+        "import os\nfrom pipeline.train.distributed import close_distributed, init_distributed\n"
+        "print(init_distributed(), os.environ['MASTER_PORT'])\nclose_distributed()\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     try:
-        done = subprocess.run([sys.executable, "-c", script], env={**env, "MASTER_PORT": str(taken)},
-                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**env, "MASTER_PORT": str(taken)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
     finally:
         holder.close()
     assert done.returncode == 0, done.stderr[-2000:]
@@ -362,9 +418,13 @@ def test_plots_of_a_run_where_no_module_was_merged_still_render(tmp_path):
     still be drawn, not end the run with a matplotlib error."""
     from pipeline.tracking import plots
 
-    for name, fig in {"heatmap": plots.grad_norm_heatmap({}), "loss": plots.loss_curves({}, 4),
-                      "docs": plots.docs_per_path({}), "ppl": plots.perplexity_by_round({}, {}),
-                      "bpb": plots.perplexity_by_round({}, {}, metric="bits_per_byte")}.items():
+    for name, fig in {
+        "heatmap": plots.grad_norm_heatmap({}),
+        "loss": plots.loss_curves({}, 4),
+        "docs": plots.docs_per_path({}),
+        "ppl": plots.perplexity_by_round({}, {}),
+        "bpb": plots.perplexity_by_round({}, {}, metric="bits_per_byte"),
+    }.items():
         fig.savefig(tmp_path / f"{name}.png")
         plots.close(fig)
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
@@ -373,12 +433,15 @@ def test_plots_of_a_run_where_no_module_was_merged_still_render(tmp_path):
 def test_lr_decays_only_over_the_last_lr_decay_steps(tmp_path):
     """train.lr_decay_steps: warmup, a constant lr, then a cosine to lr * min_lr_ratio over the run's
     last N steps (warmup-stable-decay); null keeps the plain cosine over every step after warmup."""
-    train = tiny_config(tmp_path, "train.lr=0.01", "train.warmup_steps=2", "train.min_lr_ratio=0.0",
-                        "train.lr_decay_steps=4").train
+    train = tiny_config(
+        tmp_path, "train.lr=0.01", "train.warmup_steps=2", "train.min_lr_ratio=0.0", "train.lr_decay_steps=4"
+    ).train
     lrs = [lr_at(step, 10, train) for step in range(10)]
     assert lrs[:2] == [0.005, 0.01] and lrs[2:7] == [0.01] * 5  # warmup, then constant until step 6
-    assert lrs[6:] == pytest.approx([0.01, 0.01 * 0.5 * (1 + math.cos(math.pi / 4)), 0.005,
-                                     0.01 * 0.5 * (1 + math.cos(3 * math.pi / 4))])
+    assert lrs[6:] == pytest.approx(
+        [0.01, 0.01 * 0.5 * (1 + math.cos(math.pi / 4)), 0.005, 0.01 * 0.5 * (1 + math.cos(3 * math.pi / 4))]
+    )
     plain = tiny_config(tmp_path, "train.lr=0.01", "train.warmup_steps=2", "train.min_lr_ratio=0.0").train
     assert [lr_at(s, 10, plain) for s in range(2, 10)] == pytest.approx(
-        [0.005 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 10)])
+        [0.005 * (1 + math.cos(math.pi * (s - 2) / 8)) for s in range(2, 10)]
+    )

@@ -126,7 +126,9 @@ def configure(params: dict | None = None) -> dict:
     from pipeline import preflight, stages
     from pipeline.core.config import check_dag_params
 
-    ref = check_dag_params({k: params[k] for k in ("config", "overrides", "project_dir")}, trusted_dirs(), config_dirs())
+    ref = check_dag_params(
+        {k: params[k] for k in ("config", "overrides", "project_dir")}, trusted_dirs(), config_dirs()
+    )
     run = _run(ref)
     preflight.check_data(run.config)
     preflight.check_run_root(run.config)
@@ -138,8 +140,8 @@ def configure(params: dict | None = None) -> dict:
 @task
 def prepare(ref: dict) -> None:
     """The Beam job; shown as skipped when the shards are committed already."""
-    from pipeline.state import layout
     from pipeline import stages
+    from pipeline.state import layout
 
     run = _run(ref)
     if run.root.is_committed(layout.SHARDS_DIR):
@@ -159,8 +161,10 @@ def plan(ref: dict) -> dict:
     run = _run(ref)
     config = run.config
     if config.train.rounds > ROUNDS:
-        raise ConfigError(f"{config.source}: train.rounds={config.train.rounds} but this DAG was parsed with "
-                          f"{ROUNDS} round groups; set train.rounds in $DIPACO_CONFIG ({DEFAULT_CONFIG}) too")
+        raise ConfigError(
+            f"{config.source}: train.rounds={config.train.rounds} but this DAG was parsed with "
+            f"{ROUNDS} round groups; set train.rounds in $DIPACO_CONFIG ({DEFAULT_CONFIG}) too"
+        )
     from pipeline.state.lock import run_lock
 
     with run_lock(run.root):  # refused while a `dipaco run` orchestrates this root
@@ -191,8 +195,9 @@ def _skip_outside(window: dict | None, round_index: int) -> None:
     if round_index >= window["stop"]:
         first, last = window["first"], window["stop"] - 1
         these = f"round {first}" if first == last else f"rounds {first} to {last}"
-        raise AirflowSkipException(f"round {round_index} is left to a later DAG run: this one trains {these} "
-                                   f"(airflow.rounds_per_run)")
+        raise AirflowSkipException(
+            f"round {round_index} is left to a later DAG run: this one trains {these} (airflow.rounds_per_run)"
+        )
 
 
 @task(trigger_rule="none_failed")
@@ -205,8 +210,13 @@ def islands(ref: dict, window: dict | None) -> list[str]:
     return stages.list_islands(_config(ref))
 
 
-@task(pool=SETTINGS.pool, pool_slots=SETTINGS.pool_slots, retries=SETTINGS.retries,
-      retry_delay=timedelta(seconds=SETTINGS.retry_delay_s), map_index_template="{{ task.op_kwargs['name'] }}")
+@task(
+    pool=SETTINGS.pool,
+    pool_slots=SETTINGS.pool_slots,
+    retries=SETTINGS.retries,
+    retry_delay=timedelta(seconds=SETTINGS.retry_delay_s),
+    map_index_template="{{ task.op_kwargs['name'] }}",
+)
 def island(ref: dict, name: str) -> dict:
     """One island until the plan is done: a long-lived `deepspeed` launch (a subprocess, inside
     stages.run_island; with train.launcher=inprocess, this worker process as a one-rank island, which
@@ -241,9 +251,13 @@ def register(ref: dict, round_index: int) -> dict:
     from pipeline import stages
 
     done = stages.report_round(_run(ref), round_index)
-    return {"round": round_index + 1, "model_version": done["model_version"],
-            "perplexity": done["eval"]["perplexity"], "bits_per_byte": done["eval"].get("bits_per_byte"),
-            "utilisation": (done["utilisation"] or {}).get("utilisation")}
+    return {
+        "round": round_index + 1,
+        "model_version": done["model_version"],
+        "perplexity": done["eval"]["perplexity"],
+        "bits_per_byte": done["eval"].get("bits_per_byte"),
+        "utilisation": (done["utilisation"] or {}).get("utilisation"),
+    }
 
 
 @task(trigger_rule="none_failed", show_return_value_in_logs=False)  # the table is printed once, below
@@ -275,14 +289,20 @@ def outer_round(ref, window, round_index: int):
     tags=["dipaco"],
     params={
         # The bounds of pipeline.core.config.check_dag_params, as the JSON schema Airflow checks on trigger.
-        "config": Param(DEFAULT_CONFIG, type="string", minLength=1, maxLength=4096,
-                        description="the run's YAML config"),
-        "overrides": Param([], type="array", maxItems=256,
-                           items={"type": "string", "maxLength": 65536, "pattern": r"^[A-Za-z_][\w.]*="},
-                           description="key.path=value overrides of hyper-parameters, rounds and the run "
-                                       "root (docs/security.md lists the keys a trigger may set)"),
-        "project_dir": Param(str(PROJECT_DIR), type="string", minLength=1, maxLength=4096,
-                             description="where relative paths resolve"),
+        "config": Param(
+            DEFAULT_CONFIG, type="string", minLength=1, maxLength=4096, description="the run's YAML config"
+        ),
+        "overrides": Param(
+            [],
+            type="array",
+            maxItems=256,
+            items={"type": "string", "maxLength": 65536, "pattern": r"^[A-Za-z_][\w.]*="},
+            description="key.path=value overrides of hyper-parameters, rounds and the run "
+            "root (docs/security.md lists the keys a trigger may set)",
+        ),
+        "project_dir": Param(
+            str(PROJECT_DIR), type="string", minLength=1, maxLength=4096, description="where relative paths resolve"
+        ),
     },
     doc_md=__doc__,
 )

@@ -107,8 +107,10 @@ def load_npy(data: bytes | bytearray, where: str, shape: tuple[int, ...] | None 
     for n in found:
         count *= n
     if dtype != np.float64 or len(found) != ndim or (shape is not None and tuple(found) != tuple(shape)):
-        raise CorruptStateError(f"{where}: expected a float64 array of shape {shape or f'{ndim} dimensions'}, "
-                                f"got {shown(dtype)} {shown(found)}")
+        raise CorruptStateError(
+            f"{where}: expected a float64 array of shape {shape or f'{ndim} dimensions'}, "
+            f"got {shown(dtype)} {shown(found)}"
+        )
     if len(data) - stream.tell() != count * dtype.itemsize:
         raise CorruptStateError(f"{where}: holds {len(data) - stream.tell():,} bytes of data for a {found} array")
     array = np.frombuffer(bytes(data), dtype=dtype, count=count, offset=stream.tell())

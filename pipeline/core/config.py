@@ -29,8 +29,13 @@ import yaml
 
 from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
 from pipeline.core.errors import ConfigError
-from pipeline.core.trust import (check_beam_options, check_run_root, check_runner, check_trigger_override,
-                                 check_trigger_run_root)
+from pipeline.core.trust import (
+    check_beam_options,
+    check_run_root,
+    check_runner,
+    check_trigger_override,
+    check_trigger_run_root,
+)
 
 MAX_CONFIG_BYTES = 256 * 1024  # a real config is ~2 KB; PyYAML constructs ~250 KB/s
 MAX_SET_CHARS = 64 * 1024  # one --set item (or DAG override)
@@ -61,7 +66,9 @@ class RouterConfig:
     embedder: str = "minilm"  # minilm: all-MiniLM-L6-v2 through Beam's RunInference, offline; tfidf: tf-idf and
     #                           truncated SVD (c-BTM style); model: a path model's mean last hidden state (the paper's)
     prefix_tokens: int = 32  # DiPaCo routes on the first 32 tokens; evaluation scores only the tokens after them
-    sample_docs: int = 20000  # documents of the seeded sample the k-means is fitted on (and discriminative_after labels)
+    sample_docs: int = (
+        20000  # documents of the seeded sample the k-means is fitted on (and discriminative_after labels)
+    )
     balanced: bool = True  # cap shard sizes (capacity_factor) so that no path starves
     seed: int = 0  # the seeded sample and the k-means initialisation
     kmeans_iters: int = 50  # Lloyd iterations of each k-means
@@ -123,7 +130,9 @@ class TrainConfig:
     procs_per_path: int = 1  # DeepSpeed ranks per node of an island (GPUs per node on GPU hosts)
     num_nodes: int = 1  # nodes per island; more than 1 needs a hostfile
     hostfile: str | None = None  # DeepSpeed hostfile ("host slots=N" lines) for multi-node islands
-    workers_per_path: int = 1  # DiLoCo workers per path, each on an iid part of the shard (grid [1] + M workers: DiLoCo)
+    workers_per_path: int = (
+        1  # DiLoCo workers per path, each on an iid part of the shard (grid [1] + M workers: DiLoCo)
+    )
     worker_data: str = "iid"  # iid: worker k of M reads every M-th document of its path's shard; clustered: its own
     #                           k-means cluster of the shard (the router's embedder), the DiLoCo paper's non-iid workers
     workers_schedule: list[int] | None = None  # DiLoCo workers per round (one entry a round, the largest is
@@ -173,7 +182,9 @@ class EvalConfig:
     batch_size: int = 8  # documents per forward pass
     sample_prompt: str | None = None  # `dipaco run` ends by showing the champion's continuation of it
     early_stopping: bool = False  # each path keeps its round of lowest validation perplexity (eval/best.json, champion)
-    reroute_every: int | None = None  # re-route every N scored tokens by the N before (DiPaCo: 64); null: route once by the prefix
+    reroute_every: int | None = (
+        None  # re-route every N scored tokens by the N before (DiPaCo: 64); null: route once by the prefix
+    )
 
 
 @dataclass
@@ -278,12 +289,15 @@ def _check_events(text: str | bytes) -> None:
     depth = 0
     for event in yaml.parse(text, Loader=_YAML_LOADER):
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise yaml.composer.ComposerError(None, None, "YAML anchors and aliases (&name, *name) are not allowed",
-                                              event.start_mark)
+            raise yaml.composer.ComposerError(
+                None, None, "YAML anchors and aliases (&name, *name) are not allowed", event.start_mark
+            )
         if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
             depth += 1
             if depth > MAX_YAML_DEPTH:
-                raise yaml.composer.ComposerError(None, None, f"nests deeper than {MAX_YAML_DEPTH} levels", event.start_mark)
+                raise yaml.composer.ComposerError(
+                    None, None, f"nests deeper than {MAX_YAML_DEPTH} levels", event.start_mark
+                )
         elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
             depth -= 1
 
@@ -373,8 +387,9 @@ def dump_yaml(config: Config) -> str:
     return yaml.dump(config.to_dict(), Dumper=_NoAliasDumper, sort_keys=False)
 
 
-def check_dag_params(params: dict[str, Any], trusted_dirs: list[str | Path] | None = None,
-                     config_dirs: list[str | Path] | None = None) -> dict[str, Any]:
+def check_dag_params(
+    params: dict[str, Any], trusted_dirs: list[str | Path] | None = None, config_dirs: list[str | Path] | None = None
+) -> dict[str, Any]:
     """The DAG's run params (`config`, `overrides`, `project_dir`) checked before any use, as the
     reference every task loads the config from. The DAG declares the same bounds as a JSON schema
     (Airflow checks it when a run is triggered); this is the check that holds for any caller.
@@ -397,30 +412,44 @@ def check_dag_params(params: dict[str, Any], trusted_dirs: list[str | Path] | No
             raise ConfigError(f"{where}: {key} must be a path of 1 to {MAX_PATH_CHARS} characters, got {shown(value)}")
     overrides = params.get("overrides", [])
     if not isinstance(overrides, list) or len(overrides) > MAX_OVERRIDES:
-        raise ConfigError(f"{where}: overrides must be a list of at most {MAX_OVERRIDES} strings, got {shown(overrides)}")
+        raise ConfigError(
+            f"{where}: overrides must be a list of at most {MAX_OVERRIDES} strings, got {shown(overrides)}"
+        )
     for index, item in enumerate(overrides):
         if not isinstance(item, str) or len(item) > MAX_SET_CHARS or not _SET_RE.match(item):
-            raise ConfigError(f"{where}: overrides[{index}] must be a key.path=value string of at most "
-                              f"{MAX_SET_CHARS:,} characters, got {shown(item)}")
+            raise ConfigError(
+                f"{where}: overrides[{index}] must be a key.path=value string of at most "
+                f"{MAX_SET_CHARS:,} characters, got {shown(item)}"
+            )
         check_trigger_override(item, f"{where}: overrides[{index}]")
     if not Path(params["project_dir"]).is_dir():
         raise ConfigError(f"{where}: project_dir {shown(params['project_dir'])} is not a directory")
     if trusted_dirs is not None:
-        _check_trusted_place(params["project_dir"], params["config"], [Path(d).resolve() for d in trusted_dirs],
-                             [Path(d).resolve() for d in (config_dirs or trusted_dirs)], where)
+        _check_trusted_place(
+            params["project_dir"],
+            params["config"],
+            [Path(d).resolve() for d in trusted_dirs],
+            [Path(d).resolve() for d in (config_dirs or trusted_dirs)],
+            where,
+        )
     return {"config": params["config"], "overrides": list(overrides), "project_dir": params["project_dir"]}
 
 
-def _check_trusted_place(project_dir: str, config: str, trusted: list[Path], config_dirs: list[Path], where: str) -> None:
+def _check_trusted_place(
+    project_dir: str, config: str, trusted: list[Path], config_dirs: list[Path], where: str
+) -> None:
     """project_dir one of the trusted directories, the config file inside one of config_dirs."""
     project = Path(project_dir).resolve()
     if project not in trusted:
-        raise ConfigError(f"{where}: project_dir {shown(project_dir)} is not one this DAG trusts "
-                          f"({', '.join(map(str, trusted))})")
+        raise ConfigError(
+            f"{where}: project_dir {shown(project_dir)} is not one this DAG trusts ({', '.join(map(str, trusted))})"
+        )
     chosen = (project / config).resolve()
     if not any(chosen.is_relative_to(d) for d in config_dirs):
-        raise ConfigError(f"{where}: config {shown(config)} lies outside the directories this DAG trusts "
-                          f"({', '.join(map(str, config_dirs))})")
+        raise ConfigError(
+            f"{where}: config {shown(config)} lies outside the directories this DAG trusts "
+            f"({', '.join(map(str, config_dirs))})"
+        )
 
 
 def _apply_override(raw: dict[str, Any], item: str, source: str, trusted: bool = True) -> str:
@@ -454,8 +483,10 @@ _YAML11_BOOLEANS = {"yes", "no", "on", "off"}
 def _refuse_yaml11_booleans(value_text: str, name: str) -> None:
     for event in yaml.parse(value_text, Loader=_YAML_LOADER):
         if isinstance(event, yaml.ScalarEvent) and not event.style and event.value.lower() in _YAML11_BOOLEANS:
-            raise ConfigError(f"--set {name}: '{one_line(event.value, SHOWN_CHARS)}' is ambiguous (YAML 1.1 reads it as "
-                              f"a boolean); write true or false, or quote it for the word")
+            raise ConfigError(
+                f"--set {name}: '{one_line(event.value, SHOWN_CHARS)}' is ambiguous (YAML 1.1 reads it as "
+                f"a boolean); write true or false, or quote it for the word"
+            )
 
 
 def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
@@ -465,7 +496,9 @@ def _build(cls: type, raw: Any, prefix: str, source: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
     unknown = sorted((str(k) for k in set(raw) - set(fields)), key=str)  # YAML keys may be numbers
     if unknown:
-        raise ConfigError(f"{source}: unknown key {one_line(prefix + unknown[0], SHOWN_CHARS)} (known: {', '.join(fields)})")
+        raise ConfigError(
+            f"{source}: unknown key {one_line(prefix + unknown[0], SHOWN_CHARS)} (known: {', '.join(fields)})"
+        )
     values = {}
     for name, value in raw.items():
         key, hint = prefix + name, hints[name]
@@ -524,9 +557,16 @@ def validate(config: Config) -> None:
     need(".." not in Path(config.run_root.split("://")[-1]).parts, "run_root", "must not contain '..'")
     check_run_root(config.run_root, src)
     check_runner(config.beam.runner, config.beam.extra_runners, src)
-    need(len(m.grid) >= 1 and all(k >= 1 for k in m.grid), "model.grid", "must be a non-empty list of positive module counts")
-    need(len(m.grid) <= MAX_LEVELS and config.n_paths <= MAX_PATHS, "model.grid",
-         f"must have at most {MAX_LEVELS} levels and {MAX_PATHS:,} paths (the paper's largest grid has 256)")
+    need(
+        len(m.grid) >= 1 and all(k >= 1 for k in m.grid),
+        "model.grid",
+        "must be a non-empty list of positive module counts",
+    )
+    need(
+        len(m.grid) <= MAX_LEVELS and config.n_paths <= MAX_PATHS,
+        "model.grid",
+        f"must have at most {MAX_LEVELS} levels and {MAX_PATHS:,} paths (the paper's largest grid has 256)",
+    )
     need(
         len(m.blocks_per_level) == len(m.grid),
         "model.blocks_per_level",
@@ -534,14 +574,21 @@ def validate(config: Config) -> None:
     )
     need(all(b >= 1 for b in m.blocks_per_level), "model.blocks_per_level", "entries must be >= 1")
     need(m.path_specific_blocks >= 0, "model.path_specific_blocks", f"must be >= 0, got {m.path_specific_blocks}")
-    need(m.path_specific_blocks == 0 or t.workers_per_path == 1, "model.path_specific_blocks",
-         "needs train.workers_per_path = 1 (a path's private blocks carry over its one trained copy, never averaged)")
+    need(
+        m.path_specific_blocks == 0 or t.workers_per_path == 1,
+        "model.path_specific_blocks",
+        "needs train.workers_per_path = 1 (a path's private blocks carry over its one trained copy, never averaged)",
+    )
     need(m.hidden_size > 0 and m.num_heads > 0, "model.hidden_size", "and model.num_heads must be positive")
     need(m.hidden_size % m.num_heads == 0, "model.num_heads", f"must divide model.hidden_size ({m.hidden_size})")
     need(m.seq_len > config.router.prefix_tokens, "model.seq_len", "must exceed router.prefix_tokens")
     need(m.vocab_size > 0, "model.vocab_size", "must be positive")
     if m.tokenizer == "bpe":
-        need(m.vocab_size >= 512, "model.vocab_size", f"must be >= 512 for a trained bpe tokenizer (256 bytes + merges), got {m.vocab_size}")
+        need(
+            m.vocab_size >= 512,
+            "model.vocab_size",
+            f"must be >= 512 for a trained bpe tokenizer (256 bytes + merges), got {m.vocab_size}",
+        )
         need(m.tokenizer_sample_docs >= 1, "model.tokenizer_sample_docs", "must be >= 1")
     need(config.router.prefix_tokens > 0, "router.prefix_tokens", "must be positive")
     if config.router.model_path is not None:
@@ -553,8 +600,12 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{src}: router.model_path: {one_line(str(exc), SHOWN_CHARS)}") from None
     need(config.router.sample_docs > 0, "router.sample_docs", "must be positive")
     after = config.router.discriminative_after
-    need(after is None or 0 <= after < t.rounds - 1, "router.discriminative_after",
-         f"must be a round in [0, train.rounds - 1 = {t.rounds - 1}) so a later round trains on the new shards, got {after}")
+    need(
+        after is None or 0 <= after < t.rounds - 1,
+        "router.discriminative_after",
+        f"must be a round in [0, train.rounds - 1 = {t.rounds - 1}) so a later round trains on the new shards, "
+        f"got {after}",
+    )
     need(t.rounds >= 1, "train.rounds", "must be >= 1")
     need(t.inner_steps >= 1, "train.inner_steps", "must be >= 1")
     need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
@@ -562,17 +613,32 @@ def validate(config: Config) -> None:
     need(t.lr > 0, "train.lr", "must be positive")
     need(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", "must be within [0, 1]")
     need(t.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-    need(t.lr_decay_steps is None or t.lr_decay_steps >= 1, "train.lr_decay_steps", "must be >= 1 (or null: every step after warmup)")
+    need(
+        t.lr_decay_steps is None or t.lr_decay_steps >= 1,
+        "train.lr_decay_steps",
+        "must be >= 1 (or null: every step after warmup)",
+    )
     need(len(t.betas) == 2 and all(0 <= b < 1 for b in t.betas), "train.betas", "must be two numbers in [0, 1)")
     need(t.procs_per_path >= 1, "train.procs_per_path", "must be >= 1")
     need(t.workers_per_path >= 1, "train.workers_per_path", "must be >= 1")
     if t.workers_schedule is not None:
         schedule = t.workers_schedule
-        need(all(m >= 1 for m in schedule), "train.workers_schedule", f"needs at least 1 worker a round, got {schedule!r}")
-        need(len(schedule) == t.rounds, "train.workers_schedule", f"has {len(schedule)} entries for {t.rounds} rounds "
-             "(train.rounds): one a round")
-        need(max(schedule) == t.workers_per_path, "train.workers_schedule", f"its largest entry {max(schedule)} must "
-             f"equal train.workers_per_path ({t.workers_per_path}): job ids are numbered up to it")
+        need(
+            all(m >= 1 for m in schedule),
+            "train.workers_schedule",
+            f"needs at least 1 worker a round, got {schedule!r}",
+        )
+        need(
+            len(schedule) == t.rounds,
+            "train.workers_schedule",
+            f"has {len(schedule)} entries for {t.rounds} rounds (train.rounds): one a round",
+        )
+        need(
+            max(schedule) == t.workers_per_path,
+            "train.workers_schedule",
+            f"its largest entry {max(schedule)} must "
+            f"equal train.workers_per_path ({t.workers_per_path}): job ids are numbered up to it",
+        )
     need(t.num_nodes >= 1, "train.num_nodes", "must be >= 1")
     need(t.num_nodes == 1 or t.hostfile is not None, "train.hostfile", "must be set when train.num_nodes > 1")
     need(t.hostfile is None or _is_file(t.hostfile), "train.hostfile", f"names a missing file {shown(t.hostfile)}")
@@ -580,17 +646,26 @@ def validate(config: Config) -> None:
     need(t.max_attempts >= 1, "train.max_attempts", "must be >= 1")
     need(t.islands is None or t.islands >= 1, "train.islands", "must be >= 1 (or null: train.parallel_paths)")
     need(t.lease_seconds > 0, "train.lease_seconds", "must be > 0")
-    need(t.backup_after is None or t.backup_after >= 1, "train.backup_after",
-         "must be >= 1 (times the round's median task time), or null: no backup attempts")
-    need(t.checkpoint_every is None or t.checkpoint_every >= 1, "train.checkpoint_every",
-         "must be >= 1 (inner steps), or null: no mid-task checkpoints")
+    need(
+        t.backup_after is None or t.backup_after >= 1,
+        "train.backup_after",
+        "must be >= 1 (times the round's median task time), or null: no backup attempts",
+    )
+    need(
+        t.checkpoint_every is None or t.checkpoint_every >= 1,
+        "train.checkpoint_every",
+        "must be >= 1 (inner steps), or null: no mid-task checkpoints",
+    )
     need(t.keep_rounds is None or t.keep_rounds >= 1, "train.keep_rounds", "must be >= 1 (or null: keep every round)")
     need(_is_file(resolve_ds_config(t.ds_config)), "train.ds_config", f"names a missing file {shown(t.ds_config)}")
     need(o.lr > 0, "outer.lr", "must be positive")
     need(0 <= o.momentum < 1, "outer.momentum", "must be within [0, 1)")
     need(config.eval.batch_size >= 1, "eval.batch_size", "must be >= 1")
-    need(config.eval.reroute_every is None or config.eval.reroute_every >= 1, "eval.reroute_every",
-         "must be >= 1 (or null: route once by the prefix)")
+    need(
+        config.eval.reroute_every is None or config.eval.reroute_every >= 1,
+        "eval.reroute_every",
+        "must be >= 1 (or null: route once by the prefix)",
+    )
     need(config.airflow.rounds_per_run >= 1, "airflow.rounds_per_run", "must be >= 1")
     need(config.airflow.pool_slots >= 1, "airflow.pool_slots", "must be >= 1")
     need(config.airflow.retries >= 0, "airflow.retries", "must be >= 0")

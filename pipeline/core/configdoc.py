@@ -99,24 +99,33 @@ def rows(cls: type, prefix: str, help_text: dict[tuple[str, str], str]) -> list[
         kind = type_name(hints[f.name])
         if key in ENUMS:
             kind += ": " + " \\| ".join(f"`{word}`" for word in ENUMS[key])
-        out.append(f"| `{key}` | {kind} | `{cell(default_text(f))}` | {'✓' if key in TRIGGER_KEYS else ''} "
-                   f"| {cell(help_text[(cls.__name__, f.name)])} |")
+        out.append(
+            f"| `{key}` | {kind} | `{cell(default_text(f))}` | {'✓' if key in TRIGGER_KEYS else ''} "
+            f"| {cell(help_text[(cls.__name__, f.name)])} |"
+        )
     return out
 
 
 def sections() -> list[tuple[str, type]]:
     """('', Config) for the top level, then (name, section class) in the order of Config's fields."""
     hints = typing.get_type_hints(Config)
-    return [("", Config)] + [(f.name, hints[f.name]) for f in dataclasses.fields(Config)
-                             if dataclasses.is_dataclass(hints[f.name])]
+    return [("", Config)] + [
+        (f.name, hints[f.name]) for f in dataclasses.fields(Config) if dataclasses.is_dataclass(hints[f.name])
+    ]
 
 
 def render() -> str:
     help_text = field_comments(Path(config_module.__file__).read_text())
     parts = [INTRO]
     for name, cls in sections():
-        parts += [f"## {'Top level' if not name else f'`{name}`'}", "", " ".join((cls.__doc__ or "").split()), "",
-                  *rows(cls, f"{name}." if name else "", help_text), ""]
+        parts += [
+            f"## {'Top level' if not name else f'`{name}`'}",
+            "",
+            " ".join((cls.__doc__ or "").split()),
+            "",
+            *rows(cls, f"{name}." if name else "", help_text),
+            "",
+        ]
     return "\n".join(parts)
 
 

@@ -27,25 +27,62 @@ RUNNER_ALIASES = ("direct", "FnApiRunner", "dask")
 
 # Beam pipeline options that choose a command, a container or a package its workers run. Beam's
 # parser takes exact names only (an abbreviation is discarded as unparseable, checked on 2.77).
-ENVIRONMENT_OPTIONS = frozenset({
-    "runner", "environment_type", "environment_config", "environment_option", "environment_options",
-    "beam_services", "job_server_java_launcher", "job_server_jvm_properties", "job_server_jvm_property",
-    "sdk_location", "setup_file", "requirements_file", "extra_package", "extra_packages",
-    "sdk_container_image", "worker_harness_container_image", "sdk_harness_container_image_overrides",
-    "prebuild_sdk_container_base_image", "prebuild_sdk_container_engine", "docker_registry_push_url",
-})
+ENVIRONMENT_OPTIONS = frozenset(
+    {
+        "runner",
+        "environment_type",
+        "environment_config",
+        "environment_option",
+        "environment_options",
+        "beam_services",
+        "job_server_java_launcher",
+        "job_server_jvm_properties",
+        "job_server_jvm_property",
+        "sdk_location",
+        "setup_file",
+        "requirements_file",
+        "extra_package",
+        "extra_packages",
+        "sdk_container_image",
+        "worker_harness_container_image",
+        "sdk_harness_container_image_overrides",
+        "prebuild_sdk_container_base_image",
+        "prebuild_sdk_container_engine",
+        "docker_registry_push_url",
+    }
+)
 
 # What a DAG trigger may override: hyper-parameters of training and evaluation, rounds, a run root.
-TRIGGER_KEYS = frozenset({
-    "run_root", "data.max_docs",
-    "train.rounds", "train.inner_steps", "train.micro_batch_size", "train.gradient_accumulation_steps",
-    "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay", "train.betas",
-    "train.grad_clip", "train.seed", "train.lr_decay_steps",
-    "outer.lr", "outer.momentum", "outer.nesterov", "outer.weighting", "outer.sqrt_paths_rescale",
-    "outer.compression",
-    "eval.max_docs", "eval.batch_size", "eval.early_stopping", "eval.reroute_every", "eval.sample_prompt",
-    "airflow.rounds_per_run",
-})
+TRIGGER_KEYS = frozenset(
+    {
+        "run_root",
+        "data.max_docs",
+        "train.rounds",
+        "train.inner_steps",
+        "train.micro_batch_size",
+        "train.gradient_accumulation_steps",
+        "train.lr",
+        "train.min_lr_ratio",
+        "train.warmup_steps",
+        "train.weight_decay",
+        "train.betas",
+        "train.grad_clip",
+        "train.seed",
+        "train.lr_decay_steps",
+        "outer.lr",
+        "outer.momentum",
+        "outer.nesterov",
+        "outer.weighting",
+        "outer.sqrt_paths_rescale",
+        "outer.compression",
+        "eval.max_docs",
+        "eval.batch_size",
+        "eval.early_stopping",
+        "eval.reroute_every",
+        "eval.sample_prompt",
+        "airflow.rounds_per_run",
+    }
+)
 
 # A run root reaches launcher command lines (DeepSpeed's multi-node runners join them into one
 # `sh -c` string): letters, digits and `_ . / : + = @ , ~ -` only, which covers local paths and
@@ -57,16 +94,20 @@ def check_run_root(run_root: str, source: str) -> None:
     """Refuse a run root outside the restricted character set (it reaches shell command lines)."""
     if not RUN_ROOT_RE.fullmatch(run_root):
         bad = next((c for c in run_root if not RUN_ROOT_RE.fullmatch(c)), "")
-        raise ConfigError(f"{source}: run_root may hold only letters, digits and _ . / : + = @ , ~ -; "
-                          f"got {shown(bad)} in {shown(run_root)}")
+        raise ConfigError(
+            f"{source}: run_root may hold only letters, digits and _ . / : + = @ , ~ -; "
+            f"got {shown(bad)} in {shown(run_root)}"
+        )
 
 
 def check_runner(name: str, extra: Iterable[str], source: str) -> None:
     """Refuse a beam.runner that is neither a Beam runner nor listed in beam.extra_runners."""
     allowed = (*BEAM_RUNNERS, *RUNNER_ALIASES, *extra)
     if name not in allowed:
-        raise ConfigError(f"{source}: beam.runner must be one of {', '.join(BEAM_RUNNERS)} or a runner "
-                          f"listed in beam.extra_runners of the config file, got {shown(name)}")
+        raise ConfigError(
+            f"{source}: beam.runner must be one of {', '.join(BEAM_RUNNERS)} or a runner "
+            f"listed in beam.extra_runners of the config file, got {shown(name)}"
+        )
 
 
 def option_name(flag: str) -> str:
@@ -79,26 +120,34 @@ def check_beam_options(options: Iterable[str], from_file: Iterable[str], source:
     trusted = set(from_file)
     for flag in options:
         if option_name(flag) in ENVIRONMENT_OPTIONS and flag not in trusted:
-            raise ConfigError(f"{source}: beam.options {shown(flag)} chooses what Beam's workers run: "
-                              f"only the config file itself may set --{option_name(flag)}")
+            raise ConfigError(
+                f"{source}: beam.options {shown(flag)} chooses what Beam's workers run: "
+                f"only the config file itself may set --{option_name(flag)}"
+            )
 
 
 def check_trigger_override(item: str, where: str) -> str:
     """The key of one `key.path=value` override from a DAG trigger, refused unless in TRIGGER_KEYS."""
     key = item.split("=", 1)[0]
     if key not in TRIGGER_KEYS:
-        raise ConfigError(f"{where}: a DAG trigger may not set {shown(key)}, only the config file or "
-                          f"`dipaco --set` may (what a trigger may set: docs/security.md)")
+        raise ConfigError(
+            f"{where}: a DAG trigger may not set {shown(key)}, only the config file or "
+            f"`dipaco --set` may (what a trigger may set: docs/security.md)"
+        )
     return key
 
 
 def check_trigger_run_root(run_root: str, prefix: str | None, source: str) -> None:
     """A run root set by a trigger must lie under airflow.trigger_run_roots of the config file."""
     if prefix is None:
-        raise ConfigError(f"{source}: a DAG trigger may set run_root only under airflow.trigger_run_roots, "
-                          f"which the config file does not set")
+        raise ConfigError(
+            f"{source}: a DAG trigger may set run_root only under airflow.trigger_run_roots, "
+            f"which the config file does not set"
+        )
     base = prefix.rstrip("/") + "/"
-    rest = run_root[len(base):] if run_root.startswith(base) else ""
+    rest = run_root[len(base) :] if run_root.startswith(base) else ""
     if not rest or any(part in ("", ".", "..") for part in rest.rstrip("/").split("/")):
-        raise ConfigError(f"{source}: run_root {shown(run_root)} from a DAG trigger must lie under "
-                          f"airflow.trigger_run_roots {shown(base)}")
+        raise ConfigError(
+            f"{source}: run_root {shown(run_root)} from a DAG trigger must lie under "
+            f"airflow.trigger_run_roots {shown(base)}"
+        )

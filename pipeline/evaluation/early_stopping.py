@@ -39,9 +39,13 @@ def choose_rounds(evals: dict[int, dict]) -> dict[str, dict]:
             if not isinstance(perplexity, (int, float)) or not math.isfinite(perplexity):
                 continue
             if path_id not in best or perplexity < best[path_id]["perplexity"]:  # strict: ties keep the earliest
-                best[path_id] = {"round": round_index, "perplexity": float(perplexity),
-                                 "bits_per_byte": scores.get("bits_per_byte"),
-                                 "tokens": int(scores.get("tokens") or 0), "bytes": int(scores.get("bytes") or 0)}
+                best[path_id] = {
+                    "round": round_index,
+                    "perplexity": float(perplexity),
+                    "bits_per_byte": scores.get("bits_per_byte"),
+                    "tokens": int(scores.get("tokens") or 0),
+                    "bytes": int(scores.get("bytes") or 0),
+                }
     return dict(sorted(best.items()))
 
 
@@ -86,7 +90,10 @@ def write_best(root: RunRoot) -> dict:
     best = best_up_to(root)
     root.write_json(BEST_FILE, best)
     if best["perplexity"] is not None:
-        log.info("early stopping: perplexity %.2f, %s bits per byte; rounds %s", best["perplexity"],
-                 f"{best['bits_per_byte']:.3f}" if best["bits_per_byte"] is not None else "-",
-                 " ".join(f"{p}={r}" for p, r in path_rounds(best).items()))
+        log.info(
+            "early stopping: perplexity %.2f, %s bits per byte; rounds %s",
+            best["perplexity"],
+            f"{best['bits_per_byte']:.3f}" if best["bits_per_byte"] is not None else "-",
+            " ".join(f"{p}={r}" for p, r in path_rounds(best).items()),
+        )
     return best

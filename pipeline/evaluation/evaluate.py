@@ -33,9 +33,9 @@ import torch.nn.functional as F
 
 from models.grid import all_path_ids
 from models.modular import EOS_TOKEN_ID, eos_token_id
-from pipeline.routing.tokenizer import load_tokenizer, token_byte_lengths
-from pipeline.evaluation.early_stopping import write_best
 from pipeline.core.errors import CorruptStateError
+from pipeline.evaluation.early_stopping import write_best
+from pipeline.routing.tokenizer import load_tokenizer, token_byte_lengths
 from pipeline.state import layout
 from pipeline.state.module_store import load_path_model
 from pipeline.state.shards import read_path_documents, shard_parts
@@ -46,20 +46,34 @@ ROUTES_FILE = "routes.json"
 
 
 @torch.no_grad()
-def score_documents(model: torch.nn.Module, docs: list[np.ndarray], prefix: int, seq_len: int, batch_size: int,
-                    pad_id: int = EOS_TOKEN_ID) -> tuple[float, int]:
+def score_documents(
+    model: torch.nn.Module,
+    docs: list[np.ndarray],
+    prefix: int,
+    seq_len: int,
+    batch_size: int,
+    pad_id: int = EOS_TOKEN_ID,
+) -> tuple[float, int]:
     """(summed negative log-likelihood in nats, tokens scored) over the tokens after each prefix."""
     model.eval()
     nll, count = 0.0, 0
     for logits, targets in _scored_batches(model, scored_windows(docs, prefix, seq_len), prefix, batch_size, pad_id):
-        nll += F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum").item()
+        nll += F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+        ).item()
         count += int((targets != -100).sum())
     return nll, count
 
 
 @torch.no_grad()
-def document_losses(model: torch.nn.Module, docs: list[np.ndarray], prefix: int, seq_len: int, batch_size: int,
-                    pad_id: int = EOS_TOKEN_ID) -> np.ndarray:
+def document_losses(
+    model: torch.nn.Module,
+    docs: list[np.ndarray],
+    prefix: int,
+    seq_len: int,
+    batch_size: int,
+    pad_id: int = EOS_TOKEN_ID,
+) -> np.ndarray:
     """(n_docs,) summed nats over the tokens score_documents scores in each document; NaN for a
     document with no token after its prefix (discriminative routing labels documents by this)."""
     model.eval()
@@ -68,7 +82,9 @@ def document_losses(model: torch.nn.Module, docs: list[np.ndarray], prefix: int,
     windows = scored_windows(docs, prefix, seq_len)  # the documents of `kept`, in order
     row = 0
     for logits, targets in _scored_batches(model, windows, prefix, batch_size, pad_id):
-        per_token = F.cross_entropy(logits.transpose(1, 2).float(), targets, ignore_index=-100, reduction="none")  # (B, T)
+        per_token = F.cross_entropy(
+            logits.transpose(1, 2).float(), targets, ignore_index=-100, reduction="none"
+        )  # (B, T)
         for value in per_token.sum(1).tolist():
             losses[kept[row]] = value
             row += 1
@@ -78,13 +94,14 @@ def document_losses(model: torch.nn.Module, docs: list[np.ndarray], prefix: int,
 def _scored_batches(model: torch.nn.Module, windows: list[np.ndarray], prefix: int, batch_size: int, pad_id: int):
     """(logits (B, T, V), targets (B, T)) per batch of windows; target -100 is not scored."""
     for start in range(0, len(windows), batch_size):
-        inputs, mask, targets = _batch(windows[start:start + batch_size], prefix, pad_id)
+        inputs, mask, targets = _batch(windows[start : start + batch_size], prefix, pad_id)
         yield model(input_ids=inputs, attention_mask=mask).logits, targets  # (B, T, V), (B, T)
 
 
 @torch.no_grad()
-def token_nlls(model: torch.nn.Module, windows: list[np.ndarray], prefix: int, batch_size: int,
-               pad_id: int = EOS_TOKEN_ID) -> list[np.ndarray]:
+def token_nlls(
+    model: torch.nn.Module, windows: list[np.ndarray], prefix: int, batch_size: int, pad_id: int = EOS_TOKEN_ID
+) -> list[np.ndarray]:
     """Per-token negative log-likelihood (nats, float64) of tokens prefix.. of each window (each
     longer than the prefix): what re-routing picks its chunks' scores from."""
     model.eval()
@@ -92,8 +109,8 @@ def token_nlls(model: torch.nn.Module, windows: list[np.ndarray], prefix: int, b
     for index, (logits, targets) in enumerate(_scored_batches(model, windows, prefix, batch_size, pad_id)):
         nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none")
         nll = nll.view(targets.shape).double()  # (B, T); target j is token j+1
-        batch = windows[index * batch_size:(index + 1) * batch_size]
-        out += [nll[row, prefix - 1:len(window) - 1].numpy() for row, window in enumerate(batch)]
+        batch = windows[index * batch_size : (index + 1) * batch_size]
+        out += [nll[row, prefix - 1 : len(window) - 1].numpy() for row, window in enumerate(batch)]
     return out
 
 
@@ -107,7 +124,7 @@ def _batch(batch: list[np.ndarray], prefix: int, pad_id: int) -> tuple[torch.Ten
         tokens = torch.as_tensor(doc, dtype=torch.long)
         n = len(tokens) - 1
         inputs[row, :n], mask[row, :n] = tokens[:-1], 1
-        targets[row, prefix - 1:n] = tokens[prefix:]  # target j is token j+1: score tokens >= prefix
+        targets[row, prefix - 1 : n] = tokens[prefix:]  # target j is token j+1: score tokens >= prefix
     return inputs, mask, targets
 
 
@@ -118,7 +135,9 @@ def scored_windows(docs: list[np.ndarray], prefix: int, seq_len: int) -> list[np
 
 def scored_bytes(docs: list[np.ndarray], prefix: int, seq_len: int, byte_lengths: np.ndarray) -> int:
     """UTF-8 bytes of exactly the text score_documents scores: tokens prefix..seq_len of each window."""
-    return int(sum(byte_lengths[np.asarray(d[prefix:], dtype=np.int64)].sum() for d in scored_windows(docs, prefix, seq_len)))
+    return int(
+        sum(byte_lengths[np.asarray(d[prefix:], dtype=np.int64)].sum() for d in scored_windows(docs, prefix, seq_len))
+    )
 
 
 def bits_per_byte(nll_nats: float, n_bytes: int) -> float | None:
@@ -140,13 +159,20 @@ def evaluate_path(config, round_index: int, path_id: str, shards: str | None = N
         return None
     docs = held_out_documents(root, config, path_id, shards)
     model = load_path_model(root, config, round_index, path_id)
-    nll, tokens = score_documents(model, docs, prefix, seq_len, config.eval.batch_size,
-                                  pad_id=eos_token_id(m.vocab_size, m.tokenizer))
+    nll, tokens = score_documents(
+        model, docs, prefix, seq_len, config.eval.batch_size, pad_id=eos_token_id(m.vocab_size, m.tokenizer)
+    )
     if not tokens:
         return None
     n_bytes = scored_bytes(docs, prefix, seq_len, _byte_lengths(root, m.tokenizer, m.vocab_size))
-    return {"perplexity": math.exp(nll / tokens), "bits_per_byte": bits_per_byte(nll, n_bytes),
-            "tokens": tokens, "bytes": n_bytes, "docs": len(docs), "nll": nll}
+    return {
+        "perplexity": math.exp(nll / tokens),
+        "bits_per_byte": bits_per_byte(nll, n_bytes),
+        "tokens": tokens,
+        "bytes": n_bytes,
+        "docs": len(docs),
+        "nll": nll,
+    }
 
 
 def held_out_documents(root: RunRoot, config, path_id: str, shards: str = layout.SHARDS_DIR) -> list[np.ndarray]:
@@ -173,8 +199,13 @@ def chunk_routes(config, root: RunRoot, routing: layout.Routing = layout.KMEANS)
     every = config.eval.reroute_every
     rel = layout.eval_routes_dir(every, routing)
     router = Router.load(root, config, directory=routing.router)
-    settings = {"reroute_every": every, "router": router.checksum, "prefix_tokens": config.router.prefix_tokens,
-                "seq_len": config.model.seq_len, "max_docs": config.eval.max_docs}
+    settings = {
+        "reroute_every": every,
+        "router": router.checksum,
+        "prefix_tokens": config.router.prefix_tokens,
+        "seq_len": config.model.seq_len,
+        "max_docs": config.eval.max_docs,
+    }
     if root.is_committed(rel):
         stored = root.read_committed_json(rel, ROUTES_FILE)
         if all(stored.get(k) == v for k, v in settings.items()):
@@ -203,21 +234,29 @@ def route_chunks(config, root: RunRoot, router, shards: str = layout.SHARDS_DIR)
             routes[home].append([home] * len(spans))
             for k, (begin, _) in enumerate(spans[1:], start=1):
                 pending.append((home, index, k))
-                runs.append(window[prefix + begin - every: prefix + begin])
+                runs.append(window[prefix + begin - every : prefix + begin])
     for (home, index, k), path_id in zip(pending, router.route_tokens(runs) if runs else []):
         routes[home][index][k] = path_id
-    log.info("re-routing every %d tokens: %d held-out chunks routed, %d off their document's path", every,
-             sum(len(c) for docs in routes.values() for c in docs),
-             sum(p != home for home, docs in routes.items() for c in docs for p in c))
+    log.info(
+        "re-routing every %d tokens: %d held-out chunks routed, %d off their document's path",
+        every,
+        sum(len(c) for docs in routes.values() for c in docs),
+        sum(p != home for home, docs in routes.items() for c in docs for p in c),
+    )
     return routes
 
 
 def _checked_routes(paths, grid: list[int], where: str) -> dict[str, list[list[str]]]:
     """A committed routes file as route_chunks writes it, or CorruptStateError naming the file."""
     known = set(all_path_ids(grid))
-    if not (isinstance(paths, dict) and set(paths) <= known and all(
+    if not (
+        isinstance(paths, dict)
+        and set(paths) <= known
+        and all(
             isinstance(docs, list) and all(isinstance(c, list) and all(p in known for p in c) for c in docs)
-            for docs in paths.values())):
+            for docs in paths.values()
+        )
+    ):
         raise CorruptStateError(f"{where}: paths must map path ids to lists of chunk path ids per document")
     return paths
 
@@ -227,14 +266,21 @@ def evaluate_rerouted_path(config, round_index: int, path_id: str) -> dict | Non
     document, each token scored with the document's whole context before it (within the window);
     None when no chunk is routed to it."""
     root = RunRoot(config.run_root)
-    prefix, seq_len, every, m = config.router.prefix_tokens, config.model.seq_len, config.eval.reroute_every, config.model
+    prefix, seq_len, every, m = (
+        config.router.prefix_tokens,
+        config.model.seq_len,
+        config.eval.reroute_every,
+        config.model,
+    )
     routing = layout.routing(config.router.discriminative_after, round_index)
     windows, picks = [], []  # the documents with a chunk here (cut after its last one), and those chunks
     for home, doc_routes in chunk_routes(config, root, routing).items():
         docs = held_out_documents(root, config, home, routing.shards)
         if len(docs) != len(doc_routes):
-            raise CorruptStateError(f"{root.path(layout.eval_routes_dir(every, routing), ROUTES_FILE)}: {len(doc_routes)} documents "
-                                    f"routed for {home}, its held-out shard has {len(docs)}; delete the directory to re-route")
+            raise CorruptStateError(
+                f"{root.path(layout.eval_routes_dir(every, routing), ROUTES_FILE)}: {len(doc_routes)} documents "
+                f"routed for {home}, its held-out shard has {len(docs)}; delete the directory to re-route"
+            )
         for doc, chunks in zip(docs, doc_routes):
             window = doc[: seq_len + 1]
             spans = [span for span, p in zip(chunk_spans(max(0, len(window) - prefix), every), chunks) if p == path_id]
@@ -251,9 +297,15 @@ def evaluate_rerouted_path(config, round_index: int, path_id: str) -> dict | Non
         for begin, end in spans:
             nll += float(doc_nll[begin:end].sum())
             tokens += end - begin
-            n_bytes += int(byte_lengths[np.asarray(window[prefix + begin: prefix + end], dtype=np.int64)].sum())
-    return {"perplexity": math.exp(nll / tokens), "bits_per_byte": bits_per_byte(nll, n_bytes),
-            "tokens": tokens, "bytes": n_bytes, "docs": len(windows), "nll": nll}
+            n_bytes += int(byte_lengths[np.asarray(window[prefix + begin : prefix + end], dtype=np.int64)].sum())
+    return {
+        "perplexity": math.exp(nll / tokens),
+        "bits_per_byte": bits_per_byte(nll, n_bytes),
+        "tokens": tokens,
+        "bytes": n_bytes,
+        "docs": len(windows),
+        "nll": nll,
+    }
 
 
 def combine_paths(config, round_index: int, parts: dict[str, dict | None]) -> dict:
@@ -266,7 +318,11 @@ def combine_paths(config, round_index: int, parts: dict[str, dict | None]) -> di
         if not part:
             continue
         paths[path_id] = {k: part[k] for k in ("perplexity", "bits_per_byte", "tokens", "bytes", "docs")}
-        total_nll, total_tokens, total_bytes = total_nll + part["nll"], total_tokens + part["tokens"], total_bytes + part["bytes"]
+        total_nll, total_tokens, total_bytes = (
+            total_nll + part["nll"],
+            total_tokens + part["tokens"],
+            total_bytes + part["bytes"],
+        )
     result = {
         "round": round_index,
         "perplexity": math.exp(total_nll / total_tokens) if total_tokens else None,
@@ -281,9 +337,15 @@ def combine_paths(config, round_index: int, parts: dict[str, dict | None]) -> di
     if config.eval.early_stopping:
         write_best(root)  # after each round's evaluation: each path's best round so far
     if total_tokens:
-        log.info("round %d: routed perplexity %.2f, %.3f bits per byte over %d tokens (%d bytes)%s",
-                 round_index, result["perplexity"], result["bits_per_byte"] or float("nan"), total_tokens, total_bytes,
-                 f", re-routed every {config.eval.reroute_every} tokens" if config.eval.reroute_every else "")
+        log.info(
+            "round %d: routed perplexity %.2f, %.3f bits per byte over %d tokens (%d bytes)%s",
+            round_index,
+            result["perplexity"],
+            result["bits_per_byte"] or float("nan"),
+            total_tokens,
+            total_bytes,
+            f", re-routed every {config.eval.reroute_every} tokens" if config.eval.reroute_every else "",
+        )
     return result
 
 

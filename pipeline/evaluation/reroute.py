@@ -73,8 +73,16 @@ def path_losses(root: RunRoot, config: Config, round_index: int, docs: list[np.n
     columns = []
     for path_id in all_path_ids(m.grid):
         model = load_path_model(root, config, round_index, path_id)
-        columns.append(document_losses(model, docs, config.router.prefix_tokens, m.seq_len, config.eval.batch_size,
-                                       pad_id=eos_token_id(m.vocab_size, m.tokenizer)))
+        columns.append(
+            document_losses(
+                model,
+                docs,
+                config.router.prefix_tokens,
+                m.seq_len,
+                config.eval.batch_size,
+                pad_id=eos_token_id(m.vocab_size, m.tokenizer),
+            )
+        )
     return np.stack(columns, axis=1)
 
 
@@ -98,8 +106,10 @@ def fit_router(config: Config, root: RunRoot, after_round: int) -> Discriminativ
     losses = path_losses(root, config, after_round + 1, [tokens for _, _, tokens in sample])
     scored = np.flatnonzero(~np.isnan(losses).any(1))  # documents with a token after the prefix
     if len(scored) < 2:
-        raise InputError(f"{root.path(layout.SHARDS_DIR)}: discriminative routing needs at least 2 sampled training "
-                         f"documents longer than router.prefix_tokens, found {len(scored)}")
+        raise InputError(
+            f"{root.path(layout.SHARDS_DIR)}: discriminative routing needs at least 2 sampled training "
+            f"documents longer than router.prefix_tokens, found {len(scored)}"
+        )
     sample = [sample[i] for i in scored]
     labels = lowest_loss_labels(losses[scored])
     features = prefix_features(root, config, kmeans_router, [tokens for _, _, tokens in sample])
@@ -115,8 +125,11 @@ def fit_router(config: Config, root: RunRoot, after_round: int) -> Discriminativ
     header = {
         "format": FORMAT_VERSION,
         "kind": "discriminative",
-        **{k: kmeans_router.header[k] for k in ("embedder", "dim", "prefix_tokens", "tokenizer", "model_round", "model_path")
-           if k in kmeans_router.header},
+        **{
+            k: kmeans_router.header[k]
+            for k in ("embedder", "dim", "prefix_tokens", "tokenizer", "model_round", "model_path")
+            if k in kmeans_router.header
+        },
         "grid": list(grid),
         "path_ids": path_ids,
         "path_bias": bias.tolist(),
@@ -139,9 +152,17 @@ def fit_router(config: Config, root: RunRoot, after_round: int) -> Discriminativ
     router = DiscriminativeRouter(header, weights, root=root, config=config, directory=routing.router)
     root.remove(routing.router)  # a crashed fit's leftovers
     router.save(root, kmeans_router.embedder if hasattr(kmeans_router.embedder, "save") else None, routing.router)
-    log.info("reroute: %d sampled documents labelled by %d paths of round %d; classifier held-out accuracy %s "
-             "(%s with balancing); committed %s in %.1fs", len(sample), len(path_ids), after_round + 1,
-             header["classifier_heldout_accuracy"], header["heldout_accuracy"], root.path(routing.router), time.time() - start)
+    log.info(
+        "reroute: %d sampled documents labelled by %d paths of round %d; classifier held-out accuracy %s "
+        "(%s with balancing); committed %s in %.1fs",
+        len(sample),
+        len(path_ids),
+        after_round + 1,
+        header["classifier_heldout_accuracy"],
+        header["heldout_accuracy"],
+        root.path(routing.router),
+        time.time() - start,
+    )
     return Router.load(root, config, directory=routing.router)
 
 
@@ -159,19 +180,31 @@ def reroute(config: Config, after_round: int, reshard: Reshard) -> dict:
     if root.exists(report_rel):
         return root.read_json(report_rel)
     if not root.is_committed(layout.round_dir(after_round)):
-        raise InputError(f"{root.path(layout.round_dir(after_round))}: round {after_round} has not merged; "
-                         f"router.discriminative_after={after_round} re-routes after it")
+        raise InputError(
+            f"{root.path(layout.round_dir(after_round))}: round {after_round} has not merged; "
+            f"router.discriminative_after={after_round} re-routes after it"
+        )
     start = time.time()
-    router = (Router.load(root, config, directory=routing.router) if root.is_committed(routing.router)
-              else fit_router(config, root, after_round))
+    router = (
+        Router.load(root, config, directory=routing.router)
+        if root.is_committed(routing.router)
+        else fit_router(config, root, after_round)
+    )
     if not root.is_committed(routing.shards):
         reshard(config, root, router, routing)
     report = build_report(config, root, after_round, router)
     report["seconds"] = round(time.time() - start, 3)
     root.write_json(report_rel, report)  # last: the re-routing is done
-    log.info("reroute after round %d: %d of %d training documents changed path; perplexity of round %d's modules "
-             "%.3f on the k-means validation shards, %.3f on the new ones", after_round, report["changed"],
-             report["documents"], after_round + 1, report["perplexity_before"] or math.nan, report["perplexity_after"] or math.nan)
+    log.info(
+        "reroute after round %d: %d of %d training documents changed path; perplexity of round %d's modules "
+        "%.3f on the k-means validation shards, %.3f on the new ones",
+        after_round,
+        report["changed"],
+        report["documents"],
+        after_round + 1,
+        report["perplexity_before"] or math.nan,
+        report["perplexity_after"] or math.nan,
+    )
     return report
 
 
@@ -179,8 +212,10 @@ def build_report(config: Config, root: RunRoot, after_round: int, router: Router
     """Accuracy, documents that changed path (by split) and routed perplexity before and after."""
     routing = layout.reroute_routing(after_round + 1)
     header = router.header
-    changed = {split: changed_documents(root, config, layout.SHARDS_DIR, routing.shards, split)
-               for split in ("train", "validation")}
+    changed = {
+        split: changed_documents(root, config, layout.SHARDS_DIR, routing.shards, split)
+        for split in ("train", "validation")
+    }
     before = routed_score(config, after_round + 1, layout.SHARDS_DIR)
     after = routed_score(config, after_round + 1, routing.shards)
     return {
@@ -227,5 +262,8 @@ def routed_score(config: Config, round_index: int, shards: str) -> dict:
         part = evaluate_path(config, round_index, path_id, shards=shards)
         if part:
             nll, tokens, n_bytes = nll + part["nll"], tokens + part["tokens"], n_bytes + part["bytes"]
-    return {"perplexity": math.exp(nll / tokens) if tokens else None, "bits_per_byte": bits_per_byte(nll, n_bytes),
-            "tokens": tokens}
+    return {
+        "perplexity": math.exp(nll / tokens) if tokens else None,
+        "bits_per_byte": bits_per_byte(nll, n_bytes),
+        "tokens": tokens,
+    }

@@ -30,11 +30,11 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from pipeline.state import layout
 from pipeline.core.config import Config
 from pipeline.core.errors import DipacoError
-from pipeline.state.storage import RunRoot
 from pipeline.islands.task_queue import ISLANDS, Lease, Task, TaskQueue, read_plan
+from pipeline.state import layout
+from pipeline.state.storage import RunRoot
 
 if TYPE_CHECKING:
     from pipeline.evaluation.reroute import Reshard
@@ -67,8 +67,13 @@ class Island:
         rank, world = init_distributed()
         self.rank, self.world = rank, world
         if rank == 0:
-            self._record(state="running", world_size=world, started_at=time.time(), finished_at=None,
-                         lifetimes=self._past_lifetimes())
+            self._record(
+                state="running",
+                world_size=world,
+                started_at=time.time(),
+                finished_at=None,
+                lifetimes=self._past_lifetimes(),
+            )
         while True:
             message = broadcast_json(self._next_message() if rank == 0 else None, rank, world)
             if "exit" in message:
@@ -100,8 +105,9 @@ class Island:
 
         claimed = time.time()
         try:
-            outcome = run_task(self.config, task, self.rank, attempt, self.lease if self.rank == 0 else None,
-                               reshard=self.reshard)
+            outcome = run_task(
+                self.config, task, self.rank, attempt, self.lease if self.rank == 0 else None, reshard=self.reshard
+            )
         except AttemptCancelled as exc:  # another attempt published first, or this one lost its lease
             if self.rank == 0 and self.lease is not None:
                 self.lease.finish("cancelled", seconds=time.time() - claimed, error=str(exc)[:2000])
@@ -110,8 +116,9 @@ class Island:
             return
         except BaseException as exc:
             if self.rank == 0 and self.lease is not None and not isinstance(exc, SystemExit):
-                self.lease.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000],
-                                  input_error=isinstance(exc, DipacoError))
+                self.lease.finish(
+                    "failed", error=f"{type(exc).__name__}: {exc}"[:2000], input_error=isinstance(exc, DipacoError)
+                )
                 self.lease = None
             raise
         if self.rank == 0 and self.lease is not None:
@@ -159,8 +166,14 @@ def new_island_id(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
-def run_task(config: Config, task: Task, rank: int, attempt: int | None = None, lease: Lease | None = None,
-             reshard: Reshard | None = None) -> dict | None:
+def run_task(
+    config: Config,
+    task: Task,
+    rank: int,
+    attempt: int | None = None,
+    lease: Lease | None = None,
+    reshard: Reshard | None = None,
+) -> dict | None:
     """Do one task on this rank; what the lease records of it (rank 0). A train task writes into
     its attempt's staging directory and publishes only while rank 0's `lease` is held; a reroute
     task re-shards with `reshard` (the Beam job)."""
@@ -169,11 +182,21 @@ def run_task(config: Config, task: Task, rank: int, attempt: int | None = None, 
         from pipeline.train.train_path import train_path
 
         stop = (lambda: lease.cancelled.is_set() or lease.lost.is_set()) if lease is not None else (lambda: False)
-        metrics = train_path(config, task.round, task.target, attempt=f"attempt-{attempt}" if attempt else None,
-                             may_publish=lease.held if lease is not None else None, should_stop=stop)
-        return {"inner_started_at": metrics["started_at"], "inner_finished_at": metrics["finished_at"],
-                "inner_seconds": metrics["seconds"], "resumed_from_step": metrics.get("resumed_from_step", 0),
-                "published": metrics.get("published", True)}
+        metrics = train_path(
+            config,
+            task.round,
+            task.target,
+            attempt=f"attempt-{attempt}" if attempt else None,
+            may_publish=lease.held if lease is not None else None,
+            should_stop=stop,
+        )
+        return {
+            "inner_started_at": metrics["started_at"],
+            "inner_finished_at": metrics["finished_at"],
+            "inner_seconds": metrics["seconds"],
+            "resumed_from_step": metrics.get("resumed_from_step", 0),
+            "published": metrics.get("published", True),
+        }
     if rank != 0:
         return None
     if task.kind == "merge":
@@ -187,20 +210,26 @@ def run_task(config: Config, task: Task, rank: int, attempt: int | None = None, 
     elif task.kind == "eval":
         from pipeline.evaluation.evaluate import evaluate_path
 
-        root.write_json(layout.eval_part(task.round, task.target),
-                        {"path": task.target, "result": evaluate_path(config, task.round, task.target)})
+        root.write_json(
+            layout.eval_part(task.round, task.target),
+            {"path": task.target, "result": evaluate_path(config, task.round, task.target)},
+        )
     elif task.kind == "evalsum":
         from pipeline.evaluation.evaluate import combine_paths
 
-        parts = {p: root.read_json(layout.eval_part(task.round, p)).get("result")
-                 for p in TaskQueue(root, config).eval_paths(task.round)}
+        parts = {
+            p: root.read_json(layout.eval_part(task.round, p)).get("result")
+            for p in TaskQueue(root, config).eval_paths(task.round)
+        }
         combine_paths(config, task.round, parts)
     elif task.kind == "reroute":
         from pipeline.evaluation.reroute import reroute
 
         if reshard is None:
-            raise DipacoError(f"{task.name}: this island was started without the Beam job that re-shards "
-                              f"(start islands with `python -m pipeline.island_rank`)")
+            raise DipacoError(
+                f"{task.name}: this island was started without the Beam job that re-shards "
+                f"(start islands with `python -m pipeline.island_rank`)"
+            )
         reroute(config, task.round, reshard)
     return None
 
@@ -217,8 +246,11 @@ def broadcast_json(message: dict | None, rank: int, world: int) -> dict:
     data = json.dumps(message).encode() if rank == 0 else b""
     size = torch.tensor([len(data)], dtype=torch.long, device=device)
     dist.broadcast(size, 0)
-    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if rank == 0
-              else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    buffer = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        if rank == 0
+        else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    )
     dist.broadcast(buffer, 0)
     return json.loads(buffer.cpu().numpy().tobytes())
 

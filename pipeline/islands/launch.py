@@ -19,15 +19,20 @@ import time
 import uuid
 from pathlib import Path
 
+from pipeline.core.bounds import shown
+from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, InputError
+from pipeline.core.trust import RUN_ROOT_RE
 from pipeline.islands import processes
 from pipeline.islands.attempts import Attempts
 from pipeline.islands.processes import STOP_GRACE_S
 from pipeline.state import layout
-from pipeline.core.bounds import shown
-from pipeline.train.distributed import child_env, free_port, rank_threads, set_runtime_env  # each rank also sets its own threads
-from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, InputError
-from pipeline.core.trust import RUN_ROOT_RE
 from pipeline.state.storage import RunRoot
+from pipeline.train.distributed import (
+    child_env,
+    free_port,
+    rank_threads,
+    set_runtime_env,
+)  # each rank also sets its own threads
 
 log = logging.getLogger("dipaco.launch")
 _FORWARD = ("dipaco.", "Error", "error", "Traceback", "Killed")
@@ -39,8 +44,12 @@ _RANK_PREFIXES = (_TRAINER_PREFIX, "dipaco island: ")  # pipeline.train.distribu
 def launcher_command(run_root: str, round_index: int, path_id: str, train, port: int) -> list[str]:
     """The `deepspeed` launcher command for one path's island: `procs_per_path` ranks on each of
     `num_nodes` nodes (the hosts of `hostfile`, or this machine)."""
-    return _deepspeed(train, port, "pipeline.train.train_path",
-                      ["--run-root", run_root, "--round", str(round_index), "--path", path_id])
+    return _deepspeed(
+        train,
+        port,
+        "pipeline.train.train_path",
+        ["--run-root", run_root, "--round", str(round_index), "--path", path_id],
+    )
 
 
 def _deepspeed(train, port: int, module: str, args: list[str]) -> list[str]:
@@ -48,8 +57,20 @@ def _deepspeed(train, port: int, module: str, args: list[str]) -> list[str]:
     hosts = ["--hostfile", train.hostfile] if train.hostfile else []
     if train.num_nodes > 1:
         args = shell_args(args)
-    return [str(launcher), *hosts, "--num_nodes", str(train.num_nodes), "--num_gpus", str(train.procs_per_path),
-            "--master_port", str(port), "--no_local_rank", "--module", module, *args]
+    return [
+        str(launcher),
+        *hosts,
+        "--num_nodes",
+        str(train.num_nodes),
+        "--num_gpus",
+        str(train.procs_per_path),
+        "--master_port",
+        str(port),
+        "--no_local_rank",
+        "--module",
+        module,
+        *args,
+    ]
 
 
 def shell_args(args: list[str]) -> list[str]:
@@ -60,8 +81,10 @@ def shell_args(args: list[str]) -> list[str]:
     otherwise) and shlex-quoted, which leaves the shell nothing to interpret."""
     for value in args:
         if not RUN_ROOT_RE.fullmatch(value):
-            raise ConfigError(f"train.num_nodes > 1: {shown(value)} would reach the nodes' shell; a multi-node "
-                              f"launch takes only letters, digits and _ . / : + = @ , ~ - in its arguments")
+            raise ConfigError(
+                f"train.num_nodes > 1: {shown(value)} would reach the nodes' shell; a multi-node "
+                f"launch takes only letters, digits and _ . / : + = @ , ~ - in its arguments"
+            )
     return [shlex.quote(value) for value in args]
 
 
@@ -70,13 +93,24 @@ def island_names(train) -> list[str]:
     return [f"island-{i}" for i in range(train.islands or train.parallel_paths)]
 
 
-def island_command(run_root: str, island: str, train, port: int, ds_config: str | None = None,
-                   island_id: str | None = None) -> list[str]:
+def island_command(
+    run_root: str, island: str, train, port: int, ds_config: str | None = None, island_id: str | None = None
+) -> list[str]:
     """The `deepspeed` launcher command of one island: it lives for the whole run and pulls tasks
     (pipeline.island_rank); the same ranks and hosts as a one-shot path launch."""
-    return _deepspeed(train, port, "pipeline.island_rank",
-                      ["--run-root", run_root, "--island", island, *(["--island-id", island_id] if island_id else []),
-                       *(["--ds-config", ds_config] if ds_config else [])])
+    return _deepspeed(
+        train,
+        port,
+        "pipeline.island_rank",
+        [
+            "--run-root",
+            run_root,
+            "--island",
+            island,
+            *(["--island-id", island_id] if island_id else []),
+            *(["--ds-config", ds_config] if ds_config else []),
+        ],
+    )
 
 
 class Launch:
@@ -88,8 +122,9 @@ class Launch:
         env = child_env({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"})
         log.info("launch %s: %s", name, " ".join(command))
         self.name, self.tail = name, []
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         self.reader = threading.Thread(target=_forward_output, args=(self.process, name, self.tail), daemon=True)
         self.reader.start()
 
@@ -152,13 +187,25 @@ def train_path_job(config, round_index: int, path_id: str) -> dict | None:
         returncode, tail = _run_attempt(config, round_index, path_id)
         if returncode == 0 and root.is_committed(rel):
             break
-        root.write_json(f"{layout.attempts_dir(round_index, path_id)}/attempt-{attempt}.json", {
-            "returncode": returncode, "seconds": time.perf_counter() - started, "output_tail": tail,
-        })
+        root.write_json(
+            f"{layout.attempts_dir(round_index, path_id)}/attempt-{attempt}.json",
+            {
+                "returncode": returncode,
+                "seconds": time.perf_counter() - started,
+                "output_tail": tail,
+            },
+        )
         if returncode == INPUT_ERROR_EXIT:
             raise InputError(f"path {path_id} round {round_index}: {trainer_message(tail)}")
-        log.warning("path %s round %d attempt %d/%d failed (exit %s)%s", path_id, round_index, attempt,
-                    allowed.limit, returncode, (": " + tail[-1]) if tail else "")
+        log.warning(
+            "path %s round %d attempt %d/%d failed (exit %s)%s",
+            path_id,
+            round_index,
+            attempt,
+            allowed.limit,
+            returncode,
+            (": " + tail[-1]) if tail else "",
+        )
         if not allowed.may_try_again(attempt):
             return read_metrics(root, rel) if root.is_committed(rel) else None
     return read_metrics(root, rel)
@@ -173,10 +220,14 @@ def read_metrics(root: RunRoot, rel: str) -> dict:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
     loss = metrics.get("loss")
-    checks = {"loss": isinstance(loss, list) and bool(loss) and all(number(x) for x in loss),
-              "tokens": type(metrics.get("tokens")) is int, "tokens_per_s": number(metrics.get("tokens_per_s")),
-              "seconds": number(metrics.get("seconds")), "round": type(metrics.get("round")) is int,
-              "path": isinstance(metrics.get("path"), str)}
+    checks = {
+        "loss": isinstance(loss, list) and bool(loss) and all(number(x) for x in loss),
+        "tokens": type(metrics.get("tokens")) is int,
+        "tokens_per_s": number(metrics.get("tokens_per_s")),
+        "seconds": number(metrics.get("seconds")),
+        "round": type(metrics.get("round")) is int,
+        "path": isinstance(metrics.get("path"), str),
+    }
     bad = next((key for key, ok in checks.items() if not ok), None)
     if bad is not None:
         raise CorruptStateError(f"{where}: {bad} is missing or of the wrong type ({shown(metrics.get(bad))})")

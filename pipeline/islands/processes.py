@@ -33,7 +33,7 @@ def process_table() -> dict[int, tuple[int, int, str]]:
         except OSError:  # gone between the listing and the read
             continue
         # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ")"
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         table[int(entry.name)] = (int(fields[1]), int(fields[2]), fields[0])
     return table
 

@@ -57,13 +57,19 @@ class Supervisor:
                 for name, process in list(self.islands.items()):
                     self._look_at(name, process)
                 if self._all_gone() and not self.queue.round_finished(pending[0]):
-                    raise IslandError(f"every island left before round {pending[0]} finished; start one with "
-                                      f"`dipaco island --config ...` or rerun `dipaco run` to resume")
+                    raise IslandError(
+                        f"every island left before round {pending[0]} finished; start one with "
+                        f"`dipaco island --config ...` or rerun `dipaco run` to resume"
+                    )
                 time.sleep(POLL_S)
         except BaseException as exc:  # Ctrl-C, SIGTERM (pipeline.cli), an error: stop them all, release their tasks
             interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
-            stop_islands(self.config, self.root, self.islands,
-                         "interrupted" if interrupted else f"stopping after {type(exc).__name__}")
+            stop_islands(
+                self.config,
+                self.root,
+                self.islands,
+                "interrupted" if interrupted else f"stopping after {type(exc).__name__}",
+            )
             raise
         for process in self.islands.values():  # the plan is done: they are leaving by themselves
             try:
@@ -87,8 +93,13 @@ class Supervisor:
         if not self.allowed.may_try_again(self.crashes[name], input_error=returncode == INPUT_ERROR_EXIT):
             del self.islands[name]
             island_failed(self.config, self.root, name, returncode, process.tail, process.island_id)
-        log.warning("%s exited with status %s; starting it again (restart %d of at most %d)", name, returncode,
-                    self.crashes[name], self.allowed.limit - 1)
+        log.warning(
+            "%s exited with status %s; starting it again (restart %d of at most %d)",
+            name,
+            returncode,
+            self.crashes[name],
+            self.allowed.limit - 1,
+        )
         self.queue.fail_running(process.island_id, f"island exited with status {returncode}")
         self.islands[name] = IslandProcess(self.config, name)
 
@@ -96,7 +107,9 @@ class Supervisor:
         return all(p.poll() is not None and (p.poll() == 0 or n in self.left) for n, p in self.islands.items())
 
 
-def run_island(config, root: RunRoot, island: str, ds_config: str | None = None, reshard: Callable | None = None) -> dict:
+def run_island(
+    config, root: RunRoot, island: str, ds_config: str | None = None, reshard: Callable | None = None
+) -> dict:
     """One island until the plan is done: a `deepspeed` launch of pipeline.island_rank (with
     `train.launcher: inprocess`, this process as a one-rank island, given the Beam job `reshard`
     for its reroute tasks by the stages above). Raises when it failed."""
@@ -129,8 +142,9 @@ def join(config, root: RunRoot, name: str | None = None, reshard: Callable | Non
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, leave)
-    return run_island(config, root, name or f"{socket.gethostname()}-{os.getpid()}", ds_config=config.train.ds_config,
-                      reshard=reshard)
+    return run_island(
+        config, root, name or f"{socket.gethostname()}-{os.getpid()}", ds_config=config.train.ds_config, reshard=reshard
+    )
 
 
 @contextlib.contextmanager
@@ -158,7 +172,9 @@ def sigterm_raises():
 def island_failed(config, root: RunRoot, island: str, returncode: int, tail: list[str], island_id: str) -> None:
     """An island exited with an error for good: its running attempt is failed at once (no need to
     wait out the lease); a config or input error is raised with the trainer's own message."""
-    TaskQueue(root, config).fail_running(island_id, f"island exited with status {returncode}: {tail[-1] if tail else ''}"[:2000])
+    TaskQueue(root, config).fail_running(
+        island_id, f"island exited with status {returncode}: {tail[-1] if tail else ''}"[:2000]
+    )
     if returncode == INPUT_ERROR_EXIT:
         raise InputError(f"{island}: {trainer_message(tail)}")
     raise IslandError(f"{island} exited with status {returncode}: {tail[-1] if tail else 'no output'}")
@@ -179,13 +195,20 @@ def stop_islands(config, root: RunRoot, islands: dict[str, IslandProcess], why: 
     started = time.time()
     outcome = stop_launches(list(islands.values()))
     queue, now = TaskQueue(root, config), time.time()
-    released = [task for process in islands.values() for task in queue.release_running(process.island_id, why, since=started)]
+    released = [
+        task for process in islands.values() for task in queue.release_running(process.island_id, why, since=started)
+    ]
     for name in islands:  # a killed island could not say when it stopped: utilisation needs its end
         rel = f"{ISLANDS}/{name}.json"
         record = root.read_json(rel) if root.exists(rel) else None
         if record and record.get("state") == "running":
             root.write_json(rel, {**record, "state": "stopped", "finished_at": now})
-    log.warning("%s: stopped %d island(s) (%d processes, %d killed after the grace period); %s", why, len(islands),
-                outcome.get("processes", 0), outcome.get("killed", 0),
-                f"released {', '.join(released)}" if released else "they held no task")
+    log.warning(
+        "%s: stopped %d island(s) (%d processes, %d killed after the grace period); %s",
+        why,
+        len(islands),
+        outcome.get("processes", 0),
+        outcome.get("killed", 0),
+        f"released {', '.join(released)}" if released else "they held no task",
+    )
     return {**outcome, "released": released}

@@ -42,10 +42,10 @@ import uuid
 from dataclasses import dataclass
 
 from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules, round_job_ids
-from pipeline.state import layout
 from pipeline.core.bounds import shown
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, StorageError
 from pipeline.islands.attempts import Attempts
+from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.queue")
@@ -167,10 +167,13 @@ class TaskQueue:
         # Fixed by the config: worked out once, not on every poll of ready().
         # A path's private module (model.path_specific_blocks) is one of its modules like any other.
         self.private = config.model.path_specific_blocks > 0
-        self.job_modules = {job: path_modules(parse_job_id(job, self.grid, config.train.workers_per_path)[1],
-                                              self.grid, self.private) for job in self.jobs}
-        self.jobs_through = {key: [j for j in self.jobs if key in self.job_modules[j]]
-                             for key in all_modules(self.grid, self.private)}
+        self.job_modules = {
+            job: path_modules(parse_job_id(job, self.grid, config.train.workers_per_path)[1], self.grid, self.private)
+            for job in self.jobs
+        }
+        self.jobs_through = {
+            key: [j for j in self.jobs if key in self.job_modules[j]] for key in all_modules(self.grid, self.private)
+        }
         self._eval_paths: dict[str, list[str]] = {}
         self.backup_after = config.train.backup_after
         self.clock_offset = clock_offset()
@@ -183,7 +186,9 @@ class TaskQueue:
 
     def jobs_of(self, round_index: int) -> list[str]:
         """The jobs round r trains: every path's first train.workers_in_round(r) DiLoCo workers."""
-        return round_job_ids(self.grid, self.config.train.workers_per_path, self.config.train.workers_in_round(round_index))
+        return round_job_ids(
+            self.grid, self.config.train.workers_per_path, self.config.train.workers_in_round(round_index)
+        )
 
     # -- leases --------------------------------------------------------------------------------
     def attempts(self, task: Task) -> list[Attempt]:
@@ -209,7 +214,9 @@ class TaskQueue:
         if problem is not None:
             if rel not in self._warned:
                 self._warned.add(rel)
-                log.warning("%s: malformed lease record (%s); counting it as a failed attempt", self.root.path(rel), problem)
+                log.warning(
+                    "%s: malformed lease record (%s); counting it as a failed attempt", self.root.path(rel), problem
+                )
             return Attempt(number, {**record, "state": "failed", "error": f"malformed lease record: {problem}"})
         now = time.monotonic()
         token = (record.get("beats", 0), record["heartbeat"], record["state"])
@@ -221,9 +228,17 @@ class TaskQueue:
         # How long it has run: as this reader saw it, or as its holder measured it on its own
         # monotonic clock (a duration, never a wall time: skew cannot enter), whichever is longer.
         held = record.get("running_s")
-        held = float(held) if isinstance(held, (int, float)) and not isinstance(held, bool) and math.isfinite(held) else 0.0
-        return Attempt(number, record, expired=running and now - seen[1] > self.lease_seconds,
-                       running_for=max(now - seen[2], held) if running else 0.0)
+        held = (
+            float(held)
+            if isinstance(held, (int, float)) and not isinstance(held, bool) and math.isfinite(held)
+            else 0.0
+        )
+        return Attempt(
+            number,
+            record,
+            expired=running and now - seen[1] > self.lease_seconds,
+            running_for=max(now - seen[2], held) if running else 0.0,
+        )
 
     def given_up(self, task: Task) -> bool:
         """Every allowed attempt failed or expired: the round goes on without this task."""
@@ -262,8 +277,14 @@ class TaskQueue:
             return None
         lease = self._create_attempt(task, attempts, island, island_id, backup=True)
         if lease is not None:
-            log.info("%s: backup attempt %d beside attempt %d (running %.1f s, round median %.1f s)", task.name,
-                     lease.number, live[0].number, live[0].running_for, median)
+            log.info(
+                "%s: backup attempt %d beside attempt %d (running %.1f s, round median %.1f s)",
+                task.name,
+                lease.number,
+                live[0].number,
+                live[0].running_for,
+                median,
+            )
         return lease
 
     def median_task_seconds(self, round_index: int) -> float | None:
@@ -273,18 +294,32 @@ class TaskQueue:
         for job in self.jobs_of(round_index):
             for attempt in self.attempts(Task.of("train", round_index, job)):
                 value = attempt.record.get("seconds")
-                if (attempt.state == "done" and not attempt.record.get("resumed_from_step")
-                        and isinstance(value, (int, float)) and math.isfinite(value)):
+                if (
+                    attempt.state == "done"
+                    and not attempt.record.get("resumed_from_step")
+                    and isinstance(value, (int, float))
+                    and math.isfinite(value)
+                ):
                     seconds.append(float(value))
         return statistics.median(seconds) if seconds else None
 
-    def _create_attempt(self, task: Task, attempts: list[Attempt], island: str, island_id: str | None,
-                        backup: bool = False) -> "Lease | None":
+    def _create_attempt(
+        self, task: Task, attempts: list[Attempt], island: str, island_id: str | None, backup: bool = False
+    ) -> "Lease | None":
         number = attempts[-1].number + 1 if attempts else 1
         now = time.time() + self.clock_offset
-        record = {"task": task.to_json(), "island": island, "island_id": island_id or island, "host": socket.gethostname(),
-                  "pid": os.getpid(), "claimed_at": now, "heartbeat": now, "beats": 0, "state": "running",
-                  **({"backup": True} if backup else {})}
+        record = {
+            "task": task.to_json(),
+            "island": island,
+            "island_id": island_id or island,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "claimed_at": now,
+            "heartbeat": now,
+            "beats": 0,
+            "state": "running",
+            **({"backup": True} if backup else {}),
+        }
         rel = f"{LEASES}/{task.name}/attempt-{number}.json"
         if not self._create_exclusive(rel, record):
             return None  # another island took this attempt first
@@ -316,8 +351,10 @@ class TaskQueue:
         except FileExistsError:
             return False
         except (NotImplementedError, ValueError) as exc:
-            raise ConfigError(f"{self.root.url}: islands need a run root with exclusive create (a local or shared "
-                              f"filesystem, or an object store with conditional writes): {exc}") from None
+            raise ConfigError(
+                f"{self.root.url}: islands need a run root with exclusive create (a local or shared "
+                f"filesystem, or an object store with conditional writes): {exc}"
+            ) from None
 
     def fail_running(self, island_id: str, reason: str) -> None:
         """Mark the running attempts of one island process (`island_id`, unique per process: a
@@ -326,13 +363,20 @@ class TaskQueue:
         for name in self.root.listdir(LEASES):
             for attempt in self._attempts_in(f"{LEASES}/{name}"):
                 if attempt.record.get("island_id") == island_id and attempt.state == "running":
-                    self.root.write_json(f"{LEASES}/{name}/attempt-{attempt.number}.json",
-                                         {**attempt.record, "state": "failed", "error": reason,
-                                          "finished_at": time.time() + self.clock_offset})
+                    self.root.write_json(
+                        f"{LEASES}/{name}/attempt-{attempt.number}.json",
+                        {
+                            **attempt.record,
+                            "state": "failed",
+                            "error": reason,
+                            "finished_at": time.time() + self.clock_offset,
+                        },
+                    )
 
     def release_running(self, island_id: str, reason: str, since: float = float("inf")) -> list[str]:
         """Release the running attempts of one island process (`island_id`, as fail_running), whose
-        processes were stopped on an interrupt: like Lease.finish("released"), no attempt is lost and another island may take the task at once.
+        processes were stopped on an interrupt: like Lease.finish("released"), no attempt is lost and
+        another island may take the task at once.
         The tasks released, with those the island released itself at or after `since`."""
         released = []
         for name in self.root.listdir(LEASES):
@@ -341,9 +385,15 @@ class TaskQueue:
             if not last or last.record.get("island_id") != island_id:
                 continue
             if last.record.get("state") == "running":
-                self.root.write_json(f"{LEASES}/{name}/attempt-{last.number}.json",
-                                     {**last.record, "state": "released", "reason": reason,
-                                      "finished_at": time.time() + self.clock_offset})
+                self.root.write_json(
+                    f"{LEASES}/{name}/attempt-{last.number}.json",
+                    {
+                        **last.record,
+                        "state": "released",
+                        "reason": reason,
+                        "finished_at": time.time() + self.clock_offset,
+                    },
+                )
                 released.append(name)
             elif last.record.get("state") == "released" and float(last.record.get("finished_at", 0)) >= since:
                 released.append(name)
@@ -357,7 +407,9 @@ class TaskQueue:
 
     def job_settled(self, round_index: int, job: str) -> bool:
         """Committed, or given up after max_attempts."""
-        return self.root.is_committed(layout.path_dir(round_index, job)) or self.given_up(Task.of("train", round_index, job))
+        return self.root.is_committed(layout.path_dir(round_index, job)) or self.given_up(
+            Task.of("train", round_index, job)
+        )
 
     def shards_ready(self, round_index: int) -> bool:
         """The shards round r trains and is evaluated on are committed (the re-routed ones for
@@ -369,8 +421,11 @@ class TaskQueue:
 
     def reroute_pending(self, until_round: int) -> bool:
         """The plan trains round R = router.discriminative_after and its re-routing is not done."""
-        return (self.after is not None and self.after < until_round
-                and not self.root.exists(layout.reroute_report(self.after + 1)))
+        return (
+            self.after is not None
+            and self.after < until_round
+            and not self.root.exists(layout.reroute_report(self.after + 1))
+        )
 
     def ready(self, until_round: int) -> list[Task]:
         """Every task that can start now, in claim order (held ones included: claim() skips them)."""
@@ -384,10 +439,16 @@ class TaskQueue:
             jobs = self.jobs_of(r)
             settled = {job: self.job_settled(r, job) for job in jobs}
             shards_ready = self.shards_ready(r)
-            tasks += [Task.of("train", r, job) for job in jobs
-                      if not settled[job] and shards_ready and self.modules_ready(r, self.job_modules[job])]
-            tasks += [Task.of("merge", r, module_target(key)) for key, done in staged.items()
-                      if not done and all(settled[j] for j in self.jobs_through[key] if j in settled)]
+            tasks += [
+                Task.of("train", r, job)
+                for job in jobs
+                if not settled[job] and shards_ready and self.modules_ready(r, self.job_modules[job])
+            ]
+            tasks += [
+                Task.of("merge", r, module_target(key))
+                for key, done in staged.items()
+                if not done and all(settled[j] for j in self.jobs_through[key] if j in settled)
+            ]
             if all(staged.values()):
                 tasks.append(Task.of("commit", r))
         for r in range(1, until_round + 1):
@@ -407,17 +468,23 @@ class TaskQueue:
 
         shards = layout.routing(self.after, round_index).shards
         if shards not in self._eval_paths:  # committed validation shards never change
-            self._eval_paths[shards] = [p for p in all_path_ids(self.grid)
-                                        if shard_parts(self.root, p, split="validation", shards=shards)
-                                        or self.config.eval.reroute_every is not None]  # re-routed chunks reach any path
+            self._eval_paths[shards] = [
+                p
+                for p in all_path_ids(self.grid)
+                if shard_parts(self.root, p, split="validation", shards=shards)
+                or self.config.eval.reroute_every is not None
+            ]  # re-routed chunks reach any path
         return self._eval_paths[shards]
 
     def round_finished(self, round_index: int) -> bool:
         """Round r merged, the modules it wrote evaluated and, when r is router.discriminative_after,
         the splits re-routed: ready to report and register."""
         rerouted = round_index != self.after or self.root.exists(layout.reroute_report(round_index + 1))
-        return (self.root.is_committed(layout.round_dir(round_index))
-                and self.root.exists(layout.eval_file(round_index + 1)) and rerouted)
+        return (
+            self.root.is_committed(layout.round_dir(round_index))
+            and self.root.exists(layout.eval_file(round_index + 1))
+            and rerouted
+        )
 
     def finished(self, until_round: int) -> bool:
         """Every round of the plan finished (and re-routed, if the plan reaches
@@ -468,14 +535,21 @@ class Lease:
                     return
                 if self.queue.output_committed(self.task):
                     self.cancelled.set()  # another attempt published first: stop working on it
-                self._write(beats=int(self.record.get("beats", 0)) + 1, heartbeat=time.time() + self.queue.clock_offset,
-                            running_s=round(time.monotonic() - self._claimed, 3))
+                self._write(
+                    beats=int(self.record.get("beats", 0)) + 1,
+                    heartbeat=time.time() + self.queue.clock_offset,
+                    running_s=round(time.monotonic() - self._claimed, 3),
+                )
                 delay, last_ok, failures = interval, time.monotonic(), 0
             except (DipacoError, StorageError, OSError) as exc:
                 failures += 1
                 if time.monotonic() - last_ok > self.queue.lease_seconds:
-                    log.warning("giving up the lease of %s: no heartbeat written for %.1f s (%s)", self.task.name,
-                                time.monotonic() - last_ok, exc)
+                    log.warning(
+                        "giving up the lease of %s: no heartbeat written for %.1f s (%s)",
+                        self.task.name,
+                        time.monotonic() - last_ok,
+                        exc,
+                    )
                     self.lost.set()
                     return
                 # Backoff from a tenth of a beat, doubling, never slower than a normal beat: three
@@ -517,4 +591,4 @@ class Lease:
                 return
             except (DipacoError, StorageError, OSError) as exc:
                 log.warning("recording %s of %s failed (%s); retrying", state, self.task.name, exc)
-                time.sleep(0.05 * 2 ** tries)
+                time.sleep(0.05 * 2**tries)

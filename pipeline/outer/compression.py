@@ -60,10 +60,14 @@ def decode(stored: Tensors, kind: str) -> Tensors:
     names = [key.rsplit(":", 1)[0] for key in stored if key.endswith(f":{SCALE}")]
     missing = [f"{n}:{p}" for n in names for p in (CODES, SHAPE) if f"{n}:{p}" not in stored]
     if missing or len(stored) != 3 * len(names):
-        raise ValueError(f"not an {kind} outer gradient: expected <name>:{CODES}, :{SCALE}, :{SHAPE} per tensor"
-                         + (f", missing {missing[:3]}" if missing else ""))
-    return {n: dequantise(stored[f"{n}:{CODES}"], stored[f"{n}:{SCALE}"], stored[f"{n}:{SHAPE}"], LEVELS[kind])
-            for n in names}
+        raise ValueError(
+            f"not an {kind} outer gradient: expected <name>:{CODES}, :{SCALE}, :{SHAPE} per tensor"
+            + (f", missing {missing[:3]}" if missing else "")
+        )
+    return {
+        n: dequantise(stored[f"{n}:{CODES}"], stored[f"{n}:{SCALE}"], stored[f"{n}:{SHAPE}"], LEVELS[kind])
+        for n in names
+    }
 
 
 def quantise(x: torch.Tensor, levels: int) -> Tensors:
@@ -72,7 +76,7 @@ def quantise(x: torch.Tensor, levels: int) -> Tensors:
     blocks = _padded(flat).view(-1, BLOCK)  # (n_blocks, BLOCK)
     scale = blocks.abs().amax(dim=1) / levels  # (n_blocks,)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero block stays all zero
-    q = torch.round(blocks / safe[:, None]).clamp_(-levels, levels).to(torch.int8).view(-1)[:flat.numel()]
+    q = torch.round(blocks / safe[:, None]).clamp_(-levels, levels).to(torch.int8).view(-1)[: flat.numel()]
     codes = q if levels > 7 else _pack_nibbles(q)
     return {CODES: codes, SCALE: scale, SHAPE: torch.tensor(list(x.shape), dtype=torch.int64)}
 
@@ -94,10 +98,10 @@ def error_bound(x: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "none":
         return torch.zeros_like(x, dtype=torch.float32)
     if kind == "bf16":
-        return x.float().abs() * 2.0 ** -8
+        return x.float().abs() * 2.0**-8
     flat = x.float().reshape(-1)
     step = _padded(flat).view(-1, BLOCK).abs().amax(dim=1) / LEVELS[kind]  # (n_blocks,)
-    return (step / 2).repeat_interleave(BLOCK)[:flat.numel()].reshape(x.shape)
+    return (step / 2).repeat_interleave(BLOCK)[: flat.numel()].reshape(x.shape)
 
 
 def stored_bytes(stored: Tensors) -> int:

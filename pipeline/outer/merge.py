@@ -34,10 +34,10 @@ import torch
 
 from models.grid import ModuleKey, all_modules, is_private, parse_job_id, path_modules, round_job_ids
 from models.modular import ModelShape, ModuleState, split_path_state
-from pipeline.outer import compression
-from pipeline.state import layout
 from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
 from pipeline.core.errors import CorruptStateError
+from pipeline.outer import compression
+from pipeline.state import layout
 from pipeline.state.module_store import (
     check_state,
     commit_states,
@@ -93,7 +93,9 @@ class OuterOptimizer:
             grad = {k: g * math.sqrt(paths) for k, g in grad.items()}
         return grad
 
-    def outer_step(self, before: ModuleState, grad: ModuleState, momentum: ModuleState | None) -> tuple[ModuleState, ModuleState]:
+    def outer_step(
+        self, before: ModuleState, grad: ModuleState, momentum: ModuleState | None
+    ) -> tuple[ModuleState, ModuleState]:
         """SGD(lr, momentum, nesterov) from torch: returns (new parameters, new momentum buffers).
         The gradient and buffers become the optimizer's own (the merge owns them, read fresh)."""
         params = {k: v.detach().float().clone().requires_grad_(True) for k, v in before.items()}
@@ -103,7 +105,9 @@ class OuterOptimizer:
             if momentum is not None and self.momentum > 0:
                 sgd.state[param]["momentum_buffer"] = momentum[key].float()
         sgd.step()
-        new_buffers = {k: sgd.state[p]["momentum_buffer"].detach() for k, p in params.items()} if self.momentum > 0 else {}
+        new_buffers = (
+            {k: sgd.state[p]["momentum_buffer"].detach() for k, p in params.items()} if self.momentum > 0 else {}
+        )
         return {k: p.detach() for k, p in params.items()}, new_buffers
 
 
@@ -139,8 +143,11 @@ def merge_round(config, round_index: int) -> dict:
     if root.is_committed(layout.round_dir(round_index)):
         return root.read_json(f"{layout.round_dir(round_index)}/merge.json")
     keys = all_modules(config.model.grid, private=config.model.path_specific_blocks > 0)
-    with one_torch_thread(), ThreadPoolExecutor(IO_THREADS) as io, \
-            ThreadPoolExecutor(min(IO_THREADS, len(keys))) as modules:
+    with (
+        one_torch_thread(),
+        ThreadPoolExecutor(IO_THREADS) as io,
+        ThreadPoolExecutor(min(IO_THREADS, len(keys))) as modules,
+    ):
         inputs = RoundInputs(root, config, round_index, io)
         inputs.prefetch(keys)  # every read queued before any module waits on one
         for _ in modules.map(lambda key: merge_module(config, round_index, key, inputs), keys):
@@ -154,9 +161,15 @@ def merged_info(config, round_index: int) -> dict:
     return {"round": round_index + 1, "grid": list(config.model.grid), "merged_from_round": round_index}
 
 
-def update_module(outer: OuterOptimizer, config, before: ModuleState, momentum: ModuleState | None,
-                  inputs: list[ModuleState], tokens: list[int],
-                  private: bool = False) -> tuple[ModuleState, ModuleState | None, float | None]:
+def update_module(
+    outer: OuterOptimizer,
+    config,
+    before: ModuleState,
+    momentum: ModuleState | None,
+    inputs: list[ModuleState],
+    tokens: list[int],
+    private: bool = False,
+) -> tuple[ModuleState, ModuleState | None, float | None]:
     """One module's outer step: (new parameters, new momentum, outer-gradient norm); a module no
     path finished keeps its parameters and momentum (norm None). `inputs` are the paths' trained
     modules, or their decoded deltas with outer.compression (read_path_inputs; a private module's
@@ -194,16 +207,24 @@ def read_path_levels(root: RunRoot, shape: ModelShape, round_index: int, path_id
     return [check_state(level, expected, where) for level, expected in zip(levels, level_shapes(shape))]
 
 
-def read_path_inputs(root: RunRoot, config, shape: ModelShape, round_index: int, path_id: str,
-                     levels) -> list[ModuleState]:
+def read_path_inputs(
+    root: RunRoot, config, shape: ModelShape, round_index: int, path_id: str, levels
+) -> list[ModuleState]:
     """What the merge reads of a committed path, one module state per level in `levels`: its
     trained weights, or with outer.compression its decoded outer gradients; its private module
     (the level past the grid's) always as trained weights: it is carried over, never averaged."""
     compressed = config.outer.compression != "none"
-    trained = read_path_levels(root, shape, round_index, path_id) \
-        if not compressed or any(level >= shape.n_levels for level in levels) else None
-    return [read_outer_gradient(root, shape, round_index, path_id, level) if compressed and level < shape.n_levels
-            else trained[level] for level in levels]
+    trained = (
+        read_path_levels(root, shape, round_index, path_id)
+        if not compressed or any(level >= shape.n_levels for level in levels)
+        else None
+    )
+    return [
+        read_outer_gradient(root, shape, round_index, path_id, level)
+        if compressed and level < shape.n_levels
+        else trained[level]
+        for level in levels
+    ]
 
 
 def read_outer_gradient(root: RunRoot, shape: ModelShape, round_index: int, path_id: str, level: int) -> ModuleState:
@@ -213,8 +234,10 @@ def read_outer_gradient(root: RunRoot, shape: ModelShape, round_index: int, path
     where = root.path(rel, name)
     kind = (root.marker(rel).get("outer_grad") or {}).get(str(level))
     if kind not in compression.KINDS:
-        raise CorruptStateError(f"{where}: no outer gradient recorded in its {SUCCESS} (outer.compression is on; "
-                                f"the path was trained without it: remove its directory to train it again)")
+        raise CorruptStateError(
+            f"{where}: no outer gradient recorded in its {SUCCESS} (outer.compression is on; "
+            f"the path was trained without it: remove its directory to train it again)"
+        )
     stored = decode(root.read_committed(rel, name, writable=True), where)
     try:
         grad = compression.decode(stored, kind)
@@ -233,7 +256,9 @@ def gradient_file_bytes(root: RunRoot, round_index: int, committed: dict[str, in
 
 
 def outer_optimizer(config) -> OuterOptimizer:
-    return OuterOptimizer(config.outer.lr, config.outer.momentum, config.outer.nesterov, config.outer.sqrt_paths_rescale)
+    return OuterOptimizer(
+        config.outer.lr, config.outer.momentum, config.outer.nesterov, config.outer.sqrt_paths_rescale
+    )
 
 
 def read_momentum(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelShape) -> ModuleState | None:
@@ -241,7 +266,11 @@ def read_momentum(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelS
     round r's outer_state/ or, before that is committed, the module's own merge of round r-1."""
     if root.is_committed(layout.outer_state_dir(round_index)):
         listed = root.marker(layout.outer_state_dir(round_index))["files"]
-        return read_state(root, layout.outer_state_dir(round_index), key, shape) if layout.module_file(key) in listed else None
+        return (
+            read_state(root, layout.outer_state_dir(round_index), key, shape)
+            if layout.module_file(key) in listed
+            else None
+        )
     staged = layout.merged_module_dir(round_index - 1, key) if round_index > 0 else None
     if staged and root.is_committed(staged) and layout.MERGED_MOMENTUM in root.marker(staged)["files"]:
         where = root.path(staged, layout.MERGED_MOMENTUM)
@@ -257,8 +286,9 @@ class RoundInputs:
     release the GIL, so reads overlap each other and the math. merge_round shares one across all
     modules (a path's file is read once, not once per level); an island's merge_module has its own."""
 
-    def __init__(self, root: RunRoot, config, round_index: int, pool: ThreadPoolExecutor,
-                 levels: list[int] | None = None):
+    def __init__(
+        self, root: RunRoot, config, round_index: int, pool: ThreadPoolExecutor, levels: list[int] | None = None
+    ):
         self.root, self.config, self.round = root, config, round_index
         self.shape = ModelShape.from_config(config.model)
         self.levels = list(range(self.shape.n_module_levels)) if levels is None else levels
@@ -274,7 +304,9 @@ class RoundInputs:
     def through(self, key: ModuleKey) -> list[str]:
         """The committed paths that trained module `key` this round, in job order."""
         grid, private = self.config.model.grid, is_private(key, self.config.model.grid)
-        return [pid for pid in self.committed if key in path_modules(_modules_of(pid, self.config), grid, private=private)]
+        return [
+            pid for pid in self.committed if key in path_modules(_modules_of(pid, self.config), grid, private=private)
+        ]
 
     def before(self, key: ModuleKey) -> Future:
         return self._read(("before", key), read_module, self.root, self.round, key, self.shape)
@@ -283,8 +315,9 @@ class RoundInputs:
         return self._read(("momentum", key), read_momentum, self.root, self.round, key, self.shape)
 
     def path(self, path_id: str) -> Future:
-        return self._read(("path", path_id), read_path_inputs, self.root, self.config, self.shape, self.round,
-                          path_id, self.levels)
+        return self._read(
+            ("path", path_id), read_path_inputs, self.root, self.config, self.shape, self.round, path_id, self.levels
+        )
 
     def prefetch(self, keys: list[ModuleKey]) -> None:
         for key in keys:
@@ -314,18 +347,33 @@ def merge_module(config, round_index: int, key: ModuleKey, inputs: RoundInputs |
     through = inputs.through(key)
     with one_torch_thread():
         before, momentum = inputs.before(key).result(), inputs.momentum(key).result()
-        new, buffers, grad_norm = update_module(outer_optimizer(config), config, before, momentum, inputs.trained(key),
-                                                [inputs.committed[p] for p in through],
-                                                private=is_private(key, config.model.grid))
+        new, buffers, grad_norm = update_module(
+            outer_optimizer(config),
+            config,
+            before,
+            momentum,
+            inputs.trained(key),
+            [inputs.committed[p] for p in through],
+            private=is_private(key, config.model.grid),
+        )
     info = merged_info(config, round_index)
     write_state(root, rel, key, new, info, layout.MERGED_MODULE)
     files = [layout.MERGED_MODULE]
     if buffers:
         write_state(root, rel, key, buffers, info, layout.MERGED_MOMENTUM)
         files.append(layout.MERGED_MOMENTUM)
-    return root.commit(rel, files=files, info={
-        "round": round_index, "module": [key.level, key.index], "paths": through, "grad_norm": grad_norm,
-        "bytes": module_bytes(before), "seconds": time.perf_counter() - start})
+    return root.commit(
+        rel,
+        files=files,
+        info={
+            "round": round_index,
+            "module": [key.level, key.index],
+            "paths": through,
+            "grad_norm": grad_norm,
+            "bytes": module_bytes(before),
+            "seconds": time.perf_counter() - start,
+        },
+    )
 
 
 def finish_round(config, round_index: int) -> dict:
@@ -346,7 +394,9 @@ def finish_round(config, round_index: int) -> dict:
         """The staged module (and momentum) at its place in round r+1; their records when linked."""
         staged, name = layout.merged_module_dir(round_index, key), layout.module_file(key)
         module = root.copy_committed(staged, layout.MERGED_MODULE, f"{rel_modules}/{name}")
-        momentum = root.copy_committed(staged, layout.MERGED_MOMENTUM, f"{rel_outer}/{name}") if key in momentum_keys else None
+        momentum = (
+            root.copy_committed(staged, layout.MERGED_MOMENTUM, f"{rel_outer}/{name}") if key in momentum_keys else None
+        )
         return module, momentum
 
     records = dict(zip(keys, map_io(gather, keys)))
@@ -355,9 +405,15 @@ def finish_round(config, round_index: int) -> dict:
     report = round_report(root, config, round_index, markers)
     root.write_json(f"{rel_round}/merge.json", report)
     root.commit(rel_round, info={"round": round_index, "next_round": round_index + 1}, files=["merge.json"])
-    log.info("merged round %d: %d paths in, %d left out %s; %.1f MB outer vs %.1f MB data-parallel", round_index,
-             len(report["paths_merged"]), len(report["paths_left_out"]), report["paths_left_out"] or "",
-             report["bytes_outer"] / 1e6, report["bytes_data_parallel"] / 1e6)
+    log.info(
+        "merged round %d: %d paths in, %d left out %s; %.1f MB outer vs %.1f MB data-parallel",
+        round_index,
+        len(report["paths_merged"]),
+        len(report["paths_left_out"]),
+        report["paths_left_out"] or "",
+        report["bytes_outer"] / 1e6,
+        report["bytes_data_parallel"] / 1e6,
+    )
     if round_index > 0:
         for key in keys:
             staged = layout.merged_module_dir(round_index - 1, key)

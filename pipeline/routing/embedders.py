@@ -57,7 +57,10 @@ class MiniLMEmbedder:
 
     def embed(self, texts: list[str]) -> np.ndarray:
         vectors = self.model.encode(
-            texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True,
+            texts,
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
             show_progress_bar=False,
         )
         return np.asarray(vectors, dtype=np.float32).reshape(len(texts), self.dim)
@@ -116,16 +119,23 @@ class TfidfEmbedder:
         where = root.path(rel_dir, TFIDF_VOCAB)
         state = root.read_committed_json(rel_dir, TFIDF_VOCAB)
         vocabulary, idf = state.get("vocabulary"), state.get("idf")
-        if not (isinstance(vocabulary, list) and vocabulary and all(isinstance(t, str) for t in vocabulary)
-                and isinstance(idf, list) and len(idf) == len(vocabulary)
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in idf)):
+        if not (
+            isinstance(vocabulary, list)
+            and vocabulary
+            and all(isinstance(t, str) for t in vocabulary)
+            and isinstance(idf, list)
+            and len(idf) == len(vocabulary)
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in idf)
+        ):
             raise CorruptStateError(f"{where}: expected a vocabulary (strings) and one idf number per term")
         if len(set(vocabulary)) != len(vocabulary):
             raise CorruptStateError(f"{where}: the vocabulary repeats a term")
         components = load_npy(root.read_committed(rel_dir, TFIDF_SVD), root.path(rel_dir, TFIDF_SVD))
         if components.shape[1] != len(vocabulary) or components.shape[0] < 1:
-            raise CorruptStateError(f"{root.path(rel_dir, TFIDF_SVD)}: shape {components.shape} does not fit "
-                                    f"the {len(vocabulary)} terms of {TFIDF_VOCAB}")
+            raise CorruptStateError(
+                f"{root.path(rel_dir, TFIDF_SVD)}: shape {components.shape} does not fit "
+                f"the {len(vocabulary)} terms of {TFIDF_VOCAB}"
+            )
         return cls(vocabulary, np.asarray(idf, dtype=np.float64), components)
 
 
@@ -145,11 +155,15 @@ class PathModelEmbedder:
 
     @classmethod
     def from_run(cls, root: RunRoot, config, round_index: int, path_id: str) -> "PathModelEmbedder":
-        from pipeline.state.module_store import load_path_model
         from pipeline.routing.tokenizer import load_tokenizer
+        from pipeline.state.module_store import load_path_model
 
-        return cls(load_path_model(root, config, round_index, path_id), config.router.prefix_tokens, config.router.batch_size,
-                   tokenizer=load_tokenizer(root, config.model.tokenizer))
+        return cls(
+            load_path_model(root, config, round_index, path_id),
+            config.router.prefix_tokens,
+            config.router.batch_size,
+            tokenizer=load_tokenizer(root, config.model.tokenizer),
+        )
 
     def embed(self, texts: list[str]) -> np.ndarray:
         import torch
@@ -157,14 +171,19 @@ class PathModelEmbedder:
         out = []
         for start in range(0, len(texts), self.batch_size):
             ids = [
-                (self.tokenizer(t, add_special_tokens=False)["input_ids"][: self.prefix_tokens] or [self.tokenizer.eos_token_id])
+                (
+                    self.tokenizer(t, add_special_tokens=False)["input_ids"][: self.prefix_tokens]
+                    or [self.tokenizer.eos_token_id]
+                )
                 for t in texts[start : start + self.batch_size]
             ]
             width = max(len(i) for i in ids)
             input_ids = torch.tensor([i + [0] * (width - len(i)) for i in ids])
             mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
             with torch.no_grad():
-                hidden = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+                hidden = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states[
+                    -1
+                ]
             mask_f = mask[:, :, None].to(hidden.dtype)  # (B, T, 1)
             out.append(((hidden * mask_f).sum(1) / mask_f.sum(1)).float().numpy())  # (B, H)
         return np.concatenate(out).astype(np.float32) if out else np.zeros((0, self.dim), np.float32)

@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from models.grid import all_path_ids
-from pipeline.state import layout
 from pipeline.core.bounds import SHOWN_CHARS, load_npy, one_line, shown
 from pipeline.core.errors import CorruptStateError, InputError
-from pipeline.state.storage import RunRoot
 from pipeline.routing import kmeans
+from pipeline.state import layout
+from pipeline.state.storage import RunRoot
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,14 @@ KINDS = ("kmeans", "discriminative")
 class Router:
     """Centroids per level plus path biases; embeds lazily (the assigner in Beam never needs to)."""
 
-    def __init__(self, header: dict[str, Any], centroids: list[np.ndarray], root: RunRoot | None = None, config=None,
-                 directory: str = layout.ROUTER_DIR):
+    def __init__(
+        self,
+        header: dict[str, Any],
+        centroids: list[np.ndarray],
+        root: RunRoot | None = None,
+        config=None,
+        directory: str = layout.ROUTER_DIR,
+    ):
         self.header = header
         self.centroids = centroids  # per level: (grid[l], part_dim_l)
         self.bias = np.asarray(header["path_bias"], dtype=np.float64)
@@ -123,7 +129,9 @@ class Router:
         root.write_json(f"{directory}/{HEADER}", self.header)
         if embedder is not None and hasattr(embedder, "save"):
             embedder.save(root, directory)
-        return root.commit(directory, info={"kind": self.kind, "embedder": self.header["embedder"], "grid": self.header["grid"]})
+        return root.commit(
+            directory, info={"kind": self.kind, "embedder": self.header["embedder"], "grid": self.header["grid"]}
+        )
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -132,16 +140,26 @@ class Router:
         every file checked against its `_SUCCESS`, the header checked field by field before
         anything indexes into it."""
         if not root.is_committed(directory):
-            what = "run `dipaco prepare` first" if directory == layout.ROUTER_DIR else "the re-routing has not committed yet"
+            what = (
+                "run `dipaco prepare` first"
+                if directory == layout.ROUTER_DIR
+                else "the re-routing has not committed yet"
+            )
             raise InputError(f"{root.path(directory)}: no committed router; {what}")
         header = root.read_committed_json(directory, HEADER)
         check_header(header, root.path(directory, HEADER))
         if header.get("kind") == "discriminative":
-            weights = load_npy(root.read_committed(directory, CLASSIFIER), root.path(directory, CLASSIFIER),
-                               shape=(len(header["path_ids"]), header["dim"] + 1))
+            weights = load_npy(
+                root.read_committed(directory, CLASSIFIER),
+                root.path(directory, CLASSIFIER),
+                shape=(len(header["path_ids"]), header["dim"] + 1),
+            )
             return DiscriminativeRouter(header, weights, root=root, config=config, directory=directory)
-        full = load_npy(root.read_committed(directory, CENTROIDS), root.path(directory, CENTROIDS),
-                        shape=(sum(header["grid"]), header["dim"]))
+        full = load_npy(
+            root.read_committed(directory, CENTROIDS),
+            root.path(directory, CENTROIDS),
+            shape=(sum(header["grid"]), header["dim"]),
+        )
         centroids = [full[r0:r1, c0:c1] for (r0, r1), (c0, c1) in zip(header["rows"], header["splits"])]
         return Router(header, centroids, root=root, config=config, directory=directory)
 
@@ -183,8 +201,10 @@ class Router:
             embedder = load_embedder(self.header, self._root, self._config, directory=self.directory)
             if getattr(embedder, "dim", self.header["dim"]) != self.header["dim"]:
                 where = self._root.path(self.directory, HEADER) if self._root else HEADER
-                raise CorruptStateError(f"{where}: dim {self.header['dim']} but the {embedder.name} embedder "
-                                        f"gives {embedder.dim}-dimensional features")
+                raise CorruptStateError(
+                    f"{where}: dim {self.header['dim']} but the {embedder.name} embedder "
+                    f"gives {embedder.dim}-dimensional features"
+                )
             self._embedder = embedder
         return self._embedder
 
@@ -210,8 +230,14 @@ class DiscriminativeRouter(Router):
     cheapest `-(x @ W.T + b) + bias`, a pure function of the features, so the Beam job, evaluation
     and the registered model route a document alike. Fitted by pipeline.routing.discriminative."""
 
-    def __init__(self, header: dict[str, Any], weights: np.ndarray, root: RunRoot | None = None, config=None,
-                 directory: str = layout.ROUTER_DIR):
+    def __init__(
+        self,
+        header: dict[str, Any],
+        weights: np.ndarray,
+        root: RunRoot | None = None,
+        config=None,
+        directory: str = layout.ROUTER_DIR,
+    ):
         super().__init__(header, [], root=root, config=config, directory=directory)
         self.weights = np.asarray(weights, dtype=np.float64)  # (n_paths, dim + 1): [W | b]
 
@@ -237,9 +263,18 @@ def _is_int(value: Any, low: int = 0, high: int | None = None) -> bool:
 def _is_ranges(value: Any, high: int, sizes: list[int] | None = None) -> bool:
     """One [begin, end] pair per level with 0 <= begin < end <= high (and end - begin == sizes[l])."""
     levels = len(sizes) if sizes is not None else None
-    return (isinstance(value, list) and (levels is None or len(value) == levels)
-            and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0], 0, high) and _is_int(p[1], p[0] + 1, high)
-                    and (sizes is None or p[1] - p[0] == sizes[i]) for i, p in enumerate(value)))
+    return (
+        isinstance(value, list)
+        and (levels is None or len(value) == levels)
+        and all(
+            isinstance(p, list)
+            and len(p) == 2
+            and _is_int(p[0], 0, high)
+            and _is_int(p[1], p[0] + 1, high)
+            and (sizes is None or p[1] - p[0] == sizes[i])
+            for i, p in enumerate(value)
+        )
+    )
 
 
 def check_header(header: dict[str, Any], where: str) -> None:
@@ -253,22 +288,41 @@ def check_header(header: dict[str, Any], where: str) -> None:
     need(header.get("format") == FORMAT_VERSION, "format", str(FORMAT_VERSION))
     need(header.get("kind", "kmeans") in KINDS, "kind", " or ".join(KINDS))
     grid = header.get("grid")
-    need(isinstance(grid, list) and 1 <= len(grid) <= MAX_LEVELS and all(_is_int(k, 1, MAX_PATHS) for k in grid)
-         and int(np.prod(grid)) <= MAX_PATHS, "grid", f"a list of module counts with at most {MAX_PATHS} paths")
+    need(
+        isinstance(grid, list)
+        and 1 <= len(grid) <= MAX_LEVELS
+        and all(_is_int(k, 1, MAX_PATHS) for k in grid)
+        and int(np.prod(grid)) <= MAX_PATHS,
+        "grid",
+        f"a list of module counts with at most {MAX_PATHS} paths",
+    )
     need(_is_int(header.get("dim"), 1, 1 << 20), "dim", "a positive feature dimension")
     need(_is_int(header.get("prefix_tokens"), 1), "prefix_tokens", "a positive token count")
     need(isinstance(header.get("embedder"), str), "embedder", "a name")
     if header.get("kind", "kmeans") == "kmeans":
-        need(_is_ranges(header.get("rows"), sum(grid), grid), "rows", "one [begin, end] range of grid[l] rows per level")
-        need(_is_ranges(header.get("splits"), header["dim"]) and len(header["splits"]) == len(grid), "splits",
-             "one non-empty [begin, end] column range per level")
+        need(
+            _is_ranges(header.get("rows"), sum(grid), grid), "rows", "one [begin, end] range of grid[l] rows per level"
+        )
+        need(
+            _is_ranges(header.get("splits"), header["dim"]) and len(header["splits"]) == len(grid),
+            "splits",
+            "one non-empty [begin, end] column range per level",
+        )
     n_paths = int(np.prod(grid))
     ids = header.get("path_ids")
-    need(isinstance(ids, list) and len(ids) == n_paths and all(isinstance(i, str) for i in ids), "path_ids",
-         f"{n_paths} path ids")
+    need(
+        isinstance(ids, list) and len(ids) == n_paths and all(isinstance(i, str) for i in ids),
+        "path_ids",
+        f"{n_paths} path ids",
+    )
     bias = header.get("path_bias")
-    need(isinstance(bias, list) and len(bias) == n_paths
-         and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bias), "path_bias", f"{n_paths} numbers")
+    need(
+        isinstance(bias, list)
+        and len(bias) == n_paths
+        and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in bias),
+        "path_bias",
+        f"{n_paths} numbers",
+    )
     if header["embedder"] == "model":
         need(_is_int(header.get("model_round")), "model_round", "a round number")
         need(isinstance(header.get("model_path"), str), "model_path", "a path id")
@@ -279,8 +333,9 @@ def _rows(grid: list[int]) -> list[list[int]]:
     return [[offsets[i], offsets[i + 1]] for i in range(len(grid))]
 
 
-def load_embedder(header: dict[str, Any], root: RunRoot | None, config=None, batch_size: int = 64,
-                  directory: str = layout.ROUTER_DIR):
+def load_embedder(
+    header: dict[str, Any], root: RunRoot | None, config=None, batch_size: int = 64, directory: str = layout.ROUTER_DIR
+):
     """The embedder a router was fitted with, rebuilt from its artifact in `directory`."""
     from pipeline.routing import embedders
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from transformers import PreTrainedTokenizerFast
 
-from pipeline.state import layout
 from pipeline.core.errors import CorruptStateError, InputError
+from pipeline.state import layout
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -108,10 +108,15 @@ def commit_bpe(root: "RunRoot", tokenizer: "Tokenizer", sample_docs: int) -> dic
     """Write `tokenizer/tokenizer.json` and commit the directory (its `_SUCCESS` last)."""
     text = tokenizer.to_str(pretty=False)
     root.write_text(f"{layout.TOKENIZER_DIR}/{TOKENIZER_FILE}", text)
-    return root.commit(layout.TOKENIZER_DIR, info={
-        "kind": "bpe", "vocab_size": tokenizer.get_vocab_size(), "sample_docs": sample_docs,
-        "sha256": hashlib.sha256(text.encode()).hexdigest(),
-    })
+    return root.commit(
+        layout.TOKENIZER_DIR,
+        info={
+            "kind": "bpe",
+            "vocab_size": tokenizer.get_vocab_size(),
+            "sample_docs": sample_docs,
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        },
+    )
 
 
 def load_tokenizer(root: "RunRoot | None" = None, kind: str = "gpt2") -> PreTrainedTokenizerFast:
@@ -154,8 +159,9 @@ def encode(texts: list[str], tokenizer: PreTrainedTokenizerFast | None = None) -
     return (tokenizer or gpt2_tokenizer())(texts, add_special_tokens=False)["input_ids"]
 
 
-def prefix_texts(token_lists: list[list[int]], prefix_tokens: int,
-                 tokenizer: PreTrainedTokenizerFast | None = None) -> list[str]:
+def prefix_texts(
+    token_lists: list[list[int]], prefix_tokens: int, tokenizer: PreTrainedTokenizerFast | None = None
+) -> list[str]:
     """The text of each document's first `prefix_tokens` tokens: what the router embeds."""
     return (tokenizer or gpt2_tokenizer()).batch_decode([t[:prefix_tokens] for t in token_lists])
 

@@ -42,12 +42,15 @@ def cluster_labels(features: np.ndarray, workers: int, seed: int, capacity_facto
     floor = max(1, int(n / (workers * capacity_factor)))
     labels = (cost + kmeans.balance_biases(cost, cap, floor)[None, :]).argmin(1)
     if len(np.unique(labels)) < workers:  # the auction is best effort: never leave a worker without data
-        raise InputError(f"clustering {n} documents left a worker empty (sizes {np.bincount(labels, minlength=workers).tolist()})")
+        raise InputError(
+            f"clustering {n} documents left a worker empty (sizes {np.bincount(labels, minlength=workers).tolist()})"
+        )
     return labels
 
 
-def worker_labels(root: RunRoot, config, routing: Routing, path_id: str, doc_ids: list[str],
-                  docs: list[np.ndarray], workers: int) -> np.ndarray:
+def worker_labels(
+    root: RunRoot, config, routing: Routing, path_id: str, doc_ids: list[str], docs: list[np.ndarray], workers: int
+) -> np.ndarray:
     """The committed split of a path's shard into `workers` clusters, computed on first use."""
     rel = split_file(routing, path_id, workers)
     if root.exists(rel):
@@ -63,9 +66,13 @@ def worker_labels(root: RunRoot, config, routing: Routing, path_id: str, doc_ids
 
     router = Router.load(root, config, directory=routing.router)
     tokenizer = load_tokenizer(root, config.model.tokenizer)
-    features = router.embed_prefixes(prefix_texts([d.tolist() for d in docs], router.header["prefix_tokens"], tokenizer))
+    features = router.embed_prefixes(
+        prefix_texts([d.tolist() for d in docs], router.header["prefix_tokens"], tokenizer)
+    )
     labels = cluster_labels(features, workers, seed=config.train.seed, capacity_factor=config.router.capacity_factor)
     sizes = np.bincount(labels, minlength=workers).tolist()
-    root.write_json(rel, {"path": path_id, "workers": workers, "sizes": sizes, "doc_ids": doc_ids, "labels": labels.tolist()})
+    root.write_json(
+        rel, {"path": path_id, "workers": workers, "sizes": sizes, "doc_ids": doc_ids, "labels": labels.tolist()}
+    )
     log.info("path %s: %d documents clustered into %d workers of %s documents", path_id, len(doc_ids), workers, sizes)
     return labels

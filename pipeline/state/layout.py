@@ -19,6 +19,8 @@ def read_run_config(root):
     from pipeline.core.config import MAX_CONFIG_BYTES, config_from_yaml
 
     return config_from_yaml(root.read_bytes(RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES), root.path(RUN_CONFIG))
+
+
 ROUTER_DIR = "router"
 TOKENIZER_DIR = "tokenizer"  # model.tokenizer: bpe, trained by prepare
 SHARDS_DIR = "shards"

@@ -16,9 +16,9 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from pipeline.state import layout
 from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
 from pipeline.core.errors import CorruptStateError, RunLockedError
+from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
 HEARTBEAT_S = 30.0
@@ -49,8 +49,12 @@ def _flock(root: RunRoot) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
-            holder = one_line(handle.read(SHOWN_CHARS * 4), SHOWN_CHARS)  # the record, bounded: it is a file anyone can write
-            raise RunLockedError(f"{root.path()}: another dipaco run holds this run root ({holder or 'unknown holder'})") from None
+            holder = one_line(
+                handle.read(SHOWN_CHARS * 4), SHOWN_CHARS
+            )  # the record, bounded: it is a file anyone can write
+            raise RunLockedError(
+                f"{root.path()}: another dipaco run holds this run root ({holder or 'unknown holder'})"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(json.dumps(_holder()))
@@ -66,8 +70,10 @@ def _heartbeat_lock(root: RunRoot) -> Iterator[None]:
         held = root.read_json(layout.LOCK)
         heartbeat = held.get("heartbeat", 0)
         if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool):
-            raise CorruptStateError(f"{root.path(layout.LOCK)}: heartbeat must be a time, got {shown(heartbeat)}; "
-                                    f"remove the file if no dipaco run is live")
+            raise CorruptStateError(
+                f"{root.path(layout.LOCK)}: heartbeat must be a time, got {shown(heartbeat)}; "
+                f"remove the file if no dipaco run is live"
+            )
         if time.time() - heartbeat < STALE_AFTER_S:
             raise RunLockedError(f"{root.url}: another dipaco run holds this run root ({shown(held)})")
     root.write_json(layout.LOCK, _holder())

@@ -21,9 +21,9 @@ from transformers import LlamaForCausalLM
 
 from models.grid import ModuleKey, all_modules, parse_path_id, path_modules
 from models.modular import ModelShape, ModuleState, build_path_model, initial_level_states, path_state, split_path_state
-from pipeline.state import layout
 from pipeline.core.bounds import MAX_JSON_DEPTH, SHOWN_CHARS, one_line, shown, too_deep
 from pipeline.core.errors import CorruptStateError
+from pipeline.state import layout
 from pipeline.state.storage import RunRoot, map_io
 
 
@@ -36,8 +36,17 @@ def encode(state: ModuleState, metadata: dict[str, str] | None = None) -> bytes:
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header (MAX_HEADER_SIZE)
 # The dtypes viewed in place; any other goes through safetensors' own (copying) loader.
-_VIEW_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
+_VIEW_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
 
 
 def decode(data: bytes | bytearray, where: str) -> ModuleState:
@@ -61,9 +70,9 @@ def _views(buffer: bytearray) -> ModuleState | None:
         raise ValueError(f"header of {size:,} bytes is over safetensors' limit of {MAX_HEADER_BYTES:,}")
     if 8 + size > len(buffer):
         raise ValueError("header runs past the end of the file")
-    if too_deep(buffer[8:8 + size]):
+    if too_deep(buffer[8 : 8 + size]):
         raise ValueError(f"header nests deeper than {MAX_JSON_DEPTH} levels")
-    header = json.loads(bytes(buffer[8:8 + size]))
+    header = json.loads(bytes(buffer[8 : 8 + size]))
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     base, state = 8 + size, {}
@@ -79,21 +88,26 @@ def _views(buffer: bytearray) -> ModuleState | None:
         count = math.prod(shape)
         if not 0 <= begin <= end <= len(buffer) - base or end - begin != count * dtype.itemsize:
             raise ValueError(f"tensor {shown(name)}: bytes {begin}..{end} do not fit its shape {shape} or the file")
-        state[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + begin).view(shape) \
-            if count else torch.empty(shape, dtype=dtype)
+        state[name] = (
+            torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + begin).view(shape)
+            if count
+            else torch.empty(shape, dtype=dtype)
+        )
     return state
 
 
-def write_state(root: RunRoot, rel_dir: str, key: ModuleKey, state: ModuleState, info: dict,
-                name: str | None = None) -> None:
+def write_state(
+    root: RunRoot, rel_dir: str, key: ModuleKey, state: ModuleState, info: dict, name: str | None = None
+) -> None:
     """One module's safetensors file (atomic; `name` defaults to its place in a modules/ directory);
     the directory counts once it is committed."""
     meta = {"level": str(key.level), "module": str(key.index), **{k: str(v) for k, v in info.items()}}
     root.write_bytes(posixpath.join(rel_dir, name or layout.module_file(key)), encode(state, meta))
 
 
-def commit_states(root: RunRoot, rel_dir: str, keys: list[ModuleKey], info: dict,
-                  linked: dict[str, dict | None] | None = None) -> None:
+def commit_states(
+    root: RunRoot, rel_dir: str, keys: list[ModuleKey], info: dict, linked: dict[str, dict | None] | None = None
+) -> None:
     root.commit(rel_dir, info={**info, "modules": [[k.level, k.index] for k in sorted(keys)]}, linked=linked)
 
 
@@ -117,12 +131,16 @@ def check_state(state: ModuleState, expected: dict[str, tuple[int, ...]], where:
     it indexes by name and adds tensors, and would fail deep inside torch instead of naming the file."""
     if state.keys() != expected.keys():
         missing, extra = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
-        raise CorruptStateError(f"{where}: tensors do not fit the model config (missing {shown(missing[:3])}, "
-                                f"unexpected {shown(extra[:3])})")
+        raise CorruptStateError(
+            f"{where}: tensors do not fit the model config (missing {shown(missing[:3])}, "
+            f"unexpected {shown(extra[:3])})"
+        )
     for name, tensor in state.items():
         if tuple(tensor.shape) != expected[name]:
-            raise CorruptStateError(f"{where}: tensor {shown(name)} has shape {tuple(tensor.shape)}, "
-                                    f"the model config gives {expected[name]}")
+            raise CorruptStateError(
+                f"{where}: tensor {shown(name)} has shape {tuple(tensor.shape)}, "
+                f"the model config gives {expected[name]}"
+            )
     return state
 
 
@@ -161,21 +179,29 @@ def read_module(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelSha
     """A module at the start of a round, wherever it is committed (module_location)."""
     found = module_location(root, round_index, key)
     if found is None:  # never reached through the stages, which check first; a clear error if it is
-        raise CorruptStateError(f"{root.path(layout.modules_dir(round_index))}: module {key.level}/{key.index} "
-                                f"of round {round_index} is not committed")
+        raise CorruptStateError(
+            f"{root.path(layout.modules_dir(round_index))}: module {key.level}/{key.index} "
+            f"of round {round_index} is not committed"
+        )
     rel_dir, name = found
     where = root.path(rel_dir, name)
     state = decode(root.read_committed(rel_dir, name, writable=True), where)
     return state if shape is None else check_state(state, level_shapes(shape)[key.level], where)
 
 
-def load_modules(root: RunRoot, round_index: int, keys: list[ModuleKey],
-                 shape: ModelShape | None = None) -> dict[ModuleKey, ModuleState]:
+def load_modules(
+    root: RunRoot, round_index: int, keys: list[ModuleKey], shape: ModelShape | None = None
+) -> dict[ModuleKey, ModuleState]:
     return dict(zip(keys, map_io(lambda key: read_module(root, round_index, key, shape), keys)))
 
 
-def load_path_modules(root: RunRoot, round_index: int, modules: tuple[int, ...],
-                      shape: ModelShape | None = None, grid: list[int] | None = None) -> list[ModuleState]:
+def load_path_modules(
+    root: RunRoot,
+    round_index: int,
+    modules: tuple[int, ...],
+    shape: ModelShape | None = None,
+    grid: list[int] | None = None,
+) -> list[ModuleState]:
     """A path's modules in level order; its private module last when the shape has path blocks
     (the grid then names which one: it is indexed by the path's place in the grid)."""
     keys = path_modules(modules, grid, private=shape is not None and shape.path_blocks > 0)
@@ -188,4 +214,3 @@ def load_path_model(root: RunRoot, config, round_index: int, path_id: str) -> to
     modules = parse_path_id(path_id, config.model.grid)
     shape = ModelShape.from_config(config.model)
     return build_path_model(shape, load_path_modules(root, round_index, modules, shape, config.model.grid))
-

@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.state import layout
 from pipeline.core.errors import InputError
+from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
 SCHEMA = pa.schema(
@@ -46,19 +46,21 @@ def write_shard_file(root: RunRoot, rel: str, table: pa.Table) -> None:
 
 def shard_parts(root: RunRoot, path_id: str, split: str = "train", shards: str = layout.SHARDS_DIR) -> list[str]:
     """Names, relative to `shards` (a Routing's shards dir), of a path's committed Parquet parts."""
-    prefix = layout.shard_dir(path_id, split, shards)[len(shards) + 1:] + "/"
+    prefix = layout.shard_dir(path_id, split, shards)[len(shards) + 1 :] + "/"
     files = root.marker(shards)["files"]
     return sorted(n for n in files if n.startswith(prefix) and n.endswith(".parquet"))
 
 
-def read_path_documents(root: RunRoot, path_id: str, split: str = "train",
-                        shards: str = layout.SHARDS_DIR) -> list[np.ndarray]:
+def read_path_documents(
+    root: RunRoot, path_id: str, split: str = "train", shards: str = layout.SHARDS_DIR
+) -> list[np.ndarray]:
     """Every document of a path's shard as an int32 token array, in a fixed order."""
     return [tokens for _, tokens in read_path_rows(root, path_id, split, shards)]
 
 
-def read_path_rows(root: RunRoot, path_id: str, split: str = "train",
-                   shards: str = layout.SHARDS_DIR) -> list[tuple[str, np.ndarray]]:
+def read_path_rows(
+    root: RunRoot, path_id: str, split: str = "train", shards: str = layout.SHARDS_DIR
+) -> list[tuple[str, np.ndarray]]:
     """(doc_id, tokens) of every document of a path's shard, sorted by doc_id."""
     if not root.is_committed(shards):
         what = "run `dipaco prepare` first" if shards == layout.SHARDS_DIR else "the re-routing has not committed yet"

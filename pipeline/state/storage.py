@@ -127,8 +127,12 @@ def matches_record(data: bytes, record: dict[str, Any]) -> bool:
 
 def _is_file_record(record: Any) -> bool:
     """A `_SUCCESS` entry: a non-negative int length and a CRC-32 (or an old marker's SHA-256) string."""
-    return (isinstance(record, dict) and type(record.get("bytes")) is int and record["bytes"] >= 0
-            and any(isinstance(record.get(k), str) for k in ("crc32", "sha256")))
+    return (
+        isinstance(record, dict)
+        and type(record.get("bytes")) is int
+        and record["bytes"] >= 0
+        and any(isinstance(record.get(k), str) for k in ("crc32", "sha256"))
+    )
 
 
 class RunRoot:
@@ -164,7 +168,7 @@ class RunRoot:
             if writable and self.is_local and max_bytes is None:
                 with open(self.path(rel), "rb") as handle:
                     buffer = bytearray(os.fstat(handle.fileno()).st_size)
-                    del buffer[handle.readinto(buffer):]  # a file that shrank meanwhile fails its checksum
+                    del buffer[handle.readinto(buffer) :]  # a file that shrank meanwhile fails its checksum
                     return buffer
             with self.fs.open(self.path(rel), "rb") as handle:
                 data = handle.read() if max_bytes is None else handle.read(max_bytes + 1)
@@ -192,7 +196,7 @@ class RunRoot:
     def glob(self, pattern: str) -> list[str]:
         """Relative paths matching a glob under the root, sorted, temporaries excluded."""
         base = self.root.rstrip("/") + "/"
-        found = [p[len(base):] if p.startswith(base) else p for p in self.fs.glob(self.path(pattern))]
+        found = [p[len(base) :] if p.startswith(base) else p for p in self.fs.glob(self.path(pattern))]
         return sorted(p for p in found if _TMP_TAG not in p)
 
     # -- writing -------------------------------------------------------------------------------
@@ -279,14 +283,19 @@ class RunRoot:
             return []
         names = []
         for path in self.fs.find(full):
-            name = path[len(full) + 1:] if path.startswith(full + "/") else posixpath.relpath(path, full)
+            name = path[len(full) + 1 :] if path.startswith(full + "/") else posixpath.relpath(path, full)
             if _TMP_TAG not in name and posixpath.basename(name) != SUCCESS:
                 names.append(name)
         return sorted(names)
 
     # -- commit markers ------------------------------------------------------------------------
-    def commit(self, rel: str, info: dict[str, Any] | None = None, files: list[str] | None = None,
-               linked: dict[str, dict[str, Any]] | None = None) -> dict:
+    def commit(
+        self,
+        rel: str,
+        info: dict[str, Any] | None = None,
+        files: list[str] | None = None,
+        linked: dict[str, dict[str, Any]] | None = None,
+    ) -> dict:
         """Mark a directory complete: `_SUCCESS` with the checksum of each file, written last.
         `linked` holds the records of files that are committed files under a second name
         (copy_committed's links): the same bytes on disk, so their records are taken, not read again."""
@@ -308,13 +317,16 @@ class RunRoot:
         record = self.read_json(marker)
         files = record.get("files")
         if not isinstance(files, dict) or not all(_is_file_record(r) for r in files.values()):
-            raise CorruptStateError(f"{self.path(marker)}: not a valid commit marker (no files with bytes and a checksum)")
+            raise CorruptStateError(
+                f"{self.path(marker)}: not a valid commit marker (no files with bytes and a checksum)"
+            )
         for name in files:
             safe_relative(name, self.path(marker))
         return record
 
-    def read_committed(self, rel_dir: str, name: str, writable: bool = False,
-                       max_bytes: int | None = None) -> bytes | bytearray:
+    def read_committed(
+        self, rel_dir: str, name: str, writable: bool = False, max_bytes: int | None = None
+    ) -> bytes | bytearray:
         """Read a file of a committed directory, refusing it unless it matches its checksum (and,
         with `max_bytes`, when its record or the file is longer than that)."""
         expected = self.marker(rel_dir)["files"].get(name)
@@ -323,8 +335,10 @@ class RunRoot:
             raise CorruptStateError(f"{full}: not listed in its directory's {SUCCESS}")
         self._refuse_link(rel_dir, name)
         if max_bytes is not None and expected["bytes"] > max_bytes:
-            raise CorruptStateError(f"{full}: its {SUCCESS} record says {expected['bytes']:,} bytes, more than the "
-                                    f"{max_bytes:,} this file may have; refusing to read it")
+            raise CorruptStateError(
+                f"{full}: its {SUCCESS} record says {expected['bytes']:,} bytes, more than the "
+                f"{max_bytes:,} this file may have; refusing to read it"
+            )
         data = self.read_bytes(posixpath.join(rel_dir, name), writable, max_bytes)
         if not matches_record(data, expected):
             raise CorruptStateError(
@@ -356,8 +370,12 @@ class RunRoot:
         if not self.is_local:
             return
         full = self.path(rel_dir, name)
-        if os.path.realpath(full) != os.path.join(os.path.realpath(self.root), os.path.normpath(posixpath.join(rel_dir, name))):
-            raise CorruptStateError(f"{full}: is or lies under a symbolic link; committed state is plain files, refusing it")
+        if os.path.realpath(full) != os.path.join(
+            os.path.realpath(self.root), os.path.normpath(posixpath.join(rel_dir, name))
+        ):
+            raise CorruptStateError(
+                f"{full}: is or lies under a symbolic link; committed state is plain files, refusing it"
+            )
 
     def read_committed_json(self, rel_dir: str, name: str, expect: type | tuple[type, ...] | None = dict) -> Any:
         """A committed JSON file (router.json, manifest.json, ...), checked and parsed within bounds."""
@@ -409,7 +427,7 @@ class RunRoot:
             source = self.read_json(token).get("staged", staged)
             if self.is_committed(source):
                 base = self.path(source).rstrip("/") + "/"
-                names = [p[len(base):] for p in self.fs.find(self.path(source)) if p.startswith(base)]
+                names = [p[len(base) :] for p in self.fs.find(self.path(source)) if p.startswith(base)]
                 for name in sorted(n for n in names if n != SUCCESS and _TMP_TAG not in n):  # nested markers too
                     self.write_bytes(posixpath.join(final, name), self.read_bytes(posixpath.join(source, name)))
                 self.write_bytes(posixpath.join(final, SUCCESS), self.read_bytes(posixpath.join(source, SUCCESS)))

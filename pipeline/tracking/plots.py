@@ -53,8 +53,9 @@ def docs_per_path(docs: dict[str, int]) -> Figure:
     return fig
 
 
-def perplexity_by_round(overall: dict[int, float], per_path: dict[str, dict[int, float]],
-                        metric: str = "perplexity") -> Figure:
+def perplexity_by_round(
+    overall: dict[int, float], per_path: dict[str, dict[int, float]], metric: str = "perplexity"
+) -> Figure:
     """Routed perplexity (or bits per byte) after each merge; the overall curve is the one that matters."""
     label = {"perplexity": "perplexity", "bits_per_byte": "bits per byte"}.get(metric, metric)
     fig, ax = plt.subplots(figsize=(7, 4.5))

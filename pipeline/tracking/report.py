@@ -26,8 +26,12 @@ def read_summary(config, root: RunRoot, tracker: Tracker) -> dict:
     """Perplexity per path and overall by round, from the committed eval files, and where the
     registered model and the tracking store are."""
     rounds, committed = evaluated_rounds(root), layout.next_round(root)
-    summary = {"run_root": root.path() if root.is_local else root.url, "rounds_committed": committed,
-               "train_rounds": config.train.rounds, "eval": {r: read_eval(root, r) for r in rounds}}
+    summary = {
+        "run_root": root.path() if root.is_local else root.url,
+        "rounds_committed": committed,
+        "train_rounds": config.train.rounds,
+        "eval": {r: read_eval(root, r) for r in rounds},
+    }
     figures = round_utilisation(config, committed - 1) if committed > 0 else None
     if figures:
         summary["utilisation"] = {"round": committed - 1, **figures}
@@ -37,8 +41,12 @@ def read_summary(config, root: RunRoot, tracker: Tracker) -> dict:
     if rerouted:
         summary["reroute"] = rerouted
     if config.mlflow.enabled:
-        summary.update(tracking_uri=redact(tracking_uri(config)), registered_model=config.mlflow.registered_model,
-                       model_version=tracker.newest_version(), experiment=config.mlflow.experiment)
+        summary.update(
+            tracking_uri=redact(tracking_uri(config)),
+            registered_model=config.mlflow.registered_model,
+            model_version=tracker.newest_version(),
+            experiment=config.mlflow.experiment,
+        )
         if root.exists(STATE_FILE):  # where the MLflow UI shows this run
             state = root.read_json(STATE_FILE)
             summary.update({k: state[k] for k in ("experiment_id", "parent_run_id") if isinstance(state.get(k), str)})
@@ -50,12 +58,16 @@ def read_eval(root: RunRoot, round_index: int) -> dict:
     overall and per path)."""
     result = root.read_json(layout.eval_file(round_index))
     paths = result.get("paths", {})
-    entries = [result] + [p if isinstance(p, dict) else {"perplexity": "?"} for p in
-                          (paths.values() if isinstance(paths, dict) else ["?"])]
+    entries = [result] + [
+        p if isinstance(p, dict) else {"perplexity": "?"}
+        for p in (paths.values() if isinstance(paths, dict) else ["?"])
+    ]
     numbers = [entry.get(key) for entry in entries for key in ("perplexity", "bits_per_byte")]
     if not all(v is None or isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
-        raise CorruptStateError(f"{root.path(layout.eval_file(round_index))}: perplexity and bits_per_byte (overall "
-                                f"and per path under \"paths\") must be numbers")
+        raise CorruptStateError(
+            f"{root.path(layout.eval_file(round_index))}: perplexity and bits_per_byte (overall "
+            f'and per path under "paths") must be numbers'
+        )
     return result
 
 
@@ -82,31 +94,45 @@ def format_summary(summary: dict) -> str:
     of = f" of train.rounds={planned}" if planned is not None else ""
     rerouted = sorted({r["reroute_every"] for r in evals.values() if r.get("reroute_every")})
     routing = f", re-routed every {'/'.join(map(str, rerouted))} tokens" if rerouted else ""
-    lines = [f"dipaco run: {display_path(str(summary.get('run_root')))}: {committed} round(s){of} committed",
-             f"held-out documents (tokens after the routing prefix{routing}), by the modules each round starts from "
-             "(round 0: initial; round R+1: after round R's merge); overall perplexity and bits per byte, "
-             "then bits per byte per path:"]
+    lines = [
+        f"dipaco run: {display_path(str(summary.get('run_root')))}: {committed} round(s){of} committed",
+        f"held-out documents (tokens after the routing prefix{routing}), by the modules each round starts from "
+        "(round 0: initial; round R+1: after round R's merge); overall perplexity and bits per byte, "
+        "then bits per byte per path:",
+    ]
     lines += ["  " + "  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     use = summary.get("utilisation")
     if use and use.get("utilisation") is not None:
         overhead = use.get("task_overhead_seconds")
-        lines.append(f"islands: {use['islands']}, compute utilisation {use['utilisation']:.2f} through round {use['round']} "
-                     f"({use['inner_seconds']:.0f} s of inner loops / {use['islands']} x {use['wall_seconds']:.0f} s wall)"
-                     + (f", {overhead:.1f} s overhead per path task" if overhead is not None else "")
-                     + (" (load {task_load_seconds:.1f}, engine {task_engine_seconds:.1f}, commit {task_commit_seconds:.1f})"
-                        .format(**use) if "task_commit_seconds" in use else ""))
+        lines.append(
+            f"islands: {use['islands']}, compute utilisation {use['utilisation']:.2f} through round {use['round']} "
+            f"({use['inner_seconds']:.0f} s of inner loops / {use['islands']} x {use['wall_seconds']:.0f} s wall)"
+            + (f", {overhead:.1f} s overhead per path task" if overhead is not None else "")
+            + (
+                " (load {task_load_seconds:.1f}, engine {task_engine_seconds:.1f}, "
+                "commit {task_commit_seconds:.1f})".format(**use)
+                if "task_commit_seconds" in use
+                else ""
+            )
+        )
     best = summary.get("early_stopping")
     if best and best.get("perplexity") is not None:
         lines.append(early_stopping_line(best))
     if summary.get("model_version"):
-        lines.append(f"registered model: models:/{summary['registered_model']}/{summary['model_version']} "
-                     f"(alias champion: models:/{summary['registered_model']}@champion)")
+        lines.append(
+            f"registered model: models:/{summary['registered_model']}/{summary['model_version']} "
+            f"(alias champion: models:/{summary['registered_model']}@champion)"
+        )
     sample = summary.get("sample")
     if sample:
         lines.append(f"champion continues {sample['prompt']!r}: {sample['continuation']!r}")
     if summary.get("tracking_uri"):
-        lines += mlflow_hint(summary["tracking_uri"], summary.get("experiment"), summary.get("experiment_id"),
-                             summary.get("parent_run_id"))
+        lines += mlflow_hint(
+            summary["tracking_uri"],
+            summary.get("experiment"),
+            summary.get("experiment_id"),
+            summary.get("parent_run_id"),
+        )
     if planned is not None and committed == planned:
         lines.append(f"every round of train.rounds={planned} is committed: raise train.rounds to train further")
     return "\n".join(lines)
@@ -115,8 +141,10 @@ def format_summary(summary: dict) -> str:
 def early_stopping_line(best: dict) -> str:
     """eval.early_stopping: the early-stopped model's figures and the round each path keeps."""
     rounds = " ".join(f"{pid}={entry['round']}" for pid, entry in sorted(best.get("paths", {}).items()))
-    return (f"early-stopped model (each path's round of lowest validation perplexity): perplexity "
-            f"{_num(best.get('perplexity'), 2)}, {_num(best.get('bits_per_byte'), 3)} bits/byte; rounds {rounds}")
+    return (
+        f"early-stopped model (each path's round of lowest validation perplexity): perplexity "
+        f"{_num(best.get('perplexity'), 2)}, {_num(best.get('bits_per_byte'), 3)} bits/byte; rounds {rounds}"
+    )
 
 
 PAGE = "Model training → Training runs"  # MLflow 3 opens an experiment on its GenAI page; ours are training runs
@@ -139,9 +167,11 @@ def mlflow_hint(uri: str, experiment: str | None, experiment_id: str | None, run
         return [f"MLflow UI: {where} ({page})"]
     if scheme in _DATABASE_STORES or os.path.isabs(uri):
         port = free_port()
-        return [f"MLflow UI: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false {mlflow_command()} ui "
-                f"--backend-store-uri {display_uri(uri)} --port {port}",
-                f"  then open http://127.0.0.1:{port}/{run} ({page})"]
+        return [
+            f"MLflow UI: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false {mlflow_command()} ui "
+            f"--backend-store-uri {display_uri(uri)} --port {port}",
+            f"  then open http://127.0.0.1:{port}/{run} ({page})",
+        ]
     return [f"MLflow UI: the tracking store {uri} ({page})"]
 
 
@@ -180,8 +210,8 @@ def display_path(path: str) -> str:
 def display_uri(uri: str) -> str:
     """sqlite:////abs/cwd/runs/demo/mlflow.db -> sqlite:///runs/demo/mlflow.db (relative to here)."""
     prefix = "sqlite:///"
-    if uri.startswith(prefix) and os.path.isabs(uri[len(prefix):]):
-        return prefix + display_path(uri[len(prefix):])
+    if uri.startswith(prefix) and os.path.isabs(uri[len(prefix) :]):
+        return prefix + display_path(uri[len(prefix) :])
     return uri
 
 

@@ -41,8 +41,8 @@ from typing import Any
 
 import yaml
 
-from pipeline.state import layout
 from pipeline.core.config import MAX_CONFIG_BYTES, Config, flatten, parse_yaml, resolve_ds_config
+from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 from pipeline.tracking.uris import CHAMPION, NEWEST, redact, redact_data, tracking_uri  # noqa: F401 (re-exported)
 
@@ -82,10 +82,12 @@ def _ms(seconds: float | None) -> int | None:
 def round_description(round_index: int) -> str:
     """What a round's container run holds, in the numbering the whole project uses."""
     start = "the initial modules" if round_index == 0 else f"the modules written by round {round_index - 1}'s merge"
-    return (f"Round {round_index}. Its perplexity is that of the modules round {round_index} starts from "
-            f"({start}), row {round_index} of the `dipaco run` summary and registered versions tagged "
-            f"dipaco.round={round_index}. Its paths train from these modules; its merge writes round "
-            f"{round_index + 1}'s.")
+    return (
+        f"Round {round_index}. Its perplexity is that of the modules round {round_index} starts from "
+        f"({start}), row {round_index} of the `dipaco run` summary and registered versions tagged "
+        f"dipaco.round={round_index}. Its paths train from these modules; its merge writes round "
+        f"{round_index + 1}'s."
+    )
 
 
 # -- the interface --------------------------------------------------------------------------------
@@ -202,23 +204,33 @@ class MlflowTracker(Tracker):
 
     def log_path(self, round_index: int, path_id: str, metrics: dict) -> None:
         finished = metrics.get("finished_at") if _numeric(metrics.get("finished_at")) else time.time()
-        started = metrics.get("started_at") if _numeric(metrics.get("started_at")) else finished - float(metrics.get("seconds") or 0)
+        started = (
+            metrics.get("started_at")
+            if _numeric(metrics.get("started_at"))
+            else finished - float(metrics.get("seconds") or 0)
+        )
         round_run = self._round(round_index, started)  # created here: the round began with this path
         run = self._leaf(
-            "path", f"round={round_index}/path={path_id}", f"round {round_index} · path {path_id}", round_run,
-            {"dipaco.round": str(round_index), "dipaco.path": path_id}, started,
+            "path",
+            f"round={round_index}/path={path_id}",
+            f"round {round_index} · path {path_id}",
+            round_run,
+            {"dipaco.round": str(round_index), "dipaco.path": path_id},
+            started,
         )
         if run is None:
             return
         ds_config = metrics.get("ds_config") or {}
         params = {k: _param(v) for k, v in flatten(redact_data(self.config.to_dict())).items()}
-        params.update({
-            "path.id": path_id,
-            "path.modules": json.dumps(metrics.get("modules")),
-            "path.world_size": str(metrics.get("world_size")),
-            "path.precision": str(metrics.get("precision")),  # what its island's host chose (train.precision)
-            **{f"ds.{k}": _param(v) for k, v in flatten(ds_config).items()},
-        })
+        params.update(
+            {
+                "path.id": path_id,
+                "path.modules": json.dumps(metrics.get("modules")),
+                "path.world_size": str(metrics.get("world_size")),
+                "path.precision": str(metrics.get("precision")),  # what its island's host chose (train.precision)
+                **{f"ds.{k}": _param(v) for k, v in flatten(ds_config).items()},
+            }
+        )
         self._log_params(run, params)
         # Global inner steps (round * inner_steps + step), as the trainer's lr schedule counts them:
         # the loss of one path continues across its rounds' runs instead of restarting at 0.
@@ -238,14 +250,23 @@ class MlflowTracker(Tracker):
         finished = self._committed_at(layout.round_dir(round_index))
         started = finished - report["seconds"] if _numeric(report.get("seconds")) else finished
         parent, round_run = self._parent(), self._round(round_index, started)
-        run = self._leaf("merge", f"round={round_index}/merge", f"round {round_index} · merge", round_run,
-                         {"dipaco.round": str(round_index)}, started,
-                         f"Outer step of round {round_index}: its trained paths merged into the modules round "
-                         f"{round_index + 1} starts from.")
+        run = self._leaf(
+            "merge",
+            f"round={round_index}/merge",
+            f"round {round_index} · merge",
+            round_run,
+            {"dipaco.round": str(round_index)},
+            started,
+            f"Outer step of round {round_index}: its trained paths merged into the modules round "
+            f"{round_index + 1} starts from.",
+        )
         if run is None:
             return
-        norms = {f"outer_grad_norm/{metric_name(m)}": float(v)
-                 for m, v in (report.get("module_grad_norms") or {}).items() if _numeric(v)}
+        norms = {
+            f"outer_grad_norm/{metric_name(m)}": float(v)
+            for m, v in (report.get("module_grad_norms") or {}).items()
+            if _numeric(v)
+        }
         scalars = {metric_name(k): float(v) for k, v in report.items() if _numeric(v) and k != "round"}
         merged, left_out = report.get("paths_merged") or [], report.get("paths_left_out") or []
         scalars.update({"paths_merged": float(len(merged)), "paths_left_out": float(len(left_out))})
@@ -253,9 +274,13 @@ class MlflowTracker(Tracker):
             # how many times less than data-parallel training would have sent
             scalars["communication_saving"] = report["bytes_data_parallel"] / report["bytes_outer"]
         self._log_metrics(run, {k: [(round_index, v)] for k, v in {**norms, **scalars}.items()}, finished)
-        self._log_params(run, {
-            "paths_merged": ",".join(merged) or "none", "paths_left_out": ",".join(left_out) or "none",
-        })
+        self._log_params(
+            run,
+            {
+                "paths_merged": ",".join(merged) or "none",
+                "paths_left_out": ",".join(left_out) or "none",
+            },
+        )
         self.client.log_dict(run, redact_data(report), "merge_report.json")
         self._end(run, finished)
         self._log_merge_totals(parent)
@@ -264,16 +289,22 @@ class MlflowTracker(Tracker):
     def log_utilisation(self, round_index: int, figures: dict) -> None:
         """Islands' utilisation up to round r (pipeline.tracking.utilisation) on the parent, by round, and
         on the round's run."""
-        series = {f"islands_{metric_name(k)}" if k != "utilisation" else "utilisation": [(round_index, float(v))]
-                  for k, v in figures.items() if _numeric(v)}
+        series = {
+            f"islands_{metric_name(k)}" if k != "utilisation" else "utilisation": [(round_index, float(v))]
+            for k, v in figures.items()
+            if _numeric(v)
+        }
         self._log_metrics(self._parent(), series)
         self._log_metrics(self._round(round_index), series)
 
     def log_reroute(self, after_round: int, report: dict) -> None:
         """`reroute/<key>` metrics at step R on the parent and on round R's run; the report and the
         discriminative router as artifacts. Logging twice logs the same values again (idempotent)."""
-        series = {f"reroute/{metric_name(k)}": [(after_round, float(v))] for k, v in report.items()
-                  if _numeric(v) and k not in ("after_round", "round")}
+        series = {
+            f"reroute/{metric_name(k)}": [(after_round, float(v))]
+            for k, v in report.items()
+            if _numeric(v) and k not in ("after_round", "round")
+        }
         parent = self._parent()
         self._log_metrics(parent, series)
         self._log_metrics(self._round(after_round), series)
@@ -348,10 +379,13 @@ class MlflowTracker(Tracker):
         last, is the mark that a rerun has nothing to add."""
         parent = self._parent()
         if not _numeric(best.get("perplexity")) or any(
-                m.step == round_index for m in self.client.get_metric_history(parent, "early_stopped_perplexity")):
+            m.step == round_index for m in self.client.get_metric_history(parent, "early_stopped_perplexity")
+        ):
             return
-        series = {f"early_stopped_round/{metric_name(pid)}": [(round_index, float(entry["round"]))]
-                  for pid, entry in best.get("paths", {}).items()}
+        series = {
+            f"early_stopped_round/{metric_name(pid)}": [(round_index, float(entry["round"]))]
+            for pid, entry in best.get("paths", {}).items()
+        }
         if _numeric(best.get("bits_per_byte")):
             series["early_stopped_bits_per_byte"] = [(round_index, float(best["bits_per_byte"]))]
         self._log_metrics(parent, series)
@@ -369,10 +403,16 @@ class MlflowTracker(Tracker):
         name = self.config.mlflow.registered_model
         rounds = registry.bundle_path_rounds(self.config, round_index, path_rounds(best))
         existing = self._versions(name, {RUN_KEY: self.key, EARLY_STOPPED: "true", PATH_ROUNDS: rounds_tag(rounds)})
-        version = str(existing[0].version) if existing else self._register_new(name, round_index, best, registry, rounds)
+        version = (
+            str(existing[0].version) if existing else self._register_new(name, round_index, best, registry, rounds)
+        )
         self._set_champion(name)
-        log.info("MLflow: %s version %s holds the early-stopped model (rounds %s)", name, version,
-                 " ".join(f"{p}={r}" for p, r in rounds.items()))
+        log.info(
+            "MLflow: %s version %s holds the early-stopped model (rounds %s)",
+            name,
+            version,
+            " ".join(f"{p}={r}" for p, r in rounds.items()),
+        )
         return version
 
     def newest_version(self) -> str | None:
@@ -388,7 +428,8 @@ class MlflowTracker(Tracker):
             "docs_per_path.png": lambda: plots.docs_per_path(self._docs_per_path()),
             "perplexity_by_round.png": lambda: plots.perplexity_by_round(*self._perplexities(parent)),
             "bits_per_byte_by_round.png": lambda: plots.perplexity_by_round(
-                *self._perplexities(parent, "bits_per_byte"), metric="bits_per_byte"),
+                *self._perplexities(parent, "bits_per_byte"), metric="bits_per_byte"
+            ),
             "outer_grad_norm_heatmap.png": lambda: plots.grad_norm_heatmap(self._grad_norms()),
         }
         for file_name, build in figures.items():
@@ -431,8 +472,11 @@ class MlflowTracker(Tracker):
             run = self._find_or_create("pipeline", None, Path(self.config.run_root.rstrip("/")).name, tags)
             self._parent_id = run.info.run_id
             state = {
-                "tracking_uri": redact(self.uri), "experiment": self.config.mlflow.experiment,
-                "experiment_id": self._experiment(), "parent_run_id": self._parent_id, "run_key": self.key,
+                "tracking_uri": redact(self.uri),
+                "experiment": self.config.mlflow.experiment,
+                "experiment_id": self._experiment(),
+                "parent_run_id": self._parent_id,
+                "run_key": self.key,
             }
             if not self.root.exists(STATE_FILE) or self.root.read_json(STATE_FILE) != state:
                 self.root.write_json(STATE_FILE, state)
@@ -470,7 +514,9 @@ class MlflowTracker(Tracker):
         tags = {RUN_KEY: self.key, KEY: key, **tags, **({PARENT_TAG: parent} if parent else {})}
         return self.client.create_run(self._experiment(), start_time=_ms(start), run_name=name, tags=tags)
 
-    def _find_or_create(self, key: str, parent: str | None, name: str, tags: dict[str, str], start: float | None = None):
+    def _find_or_create(
+        self, key: str, parent: str | None, name: str, tags: dict[str, str], start: float | None = None
+    ):
         """A container run, created once even when processes race: the oldest one wins."""
         found = self._find(key, parent)
         if found is not None:
@@ -481,8 +527,16 @@ class MlflowTracker(Tracker):
             self.client.delete_run(mine.info.run_id)
         return winner
 
-    def _leaf(self, kind: str, key: str, name: str, parent: str, tags: dict[str, str], start: float | None = None,
-              description: str | None = None) -> str | None:
+    def _leaf(
+        self,
+        kind: str,
+        key: str,
+        name: str,
+        parent: str,
+        tags: dict[str, str],
+        start: float | None = None,
+        description: str | None = None,
+    ) -> str | None:
         """A fresh run to log into (started at `start`, the work's start), or None when a finished
         one exists (already logged)."""
         runs = self._search(key, parent)
@@ -506,22 +560,31 @@ class MlflowTracker(Tracker):
             log.warning("MLflow: params changed since first logged, keeping the first: %s", ", ".join(changed))
         new = [Param(k, v) for k, v in params.items() if k not in have]
         for start in range(0, len(new), 100):
-            self.client.log_batch(run_id, params=new[start:start + 100])
+            self.client.log_batch(run_id, params=new[start : start + 100])
 
     def _log_metrics(self, run_id: str, series: dict[str, list[tuple[int, float]]], at: float | None = None) -> None:
         from mlflow.entities import Metric
 
         now = _ms(at or time.time())
-        metrics = [Metric(name, float(value), now, step) for name, points in series.items()
-                   for step, value in points if _numeric(value)]
+        metrics = [
+            Metric(name, float(value), now, step)
+            for name, points in series.items()
+            for step, value in points
+            if _numeric(value)
+        ]
         for start in range(0, len(metrics), 1000):
-            self.client.log_batch(run_id, metrics=metrics[start:start + 1000])
+            self.client.log_batch(run_id, metrics=metrics[start : start + 1000])
 
     def _run_yaml(self) -> str:
         """run.yaml as committed (or the live config before init), credentials redacted."""
         if self.root.exists(layout.RUN_CONFIG):
-            data = parse_yaml(self.root.read_bytes(layout.RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES),
-                              self.root.path(layout.RUN_CONFIG)) or {}
+            data = (
+                parse_yaml(
+                    self.root.read_bytes(layout.RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES),
+                    self.root.path(layout.RUN_CONFIG),
+                )
+                or {}
+            )
         else:
             data = self.config.to_dict()
         return yaml.safe_dump(redact_data(data), sort_keys=False)
@@ -531,39 +594,63 @@ class MlflowTracker(Tracker):
         query = f"name = '{name}'" + "".join(f" and tags.`{k}` = '{v}'" for k, v in tags.items())
         return sorted(self.client.search_model_versions(query), key=lambda v: int(v.version))
 
-    def _register_new(self, name: str, round_index: int, result: dict, registry,
-                      path_rounds: dict[str, int] | None = None) -> str:
+    def _register_new(
+        self, name: str, round_index: int, result: dict, registry, path_rounds: dict[str, int] | None = None
+    ) -> str:
         """Round round_index's modules as a new version or, with `path_rounds`, the early-stopped
         model (each path from its own round) as of round round_index."""
         parent, round_run = self._parent(), self._round(round_index)
         early = "-early-stopped" if path_rounds else ""
         key = f"round={round_index}/register{early}"
-        what = (f"The early-stopped model as of round {round_index} (each path from its best round)" if path_rounds
-                else f"The modules round {round_index} starts from")
-        run = self._leaf("register", key, f"round {round_index} · register{early.replace('-', ' ')}", round_run,
-                         {"dipaco.round": str(round_index)}, description=f"{what}, registered as a version of {name}.")
+        what = (
+            f"The early-stopped model as of round {round_index} (each path from its best round)"
+            if path_rounds
+            else f"The modules round {round_index} starts from"
+        )
+        run = self._leaf(
+            "register",
+            key,
+            f"round {round_index} · register{early.replace('-', ' ')}",
+            round_run,
+            {"dipaco.round": str(round_index)},
+            description=f"{what}, registered as a version of {name}.",
+        )
         if run is None:  # logged once, registration lost: find the run again
             run = self._find(key, round_run).info.run_id
         if path_rounds:  # the chosen round per path, as params of the registering run
             self._log_params(run, {f"early_stopping.round.{metric_name(p)}": str(r) for p, r in path_rounds.items()})
-            self._log_metrics(run, {f"early_stopped_{k}": [(round_index, float(result[k]))]
-                                    for k in ("perplexity", "bits_per_byte") if _numeric(result.get(k))})
+            self._log_metrics(
+                run,
+                {
+                    f"early_stopped_{k}": [(round_index, float(result[k]))]
+                    for k in ("perplexity", "bits_per_byte")
+                    if _numeric(result.get(k))
+                },
+            )
         mlflow = self._mlflow
         mlflow.set_tracking_uri(self.uri)
         mlflow.set_registry_uri(self.uri)
         with tempfile.TemporaryDirectory() as tmp, mlflow.start_run(run_id=run):
-            info = registry.log_pyfunc(self.root, self.config, round_index, Path(tmp), self._run_yaml(), name, path_rounds)
+            info = registry.log_pyfunc(
+                self.root, self.config, round_index, Path(tmp), self._run_yaml(), name, path_rounds
+            )
         version = str(info.registered_model_version)
         tags = {
-            RUN_KEY: self.key, "dipaco.round": str(round_index), "dipaco.run_root": redact(self.config.run_root),
-            "dipaco.parent_run_id": parent, "perplexity": repr(float(result.get("perplexity", math.nan))),
+            RUN_KEY: self.key,
+            "dipaco.round": str(round_index),
+            "dipaco.run_root": redact(self.config.run_root),
+            "dipaco.parent_run_id": parent,
+            "perplexity": repr(float(result.get("perplexity", math.nan))),
             "eval_tokens": str(result.get("tokens", "")),
             **({EARLY_STOPPED: "true", PATH_ROUNDS: rounds_tag(path_rounds)} if path_rounds else {}),
         }
         for key, value in tags.items():
             self.client.set_model_version_tag(name, version, key, value)
-        description = (self._early_stopped_description(round_index, result, path_rounds) if path_rounds
-                       else self._version_description(round_index, result))
+        description = (
+            self._early_stopped_description(round_index, result, path_rounds)
+            if path_rounds
+            else self._version_description(round_index, result)
+        )
         self.client.update_model_version(name, version, description=description)
         self.client.update_registered_model(name, description=self._model_description())
         self._end(run)
@@ -572,37 +659,51 @@ class MlflowTracker(Tracker):
     def _model_description(self) -> str:
         """What every version of the registered model is: grid, tokenizer, routing, how to call it."""
         m, r, t = self.config.model, self.config.router, self.config.train
-        return (f"DiPaCo: a {m.grid} grid of modules ({self.config.n_paths} paths of {sum(m.blocks_per_level) + m.path_specific_blocks} "
-                f"Llama blocks, hidden size {m.hidden_size}, seq_len {m.seq_len}), tokenizer {m.tokenizer} "
-                f"(vocabulary {m.vocab_size}). Each input text is routed by its first {r.prefix_tokens} tokens "
-                f"({r.embedder} router) to one path, whose model generates the continuation. Trained for "
-                f"train.rounds={t.rounds} outer rounds of {t.inner_steps} inner steps in "
-                f"{redact(self.config.run_root)}; each version holds the modules of one round. Aliases: "
-                f"{CHAMPION} (lowest routed perplexity), {NEWEST}. predict([text, ...], "
-                f"params={{'max_new_tokens': 32, 'temperature': 0.8, 'top_k': 40, 'seed': 0}}) -> [continuation, ...] "
-                f"(temperature 0: greedy)." + (
-                    f" eval.early_stopping: versions tagged {EARLY_STOPPED}=true hold the early-stopped model (each "
-                    f"path from the round that gave its validation shard the lowest perplexity); {CHAMPION} is one "
-                    f"of them." if self.config.eval.early_stopping else ""))
+        return (
+            f"DiPaCo: a {m.grid} grid of modules ({self.config.n_paths} paths of "
+            f"{sum(m.blocks_per_level) + m.path_specific_blocks} "
+            f"Llama blocks, hidden size {m.hidden_size}, seq_len {m.seq_len}), tokenizer {m.tokenizer} "
+            f"(vocabulary {m.vocab_size}). Each input text is routed by its first {r.prefix_tokens} tokens "
+            f"({r.embedder} router) to one path, whose model generates the continuation. Trained for "
+            f"train.rounds={t.rounds} outer rounds of {t.inner_steps} inner steps in "
+            f"{redact(self.config.run_root)}; each version holds the modules of one round. Aliases: "
+            f"{CHAMPION} (lowest routed perplexity), {NEWEST}. predict([text, ...], "
+            f"params={{'max_new_tokens': 32, 'temperature': 0.8, 'top_k': 40, 'seed': 0}}) -> [continuation, ...] "
+            f"(temperature 0: greedy)."
+            + (
+                f" eval.early_stopping: versions tagged {EARLY_STOPPED}=true hold the early-stopped model (each "
+                f"path from the round that gave its validation shard the lowest perplexity); {CHAMPION} is one "
+                f"of them."
+                if self.config.eval.early_stopping
+                else ""
+            )
+        )
 
     def _version_description(self, round_index: int, result: dict) -> str:
         """One version: which round's modules, after how much training, and how good."""
         m, t = self.config.model, self.config.train
         perplexity = result.get("perplexity")
-        score = (f"routed perplexity {perplexity:.2f} on {int(result.get('tokens') or 0):,} held-out tokens"
-                 if _numeric(perplexity) else "not evaluated")
-        return (f"The modules round {round_index} starts from: after {round_index} of train.rounds={t.rounds} "
-                f"outer rounds ({round_index * t.inner_steps} inner steps per path); {score}. Grid {m.grid}, "
-                f"tokenizer {m.tokenizer}, run root {redact(self.config.run_root)}.")
+        score = (
+            f"routed perplexity {perplexity:.2f} on {int(result.get('tokens') or 0):,} held-out tokens"
+            if _numeric(perplexity)
+            else "not evaluated"
+        )
+        return (
+            f"The modules round {round_index} starts from: after {round_index} of train.rounds={t.rounds} "
+            f"outer rounds ({round_index * t.inner_steps} inner steps per path); {score}. Grid {m.grid}, "
+            f"tokenizer {m.tokenizer}, run root {redact(self.config.run_root)}."
+        )
 
     def _early_stopped_description(self, round_index: int, best: dict, path_rounds: dict[str, int]) -> str:
         """The early-stopped version: which round each path comes from, and how good it is."""
         m = self.config.model
         rounds = ", ".join(f"{p}: round {r}" for p, r in path_rounds.items())
-        return (f"The early-stopped model as of round {round_index}: each path assembled from the modules of the "
-                f"round (0..{round_index}) that gave its own validation shard the lowest perplexity ({rounds}); "
-                f"routed perplexity {best['perplexity']:.2f} on {int(best.get('tokens') or 0):,} held-out tokens. "
-                f"Grid {m.grid}, tokenizer {m.tokenizer}, run root {redact(self.config.run_root)}.")
+        return (
+            f"The early-stopped model as of round {round_index}: each path assembled from the modules of the "
+            f"round (0..{round_index}) that gave its own validation shard the lowest perplexity ({rounds}); "
+            f"routed perplexity {best['perplexity']:.2f} on {int(best.get('tokens') or 0):,} held-out tokens. "
+            f"Grid {m.grid}, tokenizer {m.tokenizer}, run root {redact(self.config.run_root)}."
+        )
 
     def _set_champion(self, name: str) -> None:
         """champion: the version with the lowest routed perplexity among all evaluated ones; with
@@ -641,9 +742,13 @@ class MlflowTracker(Tracker):
         return {pid: docs for pid, (_, docs) in latest.items()}
 
     def _history(self, run_id: str, metric: str) -> dict[int, float]:
-        return {m.step: m.value for m in sorted(self.client.get_metric_history(run_id, metric), key=lambda m: m.timestamp)}
+        return {
+            m.step: m.value for m in sorted(self.client.get_metric_history(run_id, metric), key=lambda m: m.timestamp)
+        }
 
-    def _perplexities(self, parent: str, metric: str = "perplexity") -> tuple[dict[int, float], dict[str, dict[int, float]]]:
+    def _perplexities(
+        self, parent: str, metric: str = "perplexity"
+    ) -> tuple[dict[int, float], dict[str, dict[int, float]]]:
         names = self.client.get_run(parent).data.metrics
         per_path = {k.split("/", 1)[1]: self._history(parent, k) for k in names if k.startswith(f"{metric}/")}
         return self._history(parent, metric), per_path

@@ -23,8 +23,10 @@ _USERINFO = re.compile(r"://[^/?#\s]*@")
 # to the next, fixed-width lookbehinds check the name, and the replacement is a plain string (no
 # per-match Python callback); one lookbehind of the names' last letters turns most '=' away at once
 _LAST_LETTERS = "".join(sorted({name[-1] for name in SECRET_PARAMS}))
-_SECRET_VALUE = re.compile(f"=(?<=[{_LAST_LETTERS}]=)(?:" + "|".join(f"(?<={name}=)" for name in SECRET_PARAMS)
-                           + r")[^&#;\s'\",\]]+", re.IGNORECASE)
+_SECRET_VALUE = re.compile(
+    f"=(?<=[{_LAST_LETTERS}]=)(?:" + "|".join(f"(?<={name}=)" for name in SECRET_PARAMS) + r")[^&#;\s'\",\]]+",
+    re.IGNORECASE,
+)
 
 
 def redact(text: str) -> str:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import time
 
 from models.grid import all_job_ids
+from pipeline.islands.task_queue import ISLANDS, LEASES, Task
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
-from pipeline.islands.task_queue import ISLANDS, LEASES, Task
 
 
 def round_utilisation(config, round_index: int) -> dict | None:
@@ -69,13 +69,21 @@ def island_seconds(root: RunRoot, until: float) -> dict[str, float]:
         if not name.endswith(".json"):
             continue
         record = root.read_json(f"{ISLANDS}/{name}")
-        lives = [list(life) for life in record.get("lifetimes") or [] if isinstance(life, (list, tuple)) and len(life) == 2]
+        lives = [
+            list(life) for life in record.get("lifetimes") or [] if isinstance(life, (list, tuple)) and len(life) == 2
+        ]
         if isinstance(record.get("started_at"), (int, float)):
             lives.append([record["started_at"], record.get("finished_at")])
         lives = sorted((float(s), e) for s, e in lives if isinstance(s, (int, float)))
         spans = []
         for i, (start, stop) in enumerate(lives):
-            stop = float(stop) if isinstance(stop, (int, float)) else lives[i + 1][0] if i + 1 < len(lives) else time.time()
+            stop = (
+                float(stop)
+                if isinstance(stop, (int, float))
+                else lives[i + 1][0]
+                if i + 1 < len(lives)
+                else time.time()
+            )
             if start < until:
                 spans.append((start, min(stop, until)))
         if spans:
@@ -113,7 +121,9 @@ def overhead_breakdown(config, round_index: int) -> dict[str, float] | None:
             continue
         phases["load"].append(float(setup["load"]))
         phases["engine"].append(float(setup["engine"]))
-        phases["commit"].append(float(lease["seconds"]) - float(metrics["seconds"]) - float(setup["load"]) - float(setup["engine"]))
+        phases["commit"].append(
+            float(lease["seconds"]) - float(metrics["seconds"]) - float(setup["load"]) - float(setup["engine"])
+        )
     return {k: sum(v) / len(v) for k, v in phases.items()} if phases["load"] else None
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+
 def pack_documents(docs: list[np.ndarray], seq_len: int, seed: int, eos: int) -> np.ndarray:
     """(n_rows, seq_len + 1) int64 rows: documents in a seeded order, each followed by EOS."""
     order = np.random.default_rng(seed).permutation(len(docs))

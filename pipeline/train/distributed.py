@@ -40,8 +40,18 @@ CPU_MALLOC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=42949
 # above (a subprocess started with this environment, an Airflow worker's task) is not a launched
 # rank and takes a port of its own, instead of colliding with the store this process listens on.
 ONE_RANK_MARK = "DIPACO_ONE_RANK_JOB"
-RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                   "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", ONE_RANK_MARK)
+RENDEZVOUS_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "LOCAL_SIZE",
+    ONE_RANK_MARK,
+)
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -100,8 +110,10 @@ def run_rank(command: str, body: Callable[[], None]) -> int:
     it), and the process group closed before the process exits."""
     from pipeline.core.errors import DipacoError
 
-    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
-                        format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
+        format="%(asctime)s %(name)s %(message)s",
+    )
     try:
         body()
         return 0
@@ -213,6 +225,11 @@ def apply_rank_threads(train, islands: bool) -> int:
     total = threads * ranks_at_once(train, islands)
     if total > cores:
         why = "train.threads_per_proc" if train.threads_per_proc else "more ranks than cores"
-        _threads_log.warning("%d ranks x %d threads exceed the %d cores this process may use (%s)",
-                             ranks_at_once(train, islands), threads, cores, why)
+        _threads_log.warning(
+            "%d ranks x %d threads exceed the %d cores this process may use (%s)",
+            ranks_at_once(train, islands),
+            threads,
+            cores,
+            why,
+        )
     return threads

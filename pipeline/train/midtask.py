@@ -39,8 +39,18 @@ def checkpoints_dir(round_index: int, path_id: str, attempt: str | None = None) 
     return f"{base}/{attempt}" if attempt else base
 
 
-def save(engine, root: RunRoot, round_index: int, path_id: str, attempt: str, step: int,
-         losses: torch.Tensor, lrs: list[float], rank: int, world: int) -> None:
+def save(
+    engine,
+    root: RunRoot,
+    round_index: int,
+    path_id: str,
+    attempt: str,
+    step: int,
+    losses: torch.Tensor,
+    lrs: list[float],
+    rank: int,
+    world: int,
+) -> None:
     """Collective: every rank saves its ZeRO partition; rank 0 records the island's mean loss of
     steps < `step`, commits, and drops the attempt's steps before the last two."""
     import torch.distributed as dist
@@ -56,8 +66,16 @@ def save(engine, root: RunRoot, round_index: int, path_id: str, attempt: str, st
             if not root.is_local:
                 root.put_dir(local, rel)
             root.write_json(f"{rel}/{PROGRESS}", {"step": step, "loss": (done / world).tolist(), "lr": lrs[:step]})
-            root.commit(rel, info={"round": round_index, "path": path_id, "step": step, "world_size": world,
-                                   "zero_stage": engine.zero_optimization_stage()})
+            root.commit(
+                rel,
+                info={
+                    "round": round_index,
+                    "path": path_id,
+                    "step": step,
+                    "world_size": world,
+                    "zero_stage": engine.zero_optimization_stage(),
+                },
+            )
             mine = checkpoints_dir(round_index, path_id, attempt)
             steps = sorted(int(m.group(1)) for m in map(_STEP.fullmatch, root.listdir(mine)) if m)
             for older in steps[:-2]:  # keep two: another attempt may be copying the older one
@@ -90,9 +108,13 @@ def newest(root: RunRoot, round_index: int, path_id: str, world: int, zero_stage
 
 def progress_ok(progress: dict, step: int, where: str) -> None:
     """A progress record is the step its directory names and one loss and lr per step done."""
+
     def numbers(value) -> bool:
-        return isinstance(value, list) and len(value) == step and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
+        return (
+            isinstance(value, list)
+            and len(value) == step
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
+        )
 
     if progress.get("step") != step or not numbers(progress.get("loss")) or not numbers(progress.get("lr")):
         raise CorruptStateError(f"{where}: not the progress of step {step} (step, and a loss and lr per step done)")
@@ -110,6 +132,7 @@ def resume(engine, root: RunRoot, rel: str) -> dict:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(root.read_committed(rel, name))
         progress = load_json((Path(scratch) / PROGRESS).read_bytes(), root.path(rel, PROGRESS))
-        engine.load_checkpoint(scratch, tag="inner", load_optimizer_states=True,
-                               load_lr_scheduler_states=False, load_module_strict=True)
+        engine.load_checkpoint(
+            scratch, tag="inner", load_optimizer_states=True, load_lr_scheduler_states=False, load_module_strict=True
+        )
     return progress

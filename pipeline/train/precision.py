@@ -69,9 +69,16 @@ def cpu_native_bf16() -> tuple[bool, str]:
     return native, torch.backends.cpu.get_cpu_capability()
 
 
-def resolve(train, shape: ModelShape, *, threads: int | None = None, device: str | None = None,
-            native_bf16: tuple[bool, str] | None = None, probe: Probe | None = None,
-            cache_dir: Path | None = None) -> Precision:
+def resolve(
+    train,
+    shape: ModelShape,
+    *,
+    threads: int | None = None,
+    device: str | None = None,
+    native_bf16: tuple[bool, str] | None = None,
+    probe: Probe | None = None,
+    cache_dir: Path | None = None,
+) -> Precision:
     """The precision of `train.precision` on this machine.
 
     `native_bf16` and `probe` default to asking the hardware; tests pass them to stand in for a
@@ -88,15 +95,24 @@ def resolve(train, shape: ModelShape, *, threads: int | None = None, device: str
             return Precision("fp32", f"auto: this CPU ({isa}) has no native bfloat16, which would be emulated", device)
         seconds = timings()
         best = min(("fp32", "bf16"), key=lambda name: seconds[name])
-        return Precision(best, f"auto: {_compare(seconds)} per step on this CPU ({isa}, native bfloat16, "
-                               f"{threads} threads), measured once and cached", device)
+        return Precision(
+            best,
+            f"auto: {_compare(seconds)} per step on this CPU ({isa}, native bfloat16, "
+            f"{threads} threads), measured once and cached",
+            device,
+        )
     if wanted == "bf16" and not native:
         seconds = timings()
-        log.warning("train.precision is bf16 but this CPU (%s) has no native bfloat16: it is emulated, %s per "
-                    "step (%.1fx slower); train.precision: auto would choose fp32", isa, _compare(seconds),
-                    seconds["bf16"] / seconds["fp32"])
-        return Precision("bf16", f"train.precision: bf16 (emulated on this CPU, {isa}: {_compare(seconds)} per step)",
-                         device)
+        log.warning(
+            "train.precision is bf16 but this CPU (%s) has no native bfloat16: it is emulated, %s per "
+            "step (%.1fx slower); train.precision: auto would choose fp32",
+            isa,
+            _compare(seconds),
+            seconds["bf16"] / seconds["fp32"],
+        )
+        return Precision(
+            "bf16", f"train.precision: bf16 (emulated on this CPU, {isa}: {_compare(seconds)} per step)", device
+        )
     return Precision(wanted, f"train.precision: {wanted}", device)
 
 
@@ -131,14 +147,27 @@ def probe_key(train, shape: ModelShape, threads: int) -> str:
     """What a step time depends on: the host and its CPU, torch, the model shape, the batch and
     the thread count (an island of 1 thread and a run of 16 may choose differently)."""
     isa = torch.backends.cpu.get_cpu_capability()
-    return json.dumps({"host": socket.gethostname(), "isa": isa, "torch": torch.__version__, "threads": threads,
-                       "blocks": sum(shape.blocks_per_level) + shape.path_blocks, "hidden": shape.hidden_size,
-                       "heads": shape.num_heads, "intermediate": shape.intermediate_size, "vocab": shape.vocab_size,
-                       "seq_len": shape.max_positions, "micro_batch": train.micro_batch_size}, sort_keys=True)
+    return json.dumps(
+        {
+            "host": socket.gethostname(),
+            "isa": isa,
+            "torch": torch.__version__,
+            "threads": threads,
+            "blocks": sum(shape.blocks_per_level) + shape.path_blocks,
+            "hidden": shape.hidden_size,
+            "heads": shape.num_heads,
+            "intermediate": shape.intermediate_size,
+            "vocab": shape.vocab_size,
+            "seq_len": shape.max_positions,
+            "micro_batch": train.micro_batch_size,
+        },
+        sort_keys=True,
+    )
 
 
-def cached_probe(train, shape: ModelShape, threads: int, probe: Probe | None = None,
-                 cache_dir: Path | None = None) -> dict[str, float]:
+def cached_probe(
+    train, shape: ModelShape, threads: int, probe: Probe | None = None, cache_dir: Path | None = None
+) -> dict[str, float]:
     """Step seconds per precision for this host and shape: from the cache, or measured and cached."""
     path, key = cache_path(cache_dir), probe_key(train, shape, threads)
     entries = _read_cache(path)
@@ -146,8 +175,12 @@ def cached_probe(train, shape: ModelShape, threads: int, probe: Probe | None = N
         return entries[key]["seconds"]
     started = time.perf_counter()
     seconds = probe() if probe is not None else probe_step_seconds(train, shape, threads)
-    log.info("precision probe: %s per step (%.1f s to measure, cached in %s)", _compare(seconds),
-             time.perf_counter() - started, path)
+    log.info(
+        "precision probe: %s per step (%.1f s to measure, cached in %s)",
+        _compare(seconds),
+        time.perf_counter() - started,
+        path,
+    )
     entries = _read_cache(path)  # another process may have added its own key meanwhile
     entries[key] = {"seconds": seconds, "measured_at": time.time()}
     _write_atomic(path, entries)
@@ -200,8 +233,11 @@ def _read_cache(path: Path) -> dict:
 
 
 def _timings(value) -> bool:
-    return (isinstance(value, dict) and set(value) >= {"fp32", "bf16"}
-            and all(isinstance(v, (int, float)) and v > 0 for v in value.values()))
+    return (
+        isinstance(value, dict)
+        and set(value) >= {"fp32", "bf16"}
+        and all(isinstance(v, (int, float)) and v > 0 for v in value.values())
+    )
 
 
 def _write_atomic(path: Path, data: dict) -> None:

@@ -25,19 +25,26 @@ import torch.nn.functional as F
 
 from models.grid import parse_job_id
 from models.modular import ModelShape, ModuleState, build_path_model, split_path_state
+from pipeline.core.config import Config
+from pipeline.core.errors import ConfigError, DipacoError, InputError
 from pipeline.outer import compression
 from pipeline.state import layout
-from pipeline.core.config import Config
+from pipeline.state.module_store import encode, load_path_modules
+from pipeline.state.shards import read_path_rows
+from pipeline.state.storage import RunRoot
 from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
 from pipeline.train.precision import agree
 from pipeline.train.precision import resolve as resolve_precision
-from pipeline.core.errors import ConfigError, DipacoError, InputError
-from pipeline.state.module_store import encode, load_path_modules
-from pipeline.state.shards import read_path_rows
-from pipeline.state.storage import RunRoot
-from pipeline.train.zero import compile_forward, full_state, load_ds_config, release_engine, set_full_state, wrap_with_zero
+from pipeline.train.zero import (
+    compile_forward,
+    full_state,
+    load_ds_config,
+    release_engine,
+    set_full_state,
+    wrap_with_zero,
+)
 
 log = logging.getLogger("dipaco.train")
 CKPT = "ds_checkpoint"
@@ -69,13 +76,16 @@ def adamw_for(model: torch.nn.Module, train) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas))
 
 
-def worker_documents(root: RunRoot, config: Config, routing: layout.Routing, shard_path: str, worker: int,
-                     workers: int) -> list[np.ndarray]:
+def worker_documents(
+    root: RunRoot, config: Config, routing: layout.Routing, shard_path: str, worker: int, workers: int
+) -> list[np.ndarray]:
     """Worker k of the round's M workers: every M-th document of the path's shard (train.worker_data
     iid), or its own k-means cluster of it (clustered: the DiLoCo paper's non-iid workers)."""
     rows = read_path_rows(root, shard_path, shards=routing.shards)
     if worker >= workers:
-        raise ConfigError(f"--path: worker {worker} does not train in a round of {workers} worker(s) (train.workers_schedule)")
+        raise ConfigError(
+            f"--path: worker {worker} does not train in a round of {workers} worker(s) (train.workers_schedule)"
+        )
     if workers == 1 or config.train.worker_data == "iid":
         return [tokens for _, tokens in rows[worker::workers]]
     from pipeline.routing.worker_split import worker_labels
@@ -88,8 +98,14 @@ class AttemptCancelled(Exception):
     """This attempt stopped early: another attempt's output is committed, or its lease was lost."""
 
 
-def train_path(config: Config, round_index: int, path_id: str, attempt: str | None = None,
-               may_publish: Callable[[], bool] | None = None, should_stop: Callable[[], bool] | None = None) -> dict:
+def train_path(
+    config: Config,
+    round_index: int,
+    path_id: str,
+    attempt: str | None = None,
+    may_publish: Callable[[], bool] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> dict:
     """Run on every rank of the island; returns the job's metrics (committed by rank 0), with
     `published` (rank 0: whether this attempt's output is the one committed).
 
@@ -114,7 +130,10 @@ def train_path(config: Config, round_index: int, path_id: str, attempt: str | No
 
     rows = pack_documents(docs, config.model.seq_len, seed=train.seed + worker, eos=shape.eos_id)
     if len(rows) == 0:
-        raise InputError(f"{root.path(layout.shard_dir(shard_path, shards=shards))}: too few tokens for one row of {config.model.seq_len + 1}")
+        raise InputError(
+            f"{root.path(layout.shard_dir(shard_path, shards=shards))}: "
+            f"too few tokens for one row of {config.model.seq_len + 1}"
+        )
     stream = RowStream(rows, seed=train.seed + worker)
 
     merged = load_path_modules(root, round_index, modules, shape, config.model.grid)
@@ -134,20 +153,51 @@ def train_path(config: Config, round_index: int, path_id: str, attempt: str | No
         def checkpoint(step: int, losses: torch.Tensor, lrs: list[float]) -> None:
             midtask.save(engine, root, round_index, path_id, attempt, step, losses, lrs, rank, world)
 
-        metrics = run_inner_loop(engine, stream, config, round_index, rank, world, should_stop, progress,
-                                 checkpoint if train.checkpoint_every else None)
+        metrics = run_inner_loop(
+            engine,
+            stream,
+            config,
+            round_index,
+            rank,
+            world,
+            should_stop,
+            progress,
+            checkpoint if train.checkpoint_every else None,
+        )
         # What a task spends besides its inner loop (the island's lease adds the commit after it).
         metrics["setup_seconds"] = {"load": loaded - began, "engine": built - loaded}
         metrics.update(
-            round=round_index, path=path_id, shard_path=shard_path, worker=worker, modules=[[lvl, k] for lvl, k in enumerate(modules)],
-            world_size=world, ds_config=ds_config, precision=precision.name, precision_reason=precision.reason,
-            threads=torch.get_num_threads(), compiled=compiled, resumed_inner_state_from=resumed_from,
-            shards=shards, shard_docs=len(docs), shard_tokens=int(sum(len(d) for d in docs)), shard_rows=len(rows),
+            round=round_index,
+            path=path_id,
+            shard_path=shard_path,
+            worker=worker,
+            modules=[[lvl, k] for lvl, k in enumerate(modules)],
+            world_size=world,
+            ds_config=ds_config,
+            precision=precision.name,
+            precision_reason=precision.reason,
+            threads=torch.get_num_threads(),
+            compiled=compiled,
+            resumed_inner_state_from=resumed_from,
+            shards=shards,
+            shard_docs=len(docs),
+            shard_tokens=int(sum(len(d) for d in docs)),
+            shard_rows=len(rows),
         )
         metrics["resumed_from_step"] = progress["step"] if progress else 0
         staging = layout.staging_dir(round_index, path_id, attempt)
-        commit_path(engine, root, round_index, path_id, shape, metrics, rank,
-                    start_state=start_state, compression_kind=config.outer.compression, staging=staging)
+        commit_path(
+            engine,
+            root,
+            round_index,
+            path_id,
+            shape,
+            metrics,
+            rank,
+            start_state=start_state,
+            compression_kind=config.outer.compression,
+            staging=staging,
+        )
         if rank == 0:
             metrics["published"] = publish_path(root, round_index, path_id, staging, may_publish)
     except AttemptCancelled:
@@ -167,8 +217,9 @@ def _launch_attempt(world: int) -> str:
     return f"launch-{uuid.uuid4().hex[:12]}"
 
 
-def publish_path(root: RunRoot, round_index: int, path_id: str, staging: str,
-                 may_publish: Callable[[], bool] | None = None) -> bool:
+def publish_path(
+    root: RunRoot, round_index: int, path_id: str, staging: str, may_publish: Callable[[], bool] | None = None
+) -> bool:
     """Make the committed staging directory the path's output, unless this attempt lost its lease
     or another attempt published first; a discarded output is removed and logged, never mixed in."""
     rel = layout.path_dir(round_index, path_id)
@@ -194,9 +245,17 @@ def drop_staging(root: RunRoot, rel: str) -> None:
         log.info("%s not removed yet (another attempt still writes there): %s", rel, exc)
 
 
-def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, rank: int, world: int,
-                   should_stop: Callable[[], bool] | None = None, progress: dict | None = None,
-                   checkpoint: Callable[[int, torch.Tensor, list[float]], None] | None = None) -> dict:
+def run_inner_loop(
+    engine,
+    stream: RowStream,
+    config: Config,
+    round_index: int,
+    rank: int,
+    world: int,
+    should_stop: Callable[[], bool] | None = None,
+    progress: dict | None = None,
+    checkpoint: Callable[[int, torch.Tensor, list[float]], None] | None = None,
+) -> dict:
     """`inner_steps` optimizer steps (from a mid-task checkpoint's `progress` on); the order of work
     per step is fixed: (stop?) -> lr -> fwd/bwd -> step -> log -> (checkpoint every train.checkpoint_every)."""
     import torch.distributed as dist
@@ -213,14 +272,20 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
     started_at, start = time.time(), time.perf_counter()  # wall clock for trackers, monotonic for rates
     for step in range(done, train.inner_steps):
         if should_stop is not None and _agreed(should_stop(), world):
-            raise AttemptCancelled(f"round {round_index}: stopped at step {step} (another attempt published, or the lease was lost)")
+            raise AttemptCancelled(
+                f"round {round_index}: stopped at step {step} (another attempt published, or the lease was lost)"
+            )
         global_step = round_index * train.inner_steps + step
         lr = lr_at(global_step, total_steps, train)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         for micro in range(train.gradient_accumulation_steps):
-            first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, train.gradient_accumulation_steps, world)
-            inputs, labels = (t.to(engine.device) for t in stream.micro_batch(first, train.micro_batch_size))  # (B, T) each
+            first = micro_batch_start(
+                global_step, micro, rank, train.micro_batch_size, train.gradient_accumulation_steps, world
+            )
+            inputs, labels = (
+                t.to(engine.device) for t in stream.micro_batch(first, train.micro_batch_size)
+            )  # (B, T) each
             logits = engine(input_ids=inputs).logits  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             engine.backward(loss)
@@ -228,15 +293,31 @@ def run_inner_loop(engine, stream: RowStream, config: Config, round_index: int, 
             losses[step] += loss.detach() / train.gradient_accumulation_steps
         lrs.append(lr)
         if rank == 0 and (step % log_every == 0 or step == train.inner_steps - 1):
-            log.info("round %d step %d/%d loss %.4f (rank 0) lr %.2e", round_index, step + 1, train.inner_steps, losses[step], lr)
+            log.info(
+                "round %d step %d/%d loss %.4f (rank 0) lr %.2e",
+                round_index,
+                step + 1,
+                train.inner_steps,
+                losses[step],
+                lr,
+            )
         if checkpoint is not None and (step + 1) % train.checkpoint_every == 0 and step + 1 < train.inner_steps:
             checkpoint(step + 1, losses, lrs)  # collective
     seconds = time.perf_counter() - start
     dist.all_reduce(losses)  # the one sync point of the loop: the island's mean loss per step
-    tokens = train.inner_steps * train.micro_batch_size * train.gradient_accumulation_steps * world * config.model.seq_len
-    return {"loss": (losses / world).tolist(), "lr": lrs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "first_step": round_index * train.inner_steps,  # global step of loss[0]: curves join across rounds
-            "started_at": started_at, "finished_at": started_at + seconds}
+    tokens = (
+        train.inner_steps * train.micro_batch_size * train.gradient_accumulation_steps * world * config.model.seq_len
+    )
+    return {
+        "loss": (losses / world).tolist(),
+        "lr": lrs,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "first_step": round_index * train.inner_steps,  # global step of loss[0]: curves join across rounds
+        "started_at": started_at,
+        "finished_at": started_at + seconds,
+    }
 
 
 def resume_midtask(engine, root: RunRoot, round_index: int, path_id: str, world: int) -> dict | None:
@@ -264,7 +345,9 @@ def _agreed(flag: bool, world: int) -> bool:
     return bool(value.item())
 
 
-def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str, merged: dict[str, torch.Tensor]) -> int | None:
+def resume_inner_state(
+    engine, root: RunRoot, round_index: int, path_id: str, merged: dict[str, torch.Tensor]
+) -> int | None:
     """Load the path's newest inner optimizer state, then make the merged modules win.
 
     DeepSpeed's checkpoint restores its fp32 master weights, which are the path's weights at the
@@ -287,15 +370,27 @@ def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str, me
     if any(key in saved and saved[key] != value for key, value in here.items()):
         # Islands may differ in ranks and ZeRO stage; a partitioned optimizer state only loads
         # into the layout that saved it, so the path restarts its inner optimizer here.
-        log.warning("inner optimizer state of %s was saved by %s ranks at ZeRO-%s, this island has %s at ZeRO-%s: "
-                    "restarting it", path_id, saved.get("world_size"), saved.get("zero_stage"), here["world_size"], here["zero_stage"])
+        log.warning(
+            "inner optimizer state of %s was saved by %s ranks at ZeRO-%s, this island has %s at ZeRO-%s: "
+            "restarting it",
+            path_id,
+            saved.get("world_size"),
+            saved.get("zero_stage"),
+            here["world_size"],
+            here["zero_stage"],
+        )
         return None
     with tempfile.TemporaryDirectory(prefix="dipaco-ckpt-") as scratch:
         local = root.local_path(rel) if root.is_local else Path(scratch)
         if not root.is_local:
             root.get_dir(rel, local)
-        engine.load_checkpoint(str(local), tag=f"round-{source}", load_optimizer_states=True,
-                               load_lr_scheduler_states=False, load_module_strict=True)
+        engine.load_checkpoint(
+            str(local),
+            tag=f"round-{source}",
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+            load_module_strict=True,
+        )
     set_full_state(engine, merged)
     return source
 
@@ -307,9 +402,18 @@ def latest_inner_state(root: RunRoot, round_index: int, path_id: str) -> int | N
     return None
 
 
-def commit_path(engine, root: RunRoot, round_index: int, path_id: str, shape: ModelShape, metrics: dict, rank: int,
-                start_state: dict[str, torch.Tensor] | None = None, compression_kind: str = "none",
-                staging: str | None = None) -> None:
+def commit_path(
+    engine,
+    root: RunRoot,
+    round_index: int,
+    path_id: str,
+    shape: ModelShape,
+    metrics: dict,
+    rank: int,
+    start_state: dict[str, torch.Tensor] | None = None,
+    compression_kind: str = "none",
+    staging: str | None = None,
+) -> None:
     """Write weights + inner state, then metrics, then `_SUCCESS` into `staging` (default: the
     path's directory itself), rank 0 writes, all ranks gather; publish_path moves it into place.
 
@@ -331,25 +435,49 @@ def commit_path(engine, root: RunRoot, round_index: int, path_id: str, shape: Mo
         if rank == 0:
             if not root.is_local:
                 root.put_dir(ckpt_local, f"{rel}/{CKPT}")
-            root.commit(f"{rel}/{CKPT}", info={"round": round_index, "path": path_id, "world_size": dist.get_world_size(),
-                                               "zero_stage": engine.zero_optimization_stage()})
+            root.commit(
+                f"{rel}/{CKPT}",
+                info={
+                    "round": round_index,
+                    "path": path_id,
+                    "world_size": dist.get_world_size(),
+                    "zero_stage": engine.zero_optimization_stage(),
+                },
+            )
             model = build_path_model(shape, None)
             model.load_state_dict(state, strict=False)
             out = Path(scratch) / "model"
             model.save_pretrained(out)  # config.json + model.safetensors: loads anywhere
             root.put_dir(out, rel)
             info = {"round": round_index, "path": path_id, "tokens": metrics["tokens"]}
-            grads = {} if compression_kind == "none" else write_outer_gradients(
-                root, rel, shape, start_state, state, compression_kind, info)
+            grads = (
+                {}
+                if compression_kind == "none"
+                else write_outer_gradients(root, rel, shape, start_state, state, compression_kind, info)
+            )
             root.write_json(f"{rel}/metrics.json", metrics)
-            root.commit(rel, info={**info, **({"outer_grad": grads} if grads else {})},
-                        files=["config.json", "model.safetensors", "metrics.json",
-                               *(layout.outer_grad_file(int(level)) for level in grads)])
+            root.commit(
+                rel,
+                info={**info, **({"outer_grad": grads} if grads else {})},
+                files=[
+                    "config.json",
+                    "model.safetensors",
+                    "metrics.json",
+                    *(layout.outer_grad_file(int(level)) for level in grads),
+                ],
+            )
     dist.barrier()
 
 
-def write_outer_gradients(root: RunRoot, rel: str, shape: ModelShape, start: dict[str, torch.Tensor],
-                          end: dict[str, torch.Tensor], kind: str, info: dict) -> dict[str, str]:
+def write_outer_gradients(
+    root: RunRoot,
+    rel: str,
+    shape: ModelShape,
+    start: dict[str, torch.Tensor],
+    end: dict[str, torch.Tensor],
+    kind: str,
+    info: dict,
+) -> dict[str, str]:
     """One file per grid level: encode(start - end) of the path's module there (its private module,
     past the grid's levels, has none). Returns {level: encoding}, which the path's `_SUCCESS`
     records for the merge."""
@@ -385,7 +513,13 @@ def main(argv: list[str] | None = None) -> int:
         config = layout.read_run_config(root)
         apply_rank_threads(config.train, islands=False)  # whatever the launcher's environment says
         metrics = train_path(config, args.round, args.path)
-        log.info("path %s round %d: %d tokens, %.0f tokens/s", args.path, args.round, metrics["tokens"], metrics["tokens_per_s"])
+        log.info(
+            "path %s round %d: %d tokens, %.0f tokens/s",
+            args.path,
+            args.round,
+            metrics["tokens"],
+            metrics["tokens_per_s"],
+        )
 
     return run_rank("train-path", body)
 

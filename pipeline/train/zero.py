@@ -18,13 +18,14 @@ import torch
 from models.modular import ModelShape
 from pipeline.core.bounds import load_json
 from pipeline.core.config import read_config_text, resolve_ds_config
+from pipeline.core.errors import ConfigError, CorruptStateError
 from pipeline.train.distributed import init_distributed
 from pipeline.train.precision import Precision, ds_blocks, resolve
-from pipeline.core.errors import ConfigError, CorruptStateError
 
 
-def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: int, source: str,
-                   precision: Precision | str = "fp32") -> dict[str, Any]:
+def fill_ds_config(
+    raw: dict[str, Any], train, shape: ModelShape, world_size: int, source: str, precision: Precision | str = "fp32"
+) -> dict[str, Any]:
     """Replace every "auto" with the value our config implies, and write the precision blocks of
     the resolved `train.precision`; refuse contradictions by key."""
     hidden_size = shape.hidden_size
@@ -33,7 +34,9 @@ def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: in
         block = config.get(key)
         if isinstance(block, dict) and block.get("enabled", False) is not False:
             # one place decides the precision, per machine (pipeline/train/precision.py)
-            raise ConfigError(f"{source}: remove the {key} block; set train.precision (auto, fp32, bf16 or fp16) instead")
+            raise ConfigError(
+                f"{source}: remove the {key} block; set train.precision (auto, fp32, bf16 or fp16) instead"
+            )
     config.update(ds_blocks(precision))
     batch = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
@@ -46,7 +49,7 @@ def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: in
         if given == "auto":
             config[key] = value
         elif given != value:
-            raise ConfigError(f"{source}: {key} is {given} but the run config implies {value}; use \"auto\"")
+            raise ConfigError(f'{source}: {key} is {given} but the run config implies {value}; use "auto"')
     zero = config.setdefault("zero_optimization", {"stage": 0})
     reduce_scatter = zero.get("reduce_scatter", True)  # DeepSpeed's default
     scatters = world_size > 1 if reduce_scatter == "auto" else reduce_scatter
@@ -55,8 +58,9 @@ def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: in
         # gradient larger than the bucket goes back to the reduce-scatter. One bucket as large as
         # the largest tensor (the embedding) keeps every gradient on the all-reduce; DeepSpeed's
         # own default is 5e8.
-        "reduce_bucket_size": hidden_size * hidden_size if scatters else max(hidden_size * hidden_size,
-                                                                             shape.largest_parameter),
+        "reduce_bucket_size": hidden_size * hidden_size
+        if scatters
+        else max(hidden_size * hidden_size, shape.largest_parameter),
         "allgather_bucket_size": int(5e8),
         "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
         "stage3_param_persistence_threshold": 10 * hidden_size,
@@ -75,24 +79,28 @@ def fill_ds_config(raw: dict[str, Any], train, shape: ModelShape, world_size: in
     for key, value in list(zero.items()):
         if value == "auto":
             if key not in zero_auto:
-                raise ConfigError(f"{source}: zero_optimization.{key} cannot be \"auto\"")
+                raise ConfigError(f'{source}: zero_optimization.{key} cannot be "auto"')
             zero[key] = zero_auto[key]
     if "checkpoint" in config:
         # DeepSpeed reads checkpoint.load_universal (and friends) at load time and then unpickles
         # what it finds there; dipaco saves and loads its own checkpoints without pickle.
-        raise ConfigError(f"{source}: remove the checkpoint section; dipaco saves and loads the inner optimizer "
-                          f"state itself, and DeepSpeed's checkpoint options lead to a pickle load")
+        raise ConfigError(
+            f"{source}: remove the checkpoint section; dipaco saves and loads the inner optimizer "
+            f"state itself, and DeepSpeed's checkpoint options lead to a pickle load"
+        )
     if "optimizer" in config:
         # A config-declared optimizer JIT-compiles FusedAdam/CPUAdam (~95 s on this CPU); the
         # trainer passes a torch AdamW instead, built from train.lr/betas/weight_decay.
         raise ConfigError(f"{source}: remove the optimizer section; dipaco passes torch AdamW from the train config")
     leftover = [k for k, v in _walk(config) if v == "auto"]
     if leftover:
-        raise ConfigError(f"{source}: {leftover[0]} cannot be \"auto\"")
+        raise ConfigError(f'{source}: {leftover[0]} cannot be "auto"')
     return config
 
 
-def load_ds_config(train, shape: ModelShape, world_size: int, precision: Precision | str | None = None) -> dict[str, Any]:
+def load_ds_config(
+    train, shape: ModelShape, world_size: int, precision: Precision | str | None = None
+) -> dict[str, Any]:
     """The run's ds_config filled in; `precision` defaults to resolving train.precision here."""
     path = resolve_ds_config(train.ds_config)
     try:
@@ -108,7 +116,6 @@ def wrap_with_zero(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_
     """deepspeed.initialize with our torch optimizer; returns the engine, loading checkpoints
     without unpickling code (see WeightsOnlyCheckpointEngine)."""
     import deepspeed
-
     from deepspeed.runtime import torch_autocast
 
     init_distributed()  # launched ranks join their group; anything else becomes a one-rank job
