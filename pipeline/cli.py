@@ -20,7 +20,7 @@ import threading
 
 from pipeline import preflight
 from pipeline.core.bounds import one_line
-from pipeline.core.config import load_config
+from pipeline.core.config import Config, load_config
 from pipeline.core.errors import DipacoError, IslandError, StorageError
 from pipeline.islands import processes
 from pipeline.state import layout
@@ -199,7 +199,7 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def check(args: argparse.Namespace, config) -> None:
+def check(args: argparse.Namespace, config: Config) -> None:
     """Every refusal this command can know of before it writes (pipeline.preflight)."""
     if args.command in ("prepare", "run"):
         preflight.check_data(config)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from models.grid import all_path_ids
 from models.modular import EOS_TOKEN_ID, eos_token_id
+from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError
 from pipeline.evaluation.early_stopping import write_best
 from pipeline.routing.tokenizer import load_tokenizer, token_byte_lengths
@@ -144,7 +145,7 @@ def bits_per_byte(nll_nats: float, n_bytes: int) -> float | None:
     return nll_nats / math.log(2) / n_bytes if n_bytes else None
 
 
-def evaluate_path(config, round_index: int, path_id: str, shards: str | None = None) -> dict | None:
+def evaluate_path(config: Config, round_index: int, path_id: str, shards: str | None = None) -> dict | None:
     """One path's held-out score with the modules at the start of round r (an island's eval task):
     summed nats, tokens and bytes as well as the rates, so paths combine exactly; None when the
     path has no held-out document long enough to score. The held-out documents are those routed
@@ -175,7 +176,9 @@ def evaluate_path(config, round_index: int, path_id: str, shards: str | None = N
     }
 
 
-def held_out_documents(root: RunRoot, config, path_id: str, shards: str = layout.SHARDS_DIR) -> list[np.ndarray]:
+def held_out_documents(
+    root: RunRoot, config: Config, path_id: str, shards: str = layout.SHARDS_DIR
+) -> list[np.ndarray]:
     """The held-out documents a path's prefix routed to it (in `shards`), up to eval.max_docs, in a fixed order."""
     return read_path_documents(root, path_id, split="validation", shards=shards)[: config.eval.max_docs]
 
@@ -189,7 +192,7 @@ def chunk_spans(n_scored: int, every: int) -> list[tuple[int, int]]:
     return [(begin, min(begin + every, n_scored)) for begin in range(0, n_scored, every)]
 
 
-def chunk_routes(config, root: RunRoot, routing: layout.Routing = layout.KMEANS) -> dict[str, list[list[str]]]:
+def chunk_routes(config: Config, root: RunRoot, routing: layout.Routing = layout.KMEANS) -> dict[str, list[list[str]]]:
     """{home path: [the path of each chunk of each held-out document]}, documents in
     held_out_documents' order; read from eval/reroute/every=N/ when committed for this router and
     these settings, else routed and committed (deterministic, so islands racing to commit it
@@ -217,7 +220,7 @@ def chunk_routes(config, root: RunRoot, routing: layout.Routing = layout.KMEANS)
     return routes
 
 
-def route_chunks(config, root: RunRoot, router, shards: str = layout.SHARDS_DIR) -> dict[str, list[list[str]]]:
+def route_chunks(config: Config, root: RunRoot, router, shards: str = layout.SHARDS_DIR) -> dict[str, list[list[str]]]:
     """Chunk 0 of a document stays on its home path (its prefix's route, so route-once and
     re-routing agree on it); chunk k > 0 goes where the router sends the N tokens before it."""
     every, prefix, seq_len = config.eval.reroute_every, config.router.prefix_tokens, config.model.seq_len
@@ -261,7 +264,7 @@ def _checked_routes(paths, grid: list[int], where: str) -> dict[str, list[list[s
     return paths
 
 
-def evaluate_rerouted_path(config, round_index: int, path_id: str) -> dict | None:
+def evaluate_rerouted_path(config: Config, round_index: int, path_id: str) -> dict | None:
     """One path's part of a re-routed evaluation: the chunks routed to it, over every held-out
     document, each token scored with the document's whole context before it (within the window);
     None when no chunk is routed to it."""
@@ -308,7 +311,7 @@ def evaluate_rerouted_path(config, round_index: int, path_id: str) -> dict | Non
     }
 
 
-def combine_paths(config, round_index: int, parts: dict[str, dict | None]) -> dict:
+def combine_paths(config: Config, round_index: int, parts: dict[str, dict | None]) -> dict:
     """eval/round=<r>.json from the paths' own scores, summed in path order (so a round scored by
     islands, path by path, gives the same file as one process scoring every path)."""
     root = RunRoot(config.run_root)
@@ -349,7 +352,7 @@ def combine_paths(config, round_index: int, parts: dict[str, dict | None]) -> di
     return result
 
 
-def evaluate_round(config, round_index: int) -> dict:
+def evaluate_round(config: Config, round_index: int) -> dict:
     """Perplexity per path and overall of the modules at the start of round r; eval/round=<r>.json."""
     parts = {path_id: evaluate_path(config, round_index, path_id) for path_id in all_path_ids(config.model.grid)}
     return combine_paths(config, round_index, parts)

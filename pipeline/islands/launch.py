@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 from pipeline.core.bounds import shown
+from pipeline.core.config import Config
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, InputError
 from pipeline.core.trust import RUN_ROOT_RE
 from pipeline.islands import processes
@@ -158,7 +159,7 @@ def stop_launches(launches: list[Launch], grace_s: float = STOP_GRACE_S) -> dict
     return outcome
 
 
-def _run_root_url(config) -> str:
+def _run_root_url(config: Config) -> str:
     root = RunRoot(config.run_root)
     return root.path() if root.is_local else root.url  # absolute: ranks may start elsewhere
 
@@ -166,14 +167,14 @@ def _run_root_url(config) -> str:
 class IslandProcess(Launch):
     """A running island (pipeline.islands.island) of this config's ranks and hosts."""
 
-    def __init__(self, config, name: str, ds_config: str | None = None):
+    def __init__(self, config: Config, name: str, ds_config: str | None = None):
         # This launch's own identity (what fail_running matches), fresh for every start of `name`.
         self.island_id = f"{name}-{uuid.uuid4().hex[:8]}"
         command = island_command(_run_root_url(config), name, config.train, free_port(), ds_config, self.island_id)
         super().__init__(command, name, rank_threads(config.train, islands=True))
 
 
-def train_path_job(config, round_index: int, path_id: str) -> dict | None:
+def train_path_job(config: Config, round_index: int, path_id: str) -> dict | None:
     """Train one path with retries; its metrics once committed, None if every attempt failed.
 
     Raises InputError, after one attempt, when the trainer refused its config or input."""
@@ -234,7 +235,7 @@ def read_metrics(root: RunRoot, rel: str) -> dict:
     return metrics
 
 
-def _run_attempt(config, round_index: int, path_id: str) -> tuple[int, list[str]]:
+def _run_attempt(config: Config, round_index: int, path_id: str) -> tuple[int, list[str]]:
     if config.train.launcher == "inprocess":
         from pipeline.train.train_path import train_path
 

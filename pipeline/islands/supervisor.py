@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Callable
 
+from pipeline.core.config import Config
 from pipeline.core.errors import InputError, IslandError
 from pipeline.islands.attempts import Attempts
 from pipeline.islands.launch import INPUT_ERROR_EXIT, IslandProcess, island_names, stop_launches, trainer_message
@@ -32,7 +33,7 @@ POLL_S = 0.5  # how often the supervisor looks at its islands and the round they
 class Supervisor:
     """The islands of one `dipaco run` on this machine, from start to the end of the plan."""
 
-    def __init__(self, config, root: RunRoot, reshard: Callable | None = None):
+    def __init__(self, config: Config, root: RunRoot, reshard: Callable | None = None):
         self.config, self.root, self.reshard = config, root, reshard
         self.queue = TaskQueue(root, config)
         self.allowed = Attempts.of_islands(config.train)
@@ -108,7 +109,7 @@ class Supervisor:
 
 
 def run_island(
-    config, root: RunRoot, island: str, ds_config: str | None = None, reshard: Callable | None = None
+    config: Config, root: RunRoot, island: str, ds_config: str | None = None, reshard: Callable | None = None
 ) -> dict:
     """One island until the plan is done: a `deepspeed` launch of pipeline.island_rank (with
     `train.launcher: inprocess`, this process as a one-rank island, given the Beam job `reshard`
@@ -131,7 +132,7 @@ def run_island(
     return {"island": island, "returncode": returncode}
 
 
-def join(config, root: RunRoot, name: str | None = None, reshard: Callable | None = None) -> dict:
+def join(config: Config, root: RunRoot, name: str | None = None, reshard: Callable | None = None) -> dict:
     """One more island on a run that `dipaco run` (or a DAG run) planned; it leaves when the plan
     is done, or on SIGTERM (releasing its task)."""
     if read_plan(root) is None:
@@ -169,7 +170,7 @@ def sigterm_raises():
         signal.signal(signal.SIGTERM, previous)
 
 
-def island_failed(config, root: RunRoot, island: str, returncode: int, tail: list[str], island_id: str) -> None:
+def island_failed(config: Config, root: RunRoot, island: str, returncode: int, tail: list[str], island_id: str) -> None:
     """An island exited with an error for good: its running attempt is failed at once (no need to
     wait out the lease); a config or input error is raised with the trainer's own message."""
     TaskQueue(root, config).fail_running(
@@ -186,7 +187,7 @@ def island_left(root: RunRoot, name: str) -> bool:
     return root.exists(rel) and root.read_json(rel).get("state") == "left"
 
 
-def stop_islands(config, root: RunRoot, islands: dict[str, IslandProcess], why: str) -> dict:
+def stop_islands(config: Config, root: RunRoot, islands: dict[str, IslandProcess], why: str) -> dict:
     """Stop the island launches this process started (every launcher and rank, signalled by pid,
     killed after a grace period) and release the tasks they held, so that a rerun started now
     neither overlaps them nor waits out their leases. Says what it did."""

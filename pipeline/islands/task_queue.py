@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules, round_job_ids
 from pipeline.core.bounds import shown
+from pipeline.core.config import Config
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, StorageError
 from pipeline.islands.attempts import Attempts
 from pipeline.state import layout
@@ -158,7 +159,7 @@ def malformed(record: dict) -> str | None:
 class TaskQueue:
     """Readiness from the layout, claims and leases from `queue/leases/`."""
 
-    def __init__(self, root: RunRoot, config):
+    def __init__(self, root: RunRoot, config: Config):
         self.root, self.config = root, config
         self.grid = config.model.grid
         self.jobs = all_job_ids(self.grid, config.train.workers_per_path)

@@ -35,6 +35,7 @@ import torch
 from models.grid import ModuleKey, all_modules, is_private, parse_job_id, path_modules, round_job_ids
 from models.modular import ModelShape, ModuleState, split_path_state
 from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
+from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError
 from pipeline.outer import compression
 from pipeline.state import layout
@@ -130,7 +131,7 @@ def module_bytes(state: ModuleState) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def merge_round(config, round_index: int) -> dict:
+def merge_round(config: Config, round_index: int) -> dict:
     """Merge round r into round r+1's modules and momentum; commits `rounds/round=<r>/_SUCCESS`.
 
     The one merge there is: every module's merge_module (what islands run as each module's paths
@@ -155,7 +156,7 @@ def merge_round(config, round_index: int) -> dict:
     return finish_round(config, round_index)
 
 
-def merged_info(config, round_index: int) -> dict:
+def merged_info(config: Config, round_index: int) -> dict:
     """What every module file a merge of round r writes records of it (in its safetensors metadata
     and the directory's marker)."""
     return {"round": round_index + 1, "grid": list(config.model.grid), "merged_from_round": round_index}
@@ -163,7 +164,7 @@ def merged_info(config, round_index: int) -> dict:
 
 def update_module(
     outer: OuterOptimizer,
-    config,
+    config: Config,
     before: ModuleState,
     momentum: ModuleState | None,
     inputs: list[ModuleState],
@@ -208,7 +209,7 @@ def read_path_levels(root: RunRoot, shape: ModelShape, round_index: int, path_id
 
 
 def read_path_inputs(
-    root: RunRoot, config, shape: ModelShape, round_index: int, path_id: str, levels
+    root: RunRoot, config: Config, shape: ModelShape, round_index: int, path_id: str, levels
 ) -> list[ModuleState]:
     """What the merge reads of a committed path, one module state per level in `levels`: its
     trained weights, or with outer.compression its decoded outer gradients; its private module
@@ -255,7 +256,7 @@ def gradient_file_bytes(root: RunRoot, round_index: int, committed: dict[str, in
     return sizes
 
 
-def outer_optimizer(config) -> OuterOptimizer:
+def outer_optimizer(config: Config) -> OuterOptimizer:
     return OuterOptimizer(
         config.outer.lr, config.outer.momentum, config.outer.nesterov, config.outer.sqrt_paths_rescale
     )
@@ -287,7 +288,7 @@ class RoundInputs:
     modules (a path's file is read once, not once per level); an island's merge_module has its own."""
 
     def __init__(
-        self, root: RunRoot, config, round_index: int, pool: ThreadPoolExecutor, levels: list[int] | None = None
+        self, root: RunRoot, config: Config, round_index: int, pool: ThreadPoolExecutor, levels: list[int] | None = None
     ):
         self.root, self.config, self.round = root, config, round_index
         self.shape = ModelShape.from_config(config.model)
@@ -331,7 +332,7 @@ class RoundInputs:
         return [self.path(pid).result()[self.levels.index(key.level)] for pid in self.through(key)]
 
 
-def merge_module(config, round_index: int, key: ModuleKey, inputs: RoundInputs | None = None) -> dict:
+def merge_module(config: Config, round_index: int, key: ModuleKey, inputs: RoundInputs | None = None) -> dict:
     """Merge one module of round r, once every path through it is in: its outer step (or a private
     module's carry-over), committed on its own under rounds/round=<r>/merged/ with a marker that
     holds what merge.json reports of it. Islands run it as a task; merge_round runs it for every
@@ -376,7 +377,7 @@ def merge_module(config, round_index: int, key: ModuleKey, inputs: RoundInputs |
     )
 
 
-def finish_round(config, round_index: int) -> dict:
+def finish_round(config: Config, round_index: int) -> dict:
     """Once every module of round r is merged on its own: gather them into round r+1's modules/
     and outer_state/, then merge.json and the round's `_SUCCESS`, written last: the round counts
     from here. Then the round before's staged modules go (everything reads round r's modules/ now)."""
@@ -423,7 +424,7 @@ def finish_round(config, round_index: int) -> dict:
     return report
 
 
-def round_report(root: RunRoot, config, round_index: int, markers: dict[ModuleKey, dict]) -> dict:
+def round_report(root: RunRoot, config: Config, round_index: int, markers: dict[ModuleKey, dict]) -> dict:
     """merge.json: which paths went in, each module's paths and outer-gradient norm (from its
     merge's marker), and the bytes an island sends per round against data-parallel training."""
     committed, left_out = committed_paths(root, config, round_index)
@@ -452,7 +453,7 @@ def round_report(root: RunRoot, config, round_index: int, markers: dict[ModuleKe
     return report
 
 
-def committed_paths(root: RunRoot, config, round_index: int) -> tuple[dict[str, int], list[str]]:
+def committed_paths(root: RunRoot, config: Config, round_index: int) -> tuple[dict[str, int], list[str]]:
     """({path id: tokens trained} for paths that committed, [path ids that did not])."""
     committed, left_out = {}, []
     jobs = round_job_ids(config.model.grid, config.train.workers_per_path, config.train.workers_in_round(round_index))
@@ -468,5 +469,5 @@ def committed_paths(root: RunRoot, config, round_index: int) -> tuple[dict[str, 
     return committed, left_out
 
 
-def _modules_of(job: str, config) -> tuple[int, ...]:
+def _modules_of(job: str, config: Config) -> tuple[int, ...]:
     return parse_job_id(job, config.model.grid, config.train.workers_per_path)[1]

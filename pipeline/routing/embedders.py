@@ -19,6 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
+from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError, InputError
 from pipeline.state.storage import RunRoot
 
@@ -154,7 +155,7 @@ class PathModelEmbedder:
         self.dim = int(model.config.hidden_size)
 
     @classmethod
-    def from_run(cls, root: RunRoot, config, round_index: int, path_id: str) -> "PathModelEmbedder":
+    def from_run(cls, root: RunRoot, config: Config, round_index: int, path_id: str) -> "PathModelEmbedder":
         from pipeline.routing.tokenizer import load_tokenizer
         from pipeline.state.module_store import load_path_model
 

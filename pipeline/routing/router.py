@@ -31,6 +31,7 @@ import numpy as np
 
 from models.grid import all_path_ids
 from pipeline.core.bounds import SHOWN_CHARS, load_npy, one_line, shown
+from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError, InputError
 from pipeline.routing import kmeans
 from pipeline.state import layout
@@ -53,7 +54,7 @@ class Router:
         header: dict[str, Any],
         centroids: list[np.ndarray],
         root: RunRoot | None = None,
-        config=None,
+        config: Config | None = None,
         directory: str = layout.ROUTER_DIR,
     ):
         self.header = header
@@ -135,7 +136,7 @@ class Router:
 
     # -- loading ---------------------------------------------------------------------------------
     @classmethod
-    def load(cls, root: RunRoot, config=None, directory: str = layout.ROUTER_DIR) -> "Router":
+    def load(cls, root: RunRoot, config: Config | None = None, directory: str = layout.ROUTER_DIR) -> "Router":
         """The router committed in `directory` (k-means or discriminative, as its router.json says);
         every file checked against its `_SUCCESS`, the header checked field by field before
         anything indexes into it."""
@@ -235,7 +236,7 @@ class DiscriminativeRouter(Router):
         header: dict[str, Any],
         weights: np.ndarray,
         root: RunRoot | None = None,
-        config=None,
+        config: Config | None = None,
         directory: str = layout.ROUTER_DIR,
     ):
         super().__init__(header, [], root=root, config=config, directory=directory)
@@ -334,7 +335,11 @@ def _rows(grid: list[int]) -> list[list[int]]:
 
 
 def load_embedder(
-    header: dict[str, Any], root: RunRoot | None, config=None, batch_size: int = 64, directory: str = layout.ROUTER_DIR
+    header: dict[str, Any],
+    root: RunRoot | None,
+    config: Config | None = None,
+    batch_size: int = 64,
+    directory: str = layout.ROUTER_DIR,
 ):
     """The embedder a router was fitted with, rebuilt from its artifact in `directory`."""
     from pipeline.routing import embedders

@@ -18,6 +18,7 @@ import logging
 
 import numpy as np
 
+from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError, InputError
 from pipeline.routing import kmeans
 from pipeline.state.layout import Routing
@@ -49,7 +50,13 @@ def cluster_labels(features: np.ndarray, workers: int, seed: int, capacity_facto
 
 
 def worker_labels(
-    root: RunRoot, config, routing: Routing, path_id: str, doc_ids: list[str], docs: list[np.ndarray], workers: int
+    root: RunRoot,
+    config: Config,
+    routing: Routing,
+    path_id: str,
+    doc_ids: list[str],
+    docs: list[np.ndarray],
+    workers: int,
 ) -> np.ndarray:
     """The committed split of a path's shard into `workers` clusters, computed on first use."""
     rel = split_file(routing, path_id, workers)

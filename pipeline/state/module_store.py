@@ -22,6 +22,7 @@ from transformers import LlamaForCausalLM
 from models.grid import ModuleKey, all_modules, parse_path_id, path_modules
 from models.modular import ModelShape, ModuleState, build_path_model, initial_level_states, path_state, split_path_state
 from pipeline.core.bounds import MAX_JSON_DEPTH, SHOWN_CHARS, one_line, shown, too_deep
+from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot, map_io
@@ -209,7 +210,7 @@ def load_path_modules(
     return [loaded[key] for key in keys]
 
 
-def load_path_model(root: RunRoot, config, round_index: int, path_id: str) -> torch.nn.Module:
+def load_path_model(root: RunRoot, config: Config, round_index: int, path_id: str) -> torch.nn.Module:
     """The LlamaForCausalLM of one path at the start of a round (for evaluation and inference)."""
     modules = parse_path_id(path_id, config.model.grid)
     shape = ModelShape.from_config(config.model)

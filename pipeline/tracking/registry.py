@@ -39,7 +39,7 @@ import mlflow
 
 from models.grid import all_path_ids, parse_path_id, path_modules
 from pipeline.core.bounds import load_json, shown
-from pipeline.core.config import parse_yaml, read_config_text, resolve_ds_config
+from pipeline.core.config import Config, parse_yaml, read_config_text, resolve_ds_config
 from pipeline.core.errors import ConfigError, CorruptStateError
 from pipeline.state import layout
 from pipeline.state.storage import SUCCESS, RunRoot
@@ -201,7 +201,7 @@ def _path_rounds(info: dict, where: Path) -> dict[str, int]:
     return rounds
 
 
-def champion_continuation(config, prompt: str) -> str:
+def champion_continuation(config: Config, prompt: str) -> str:
     """What a user of the registry gets: `models:/<name>@champion` loaded as MLflow loads it, asked
     to continue `prompt` with the default generation params."""
     from pipeline.tracking.uris import CHAMPION, tracking_uri
@@ -274,7 +274,12 @@ def _texts(model_input) -> list[str]:
 
 
 def build_bundle(
-    root: RunRoot, config, round_index: int, target: Path, run_yaml: str, path_rounds: dict[str, int] | None = None
+    root: RunRoot,
+    config: Config,
+    round_index: int,
+    target: Path,
+    run_yaml: str,
+    path_rounds: dict[str, int] | None = None,
 ) -> Path:
     """A miniature run root: run.yaml, the round's router (router/, or reroute/round=<R+1>/router/
     after router.discriminative_after), rounds/round=r/modules/, each with its _SUCCESS; with
@@ -306,12 +311,12 @@ def build_bundle(
     return target
 
 
-def bundle_path_rounds(config, round_index: int, path_rounds: dict[str, int]) -> dict[str, int]:
+def bundle_path_rounds(config: Config, round_index: int, path_rounds: dict[str, int]) -> dict[str, int]:
     """Every path's round: its chosen one, else (no held-out documents to choose by) round_index."""
     return {pid: path_rounds.get(pid, round_index) for pid in all_path_ids(config.model.grid)}
 
 
-def bundle_path_modules(root: RunRoot, bundle: RunRoot, config, path_rounds: dict[str, int]) -> None:
+def bundle_path_modules(root: RunRoot, bundle: RunRoot, config: Config, path_rounds: dict[str, int]) -> None:
     """Into the bundle, by round, the modules each path reads from its round: each file read
     through its checksum in the run root, written unchanged, committed in the bundle."""
     wanted: dict[int, set] = {}
@@ -332,7 +337,7 @@ def bundle_path_modules(root: RunRoot, bundle: RunRoot, config, path_rounds: dic
 
 def log_pyfunc(
     root: RunRoot,
-    config,
+    config: Config,
     round_index: int,
     tmp: Path,
     run_yaml: str,

@@ -14,6 +14,7 @@ import socket
 import sys
 from pathlib import Path
 
+from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError
 from pipeline.evaluation.early_stopping import best_up_to, evaluated_rounds
 from pipeline.state import layout
@@ -22,7 +23,7 @@ from pipeline.tracking.tracker import STATE_FILE, Tracker, redact, tracking_uri
 from pipeline.tracking.utilisation import round_utilisation
 
 
-def read_summary(config, root: RunRoot, tracker: Tracker) -> dict:
+def read_summary(config: Config, root: RunRoot, tracker: Tracker) -> dict:
     """Perplexity per path and overall by round, from the committed eval files, and where the
     registered model and the tracking store are."""
     rounds, committed = evaluated_rounds(root), layout.next_round(root)
@@ -71,7 +72,7 @@ def read_eval(root: RunRoot, round_index: int) -> dict:
     return result
 
 
-def read_reroute(config, root: RunRoot) -> dict | None:
+def read_reroute(config: Config, root: RunRoot) -> dict | None:
     """The re-routing's report (reroute/round=<R+1>/report.json), once written."""
     after = config.router.discriminative_after
     if after is None or not root.exists(layout.reroute_report(after + 1)):

@@ -20,12 +20,13 @@ from __future__ import annotations
 import time
 
 from models.grid import all_job_ids
+from pipeline.core.config import Config
 from pipeline.islands.task_queue import ISLANDS, LEASES, Task
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
 
-def round_utilisation(config, round_index: int) -> dict | None:
+def round_utilisation(config: Config, round_index: int) -> dict | None:
     """Utilisation up to round r, the islands counted and the mean per-task overhead; None when
     round r is not committed or none of its paths trained."""
     root = RunRoot(config.run_root)
@@ -104,7 +105,7 @@ def islands_recorded(root: RunRoot) -> int:
     return sum(1 for name in root.listdir(ISLANDS) if name.endswith(".json"))
 
 
-def overhead_breakdown(config, round_index: int) -> dict[str, float] | None:
+def overhead_breakdown(config: Config, round_index: int) -> dict[str, float] | None:
     """Mean seconds per train task of round r besides its inner loop, by phase: `load` (process
     group check, shard, modules, model), `engine` (ZeRO engine and inner-state load) and `commit`
     (checkpoint, weights, metrics, marker; with the claim: the lease's time minus the others)."""
@@ -135,7 +136,7 @@ def _done_lease(root: RunRoot, task: str) -> dict | None:
     return None
 
 
-def task_overheads(config, round_index: int) -> list[float]:
+def task_overheads(config: Config, round_index: int) -> list[float]:
     """Per train task of rounds <= r: its lease's seconds (claim to done) minus its inner loop:
     claim, shard and module loading, engine build, checkpoint and commit."""
     root, found = RunRoot(config.run_root), []
