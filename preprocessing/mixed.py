@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
-from preprocessing.sample import TIMESTAMP, load_articles, write_c4_file
+from preprocessing.sample import TIMESTAMP, load_articles, write_c4_splits
 
 log = logging.getLogger(__name__)
 SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "__pycache__"}
@@ -132,11 +132,7 @@ def build_mixed(
         return json.loads((out / "_SUCCESS").read_text())
     shutil.rmtree(out, ignore_errors=True)
     docs = mixed_documents(per_source, seed)
-    n_val = max(1, round(len(docs) * validation_fraction))
-    validation, train = docs[:n_val], docs[n_val:]
-    for i in range(train_files):
-        write_c4_file(out / "train" / f"c4-train.{i:05d}-of-{train_files:05d}.json.gz", train[i::train_files])
-    write_c4_file(out / "validation" / "c4-validation.00000-of-00001.json.gz", validation)
+    train, validation = write_c4_splits(out, docs, validation_fraction, train_files)
     info = {
         "train": len(train),
         "validation": len(validation),

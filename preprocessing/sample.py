@@ -70,6 +70,17 @@ def write_c4_file(path: Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
+def write_c4_splits(out: Path, docs: list[dict], validation_fraction: float, train_files: int) -> tuple[list, list]:
+    """The first `validation_fraction` of the (shuffled) documents as the validation file, the rest
+    dealt over `train_files` train files, named as C4's are; returns (train, validation)."""
+    n_val = max(1, round(len(docs) * validation_fraction))
+    validation, train = docs[:n_val], docs[n_val:]
+    for i in range(train_files):
+        write_c4_file(out / "train" / f"c4-train.{i:05d}-of-{train_files:05d}.json.gz", train[i::train_files])
+    write_c4_file(out / "validation" / "c4-validation.00000-of-00001.json.gz", validation)
+    return train, validation
+
+
 def build_sample(
     out: str | Path, validation_fraction: float = 0.05, train_files: int = 4, seed: int = 0, limit: int | None = None
 ) -> dict:
@@ -83,11 +94,7 @@ def build_sample(
     random.Random(seed).shuffle(articles)  # C4 files are shuffled too; the router samples by hash anyway
     if limit is not None:
         articles = articles[:limit]
-    n_val = max(1, round(len(articles) * validation_fraction))
-    validation, train = articles[:n_val], articles[n_val:]
-    for i in range(train_files):
-        write_c4_file(out / "train" / f"c4-train.{i:05d}-of-{train_files:05d}.json.gz", train[i::train_files])
-    write_c4_file(out / "validation" / "c4-validation.00000-of-00001.json.gz", validation)
+    train, validation = write_c4_splits(out, articles, validation_fraction, train_files)
     info = {
         "train": len(train),
         "validation": len(validation),
