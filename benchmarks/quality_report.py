@@ -27,6 +27,10 @@ def _ratio(value: float | None) -> str:
     return "0" if value == 0 else f"{value:.4f} (1/{1 / value:,.0f})" if value < 1 else f"{value:.2f}"
 
 
+def _count(value: float) -> str:
+    return f"{value / 1e6:.2f}M" if value >= 1e6 else f"{value / 1e3:.1f}k" if value >= 1e3 else f"{value:.0f}"
+
+
 def _noise(value: float | None, digits: int = 4) -> str:
     return "-" if value is None or math.isnan(value) else f"± {value:.{digits}f}"
 
@@ -46,7 +50,7 @@ def rows_table(rows: list[dict]) -> list[str]:
             continue
         failed = f" ({len(r['failed'])} failed)" if r["failed"] else ""
         bytes_round = "0 (one worker)" if r["communication"] == "none" else _mb(r["bytes_per_round"])
-        lines.append(f"| {r['name']} | {r['what']} | {r['seeds']}{failed} | {r['token_multiple']:g} ({r['tokens'] / 1e6:.2f}M) "
+        lines.append(f"| {r['name']} | {r['what']} | {r['seeds']}{failed} | {r['token_multiple']:g} ({_count(r['tokens'])}) "
                      f"| {r['steps_per_worker']} | {_estimate(r['bits_per_byte'])} | {_noise(r['eval_noise'])} "
                      f"| {_estimate(r['perplexity'], 1)} | {bytes_round} | {_ratio(r['ratio_to_sync'])} | {r['seconds']:.0f} |")
     return lines
