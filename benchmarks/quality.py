@@ -17,11 +17,11 @@ The claims suite (`--suite claims`, the default), each row on both corpora; M = 
 | `sync_m2`, `sync_m4` | grid [1], 1 worker with `train.gradient_accumulation_steps` M and no outer step: M data-parallel ranks all-reducing every step (tests/test_train.py) | M |
 | `diloco_m1` | 1 worker + outer Nesterov (lr 0.7, momentum 0.9) | 1 |
 | `diloco_m2`, `diloco_m4` | M DiLoCo workers on iid parts of the data, outer Nesterov 0.7 / 0.9 | M |
-| `diloco_m4_olr0.4`, `_olr1` | the outer-lr sweep of M = 4 (seed 0 only) | 4 |
+| `diloco_m4_olr0.4`, `_olr1` | the outer-lr sweep of M = 4 (seed 0; `--extras 1`: bench-long, quick) | 4 |
 | `noniid_m4` | 4 workers, each on its own k-means cluster (`train.worker_data: clustered`) | 4 |
 | `pool_m4` | `train.workers_schedule` cycling 2, 4, 6, 4 workers (claims.pool_schedule: exactly 4 x rounds worker-rounds; `workers_per_path` 6) | 4 |
 | `dipaco_2x2` | [2, 2] grid (4 paths) routed by MiniLM product k-means, outer Nesterov | 4 (1 a path) |
-| `dipaco_4x4` | [4, 4] grid (16 paths), seed 0 only | 16 |
+| `dipaco_4x4` | [4, 4] grid (16 paths; seed 0; `--extras 1`) | 16 |
 
 Rows the targets compare run `--seeds` seeds (3), paired: seed s is the same initialisation and data
 order in every row. benchmarks/claims.py turns the runs into the table: mean ± 95 % interval in bits
@@ -45,10 +45,12 @@ Budget (`--plan` prints it from `Variant.cost`, the cost model below, measured o
 on 2026-11-25 with two rows at once, bf16 autocast, seq_len 128 x micro batch 6): a train task of 25
 steps took 2.0 s at hidden 64 and 3.3 s at hidden 128, an evaluation of the 502 wiki documents 1.7
 and 3.1 s, an island ~12 s to start; the model adds ~10 % to each. What dominates at these sizes is
-not the steps but the runs: 54 trained runs in the claims suite, each with an island start and an
-evaluation every round. `make bench` (the defaults: hidden 64, 8 rounds x H=25 = 200 steps per
-worker, 3 seeds, both corpora, 62 runs) plans ~37 min of quality within its 60 (perf ~8, chaos ~9);
-`make bench-long` (`--long`: hidden 128, 24 rounds x H=25 = 600 steps per worker) plans ~4 h.
+not the steps but the runs: 54 trained runs in `make bench`'s claims suite, each with an island
+start and an evaluation every round. `make bench` (the defaults: hidden 64, seq_len 128 x micro
+batch 4, 8 rounds x H=25 = 200 steps per worker, 3 seeds, the 9 compared rows on both corpora)
+plans ~36 min of quality within its 60 (perf ~8, chaos ~9: `python -m benchmarks.run --plan`);
+`make bench-long` (`--long`: hidden 128, micro batch 6, 24 rounds x H=25 = 600 steps per worker,
+the sweep and dipaco_4x4 too: 60 runs) plans ~207 min; `--quick` (every row, 2 seeds, tiny) ~8.
 """
 
 from __future__ import annotations
