@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo test bench sample clean services services-stop
+.PHONY: install demo test bench bench-long sample clean services services-stop
 
 install: $(VENV)/.installed
 
@@ -34,9 +34,14 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
+# make bench: perf, the claims at a short length, chaos (`python -m benchmarks.run --plan`: ~53 of 60 min
+# on 2 cores); make bench-long: the claims table at full length (`--long --plan`: ~3.5 h).
 bench: sample
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.chaos --commit
+
+bench-long: sample
+	$(BIN)/python -m benchmarks.run --long
 
 # Dask, an MLflow server and an Airflow deployment (CeleryExecutor) on loopback, on the local
 # PostgreSQL and Redis (or DIPACO_PG_URL, DIPACO_REDIS_URL); configs/services.yaml points at them.

@@ -1,56 +1,56 @@
-"""Quality: does dipaco reproduce the *shape* of the DiPaCo / DiLoCo papers' results?
+"""Quality: do dipaco's DiLoCo and DiPaCo rows keep the papers' claims against the right baselines?
 
-`python -m benchmarks.quality [--quick] [--plan] [size flags]` (also run by `make bench`). Every row
-is a real run of the pipeline (`pipeline.stages.run`: init_run, prepare, then rounds of training,
-merging and evaluation on islands) on the bundled Wikipedia sample (9,531 training documents, ~4.7 MB,
-12 topics), with one trained BPE tokenizer (4,096 ids), the same 502 held-out documents and the same
-scored tokens (every token after the 32-token routing prefix) in every row.
+`python -m benchmarks.quality [--quick | --long] [--suite claims|options|all] [--plan] [size flags]`
+(also run by `make bench` and `make bench-long` through `benchmarks.run`). Every row is a real run of
+the pipeline (`pipeline.stages.run`: init_run, prepare, then rounds of training, merging and
+evaluation on an island), on each corpus (`--corpora wiki,mixed`): the bundled Wikipedia sample
+(`data/sample`, 9,531 training and 502 held-out documents) and the mixed corpus of four sources
+(`data/mixed`, 5,646 and 297: Wikipedia, stdlib code, stdlib docstrings, licences). Each corpus has
+its own prepares, its own BPE tokenizer (shared by its rows) and its own held-out set; within a
+corpus every row scores the same tokens (every token after the 32-token routing prefix).
 
-Rows (`variants`), each at the same inner steps per path and tokens per step unless named otherwise:
+The claims suite (`--suite claims`, the default), each row on both corpora; M = 4, H = inner steps:
 
-| row | run |
-|---|---|
-| `dense` (2 seeds) | grid [1], one worker, outer lr 1 / momentum 0: plain training of one path's model |
-| `dense_x4` | the same trained 4x the steps (the compute of the 4-job rows) |
-| `diloco_m4` (2 seeds) | grid [1], 4 DiLoCo workers on iid quarters of the data |
-| `dipaco_2x2` (2 seeds) | [2, 2] grid routed by MiniLM product k-means (4 paths, 2 blocks a level) |
-| `dipaco_4x4` | [4, 4] grid (16 paths): 4x the non-embedding parameters of a path in all |
-| `dense_big` | the flagship analogue: grid [1], hidden 2x (4x the path's non-embedding parameters), same steps |
-| `reroute64` | `dipaco_2x2` seed 0's last round evaluated with `eval.reroute_every: 64` (no training) |
-| `early_stop` | `dipaco_2x2` seed 0's `eval/best.json` (`eval.early_stopping`, no training) |
-| `pathblocks` | [2, 2] grid with blocks [2, 1] + 1 `model.path_specific_blocks`: a path as deep as the others |
-| `int8`, `int4` | `dipaco_2x2` with `outer.compression: int8 / int4` |
-| `discriminative` | `dipaco_2x2` with `router.discriminative_after` (only when the config has that key) |
+| row | run | tokens (x dense) |
+|---|---|---|
+| `dense` | grid [1], 1 worker, no outer step: plain training | 1 |
+| `sync_m2`, `sync_m4` | grid [1], 1 worker, gradient accumulation M, no outer step: M ranks all-reducing each step | M |
+| `diloco_m1` | 1 worker + outer Nesterov (lr 0.7, momentum 0.9) | 1 |
+| `diloco_m2`, `diloco_m4` | M DiLoCo workers on iid parts of the data, outer Nesterov 0.7 / 0.9 | M |
+| `diloco_m4_olr0.4`, `_olr1` | the outer-lr sweep of M = 4 (seed 0; `--extras 1`: bench-long, quick) | 4 |
+| `noniid_m4` | 4 workers, each on its own k-means cluster (`train.worker_data: clustered`) | 4 |
+| `pool_m4` | `train.workers_schedule` cycling 2, 4, 6, 4 workers (claims.pool_schedule: 4 x rounds worker-rounds) | 4 |
+| `dipaco_2x2` | [2, 2] grid (4 paths) routed by MiniLM product k-means, outer Nesterov | 4 (1 a path) |
+| `dipaco_4x4` | [4, 4] grid (16 paths; seed 0; `--extras 1`) | 16 |
+
+Rows the targets compare run `--seeds` seeds (3), paired: seed s is the same initialisation and data
+order in every row. benchmarks/claims.py turns the runs into the table: mean ± 95 % interval in bits
+per byte, the evaluation noise from each run's per-document scores (`document_scores`: the last
+round's modules score every held-out document once more, in this process), bytes per round from
+merge.json and their ratio to sync, and the targets' verdicts.
+
+The options suite (`--suite options`, wiki only, one seed, against `dipaco_2x2` seed 0): `dense_x4`
+(dense with 4x the steps), `dense_big` (hidden 2x: 4x the non-embedding parameters, the flagship
+analogue of `dipaco_4x4`), `pathblocks` ([2, 1] + 1 `model.path_specific_blocks`), `int8` and `int4`
+(`outer.compression`), `discriminative` (`router.discriminative_after`, when the config has it),
+and, without training, `reroute64` (`eval.reroute_every: 64`) and `early_stop` (`eval/best.json`).
 
 How it runs on 2 cores: every trained row is one real `deepspeed` island (one rank, one OMP thread),
-and two rows train at a time (`--lanes 2`, one per core), the longest first, so both cores stay busy
-to the end; the wall-clock time of a row is that of one core. Rows of the same grid and router share
-one prepare (router, shards and the one tokenizer are copied between run roots): 3 prepares, grid
-[1] with the cheap tf-idf embedder (every document lands in the one path anyway), [2, 2] and [4, 4]
-with MiniLM (~95 s each on 2 cores for the 10,033 documents).
+two rows at a time (`--lanes 2`, one per core), the longest first. Rows of the same corpus and grid
+share a prepare (router, shards and the corpus's tokenizer are copied between run roots); grid [1]
+uses the cheap tf-idf embedder (every document lands in the one path anyway; its features also
+cluster the non-iid workers), the DiPaCo grids MiniLM.
 
-Budget of the default run (`--plan` prints it from the same formula): a step of the path (hidden 128,
-4 blocks, vocab 4,096, seq_len 128, micro batch 6 = 768 tokens) costs ~0.17 s on one idle core under
-ZeRO-2 in fp32, ~0.12 s with DeepSpeed's torch_autocast to bfloat16 (train.precision: auto picks it on
-this AVX-512 BF16 CPU for every row, as for the demo: 0.29 against 0.41 s at 256 x 8; the estimates below are fp32's,
-a margin) (measured 0.25 s at seq 128 x 6, 0.32-0.37 s at 128 x 8 and 0.62 s at 256 x 8 on a core
-shared with other work, against the demo's 0.41 s at 256 x 8 on an idle one: x0.66); hidden 256
-~2.8x that. 300 steps per path (6 rounds x H=50), plus ~15 s per island start and ~5 s per
-evaluation (7 a row) and merge:
-
-| row | path-steps | est. core-s |
-|---|---|---|
-| dense (x2 seeds) | 300 each | 100 each |
-| dense_x4 | 1,200 | 250 |
-| diloco_m4 (x2) | 1,200 each | 270 each |
-| dipaco_2x2 (x2) | 1,200 each | 270 each (+~25 s re-routed evaluation on seed 0) |
-| dipaco_4x4 | 4,800 | 900 |
-| dense_big | 300 (hidden 256) | 190 |
-| pathblocks, int8, int4 (, discriminative +~120) | 1,200 each | 270 each |
-
-~3,400 core-s over 2 lanes is ~28 min, plus ~4 min of prepares: ~32 min (`--plan`); the
-`discriminative` row, once main has `router.discriminative_after`, adds ~3 min (its re-sharding
-Beam job included). The perf part, shortened for this, takes ~5 min: ~40 min for `make bench`.
+Budget (`--plan` prints it from `Variant.cost`, the cost model below, measured on this 2-core box
+on 2026-11-25 with two rows at once, bf16 autocast, seq_len 128 x micro batch 6): a train task of 25
+steps took 2.0 s at hidden 64 and 3.3 s at hidden 128, an evaluation of the 502 wiki documents 1.7
+and 3.1 s, an island ~12 s to start; the model adds ~10 % to each. What dominates at these sizes is
+not the steps but the runs: 54 trained runs in `make bench`'s claims suite, each with an island
+start and an evaluation every round. `make bench` (the defaults: hidden 64, seq_len 128 x micro
+batch 4, 8 rounds x H=25 = 200 steps per worker, 3 seeds, the 9 compared rows on both corpora)
+plans ~36 min of quality within its 60 (perf ~8, chaos ~9: `python -m benchmarks.run --plan`);
+`make bench-long` (`--long`: hidden 128, micro batch 6, 24 rounds x H=25 = 600 steps per worker,
+the sweep and dipaco_4x4 too: 60 runs) plans ~207 min; `--quick` (every row, 2 seeds, tiny) ~8.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gzip
+import hashlib
 import json
 import logging
-import math
 import shutil
 import threading
 import time
@@ -70,46 +70,79 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import claims
 from pipeline import stages
 from pipeline.core.config import Config, RouterConfig, config_from_dict
-from pipeline.evaluation.evaluate import evaluate_round
+from pipeline.evaluation.evaluate import document_losses, evaluate_round, held_out_documents
 from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.bench.quality")
 OUT = Path("benchmarks/out")
-STEP_SECONDS = 0.17  # one step of the default path on one idle core (module docstring)
 HAS_DISCRIMINATIVE = "discriminative_after" in {f.name for f in dataclasses.fields(RouterConfig)}
+M = 4  # DiLoCo workers of the claims' main rows: their names (sync_m4, diloco_m4, ...) are the targets'
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """One corpus of the claims table: its files, and what the cost model needs to know of it."""
+
+    train: str
+    eval: str
+    documents: int  # training + held-out documents (a MiniLM prepare embeds each prefix once)
+    eval_weight: float  # tokens its held-out set scores, relative to the wiki sample's 36,270
+
+
+CORPORA = {
+    "wiki": Corpus("data/sample/train/*.json.gz", "data/sample/validation/*.json.gz", 10_033, 1.0),
+    "mixed": Corpus("data/mixed/train/*.json.gz", "data/mixed/validation/*.json.gz", 5_943, 0.8),
+}
+
+# The cost model (module docstring): seconds on one busy core of this box, with a ~10 % margin.
+ISLAND_START = 15.0  # deepspeed launcher, imports, the engine's first build; round 0's evaluation before it
+TASK_OVERHEAD = 0.5  # per train task: modules in, the engine wrapped, inner optimizer state in and out, merge
+PATH_EVAL_OVERHEAD = 0.3  # per path's evaluation task
+
+
+def step_seconds(hidden: int, tokens_per_step: int) -> float:
+    """One optimizer step of one micro batch: 0.074 s at hidden 64, 0.13 s at 128, 0.36 s at 256 (768 tokens)."""
+    return (0.055 + 0.075 * (hidden / 128) ** 2) * tokens_per_step / 768
+
+
+def eval_seconds(hidden: int, weight: float) -> float:
+    """One evaluation of a whole held-out set (the wiki sample's: weight 1)."""
+    return (1.2 + 1.9 * (hidden / 128) ** 2) * weight
 
 
 @dataclass
 class QualityArgs:
-    """Sizes of the quality benchmark; the defaults are the budget in the module docstring."""
+    """Sizes of the quality benchmark; the defaults are `make bench`'s (module docstring)."""
 
-    rounds: int = 6
-    inner_steps: int = 50  # H per round; the papers use 150 (DiPaCo) and 500 (DiLoCo)
-    workers: int = 4  # M: DiLoCo workers and the step multiple of dense_x4
-    hidden: int = 128
+    suite: str = "claims"  # claims | options | all
+    corpora: str = "wiki,mixed"  # comma-separated names of CORPORA
+    rounds: int = 8
+    inner_steps: int = 25  # H per round; the papers use 150 (DiPaCo) and 500 (DiLoCo)
+    hidden: int = 64
     heads: int = 4
     blocks: int = 4  # blocks per path, split evenly over the levels of a 2-level grid
-    seq_len: int = 128  # the sample's documents average ~120 tokens: longer windows mostly pack
-    micro_batch: int = 6
+    seq_len: int = 128  # the wiki documents average ~120 tokens: longer windows mostly pack
+    micro_batch: int = 4  # 512 tokens a step: the runs' overheads leave the steps little of the hour
     lr: float = 3.0e-3  # the demo's inner lr for this path (tuned there)
     warmup: int = 20
-    outer_lr: float = 1.0  # plain averaging: at 6 rounds Nesterov has nothing to build on and its
-    outer_momentum: float = 0.0  # first step overshoots (the demo measured 2.055 vs 2.175 bits/byte)
-    seeds: int = 2  # seeds of dense, diloco and dipaco_2x2
+    outer_lr: float = 0.7  # DiLoCo's and DiPaCo's outer Nesterov
+    outer_momentum: float = 0.9
+    outer_lr_sweep: str = "0.4,1.0"  # the extra rows' diloco_m4 outer lrs (seed 0), comma-separated
+    extras: int = 0  # 1: the claims suite also runs the outer-lr sweep and dipaco_4x4 (seed 0): --long, --quick
+    seeds: int = 3  # seeds of every row a target compares
     train_docs: int = 0  # 0: every training document
-    eval_docs: int = 0  # 0: every held-out document (502)
-    embedder: str = "minilm"
+    eval_docs: int = 0  # 0: every held-out document
+    embedder: str = "minilm"  # the DiPaCo grids' router; grid [1] always uses tf-idf
     router_docs: int = 2000  # documents the k-means is fitted on
     vocab: int = 4096
     lanes: int = 2  # rows trained at once, one island (one core) each
     launcher: str = "deepspeed"  # deepspeed | inprocess (debugging: one lane, in this process)
     only: str = ""  # comma-separated row names to run (debugging); empty: all
-    train_glob: str = "data/sample/train/*.json.gz"
-    eval_glob: str = "data/sample/validation/*.json.gz"
     out: str = str(OUT / "quality")
     keep_rounds: int = 0  # 1: keep each run's rounds/ (modules, DeepSpeed states)
 
@@ -122,6 +155,8 @@ QUICK = {
     "seq_len": 128,
     "micro_batch": 2,
     "warmup": 1,
+    "seeds": 2,
+    "extras": 1,
     "train_docs": 400,
     "eval_docs": 40,
     "embedder": "tfidf",
@@ -129,73 +164,258 @@ QUICK = {
     "vocab": 512,
     "launcher": "deepspeed",
     "lanes": 2,
-}  # every row through real islands in a few minutes: a smoke check
+}  # every claims row on both corpora through real islands: a smoke check
+LONG = {
+    "rounds": 24,
+    "inner_steps": 25,
+    "hidden": 128,
+    "micro_batch": 6,
+    "extras": 1,
+}  # `make bench-long`: 600 steps a worker
 
 
 @dataclass(frozen=True)
 class Variant:
-    name: str  # the row; seeds share it
+    name: str  # the row; seeds and corpora share it
     grid: tuple[int, ...]
+    corpus: str = "wiki"
     seed: int = 0
-    workers: int = 1
+    suite: str = "claims"
+    workers: int = 1  # train.workers_per_path: the largest entry of a schedule
+    schedule: tuple[int, ...] | None = None  # train.workers_schedule
+    worker_data: str = "iid"
+    accum: int = 1  # train.gradient_accumulation_steps
     step_multiple: int = 1
     hidden_multiple: int = 1
-    outer_identity: bool = False  # dense rows: outer lr 1, momentum 0 = no outer optimizer
+    outer_identity: bool = False  # dense and sync rows: outer lr 1, momentum 0 = no outer optimizer
+    outer_lr: float | None = None  # None: QualityArgs.outer_lr
     blocks: tuple[int, ...] | None = None  # blocks per level (default: split evenly)
     path_blocks: int = 0
     compression: str = "none"
     discriminative: bool = False
     early_stopping: bool = False
     reroute_after: bool = False  # evaluate the last round re-routed every 64 tokens too
+    what: str = ""  # the table's description
 
     @property
     def run_name(self) -> str:
-        return f"{self.name}_s{self.seed}"
+        return f"{self.corpus}_{self.name}_s{self.seed}"
 
     @property
     def prep_key(self) -> str:
-        """Runs with the same grid and router share a prepare."""
-        return "x".join(map(str, self.grid))
+        """Runs of the same corpus, grid and router share a prepare."""
+        return f"{self.corpus}_" + "x".join(map(str, self.grid))
+
+    @property
+    def paths(self) -> int:
+        return int(np.prod(self.grid))
+
+    @property
+    def communication(self) -> str:
+        """What the row sends between workers: sync all-reduces every step, dense nothing."""
+        if self.accum > 1:
+            return "data_parallel"
+        return "none" if self.outer_identity else "outer"
+
+    def workers_per_round(self, args: QualityArgs) -> list[int]:
+        return list(self.schedule) if self.schedule else [self.workers] * args.rounds
+
+    def token_multiple(self, args: QualityArgs) -> float:
+        """Training tokens relative to `dense`'s: paths x mean workers x accumulation x step multiple."""
+        workers = sum(self.workers_per_round(args)) / args.rounds
+        return self.paths * workers * self.accum * self.step_multiple
 
     def cost(self, args: QualityArgs) -> float:
-        """Estimated core-seconds (the module docstring's formula), to train the longest rows first."""
-        jobs = math.prod(self.grid) * self.workers
-        steps = args.rounds * args.inner_steps * self.step_multiple
-        step = STEP_SECONDS * (2.8 if self.hidden_multiple > 1 else 1.0)
-        evals = (args.rounds + 1) * 5 * (2 if jobs > 4 else 1)
-        return (
-            jobs * steps * step + 15 + evals + (25 if self.reroute_after else 0) + (120 if self.discriminative else 0)
+        """Estimated seconds on one core (the module docstring's model): the longest rows go first."""
+        hidden = args.hidden * self.hidden_multiple
+        step = step_seconds(hidden, args.micro_batch * args.seq_len) * self.accum
+        train = sum(
+            self.paths * w * (args.inner_steps * self.step_multiple * step + TASK_OVERHEAD)
+            for w in self.workers_per_round(args)
         )
+        weight = CORPORA[self.corpus].eval_weight * (min(args.eval_docs, 502) / 502 if args.eval_docs else 1.0)
+        # rounds + 1 evaluations, and one more for the per-document scores
+        evals = (args.rounds + 2) * (eval_seconds(hidden, weight) + PATH_EVAL_OVERHEAD * self.paths)
+        extras = (2 * eval_seconds(hidden, weight) if self.reroute_after else 0) + (120 if self.discriminative else 0)
+        return ISLAND_START + train + evals + extras
+
+
+# -- the rows ------------------------------------------------------------------------------------
+def corpora(args: QualityArgs) -> list[str]:
+    names = [c for c in args.corpora.split(",") if c]
+    unknown = set(names) - set(CORPORA)
+    if unknown:
+        raise SystemExit(f"--corpora: unknown {sorted(unknown)}; known: {sorted(CORPORA)}")
+    return names
+
+
+def claims_variants(args: QualityArgs) -> list[Variant]:
+    """Every claims row on every corpus: the compared rows with `seeds` seeds, the sweep and 4x4 with seed 0."""
+    pool = tuple(claims.pool_schedule(args.rounds, M))
+    nesterov = f"outer Nesterov (lr {args.outer_lr:g}, momentum {args.outer_momentum:g})"
+    specs: list[tuple[str, dict, bool]] = [  # name, Variant fields, every seed
+        ("dense", {"outer_identity": True, "what": "1 worker, no outer step: plain training"}, True),
+        (
+            "sync_m2",
+            {"accum": 2, "outer_identity": True, "what": "1 worker, gradient accumulation 2 = 2 data-parallel ranks"},
+            True,
+        ),
+        (
+            f"sync_m{M}",
+            {
+                "accum": M,
+                "outer_identity": True,
+                "what": f"1 worker, gradient accumulation {M} = {M} data-parallel ranks",
+            },
+            True,
+        ),
+        ("diloco_m1", {"what": f"1 worker + {nesterov}"}, True),
+        ("diloco_m2", {"workers": 2, "what": f"2 workers on iid halves, {nesterov}"}, True),
+        (f"diloco_m{M}", {"workers": M, "what": f"{M} workers on iid parts, {nesterov}"}, True),
+        *(
+            (
+                f"diloco_m{M}_olr{lr:g}",
+                {"workers": M, "outer_lr": lr, "what": f"diloco_m{M} with outer lr {lr:g}"},
+                False,
+            )
+            for lr in (float(x) for x in args.outer_lr_sweep.split(",") if x and args.extras)
+        ),
+        (
+            f"noniid_m{M}",
+            {"workers": M, "worker_data": "clustered", "what": f"{M} workers, each its own k-means cluster"},
+            True,
+        ),
+        (
+            f"pool_m{M}",
+            {
+                "workers": max(pool),
+                "schedule": pool,
+                "what": f"workers per round {', '.join(map(str, pool[:4]))}{', ...' if len(pool) > 4 else ''} "
+                f"(mean {M})",
+            },
+            True,
+        ),
+        (
+            "dipaco_2x2",
+            {"grid": (2, 2), "what": f"[2, 2] grid routed by {args.embedder} k-means, 1 worker a path"},
+            True,
+        ),
+        *([("dipaco_4x4", {"grid": (4, 4), "what": "[4, 4] grid (16 paths)"}, False)] if args.extras else []),
+    ]
+    rows = []
+    for corpus in corpora(args):
+        for name, fields, every_seed in specs:
+            fields = {"grid": (1,), **fields}
+            rows += [Variant(name, corpus=corpus, seed=s, **fields) for s in (range(args.seeds) if every_seed else [0])]
+    return rows
+
+
+def options_variants(args: QualityArgs) -> list[Variant]:
+    """The option rows on the first corpus, one seed, with the seed-0 rows they are compared with."""
+    corpus = corpora(args)[0]
+    half = args.blocks // 2
+    rows = [
+        Variant(
+            "dipaco_2x2",
+            (2, 2),
+            corpus,
+            early_stopping=True,
+            reroute_after=True,
+            what=f"[2, 2] grid routed by {args.embedder} k-means, 1 worker a path",
+        ),
+        Variant("dipaco_4x4", (4, 4), corpus, what="[4, 4] grid (16 paths)"),
+        Variant(
+            f"dense_x{M}",
+            (1,),
+            corpus,
+            suite="options",
+            step_multiple=M,
+            outer_identity=True,
+            what=f"dense trained {M}x the steps",
+        ),
+        Variant(
+            "dense_big",
+            (1,),
+            corpus,
+            suite="options",
+            hidden_multiple=2,
+            outer_identity=True,
+            what="dense with hidden 2x: 4x the non-embedding parameters (the 4x4's flagship)",
+        ),
+        Variant(
+            "pathblocks",
+            (2, 2),
+            corpus,
+            suite="options",
+            blocks=(half, half - 1),
+            path_blocks=1,
+            what="dipaco_2x2, one of its blocks path-specific",
+        ),
+        Variant("int8", (2, 2), corpus, suite="options", compression="int8", what="dipaco_2x2, int8 outer gradients"),
+        Variant("int4", (2, 2), corpus, suite="options", compression="int4", what="dipaco_2x2, int4 outer gradients"),
+    ]
+    if HAS_DISCRIMINATIVE:
+        rows.append(
+            Variant(
+                "discriminative",
+                (2, 2),
+                corpus,
+                suite="options",
+                discriminative=True,
+                what="dipaco_2x2 re-sharded by a discriminative router halfway",
+            )
+        )
+    return rows
 
 
 def variants(args: QualityArgs) -> list[Variant]:
-    seeds = range(args.seeds)
-    m = args.workers
-    rows = [
-        *(Variant("dense", (1,), seed=s, outer_identity=True) for s in seeds),
-        Variant(f"dense_x{m}", (1,), step_multiple=m, outer_identity=True),
-        *(Variant(f"diloco_m{m}", (1,), seed=s, workers=m) for s in seeds),
-        *(Variant("dipaco_2x2", (2, 2), seed=s, early_stopping=s == 0, reroute_after=s == 0) for s in seeds),
-        Variant("dipaco_4x4", (4, 4)),
-        Variant("dense_big", (1,), hidden_multiple=2, outer_identity=True),
-        Variant("pathblocks", (2, 2), blocks=(args.blocks // 2, args.blocks // 2 - 1), path_blocks=1),
-        Variant("int8", (2, 2), compression="int8"),
-        Variant("int4", (2, 2), compression="int4"),
-    ]
-    if HAS_DISCRIMINATIVE:
-        rows.append(Variant("discriminative", (2, 2), discriminative=True))
+    """The suite's rows in the table's order; a run in both suites is kept once (the options' copy,
+    which also re-routes and early-stops, neither of which changes its training)."""
+    if args.suite not in ("claims", "options", "all"):
+        raise SystemExit(f"--suite: claims, options or all, not {args.suite!r}")
+    rows = (claims_variants(args) if args.suite != "options" else []) + (
+        options_variants(args) if args.suite != "claims" else []
+    )
+    chosen = {v.run_name: v for v in rows}  # the later copy wins
+    ordered = [chosen[name] for name in dict.fromkeys(v.run_name for v in rows)]
+    if args.suite == "all":  # the bases keep their place (and their suite) in the claims table
+        claimed = {v.run_name for v in claims_variants(args)}
+        ordered = [dataclasses.replace(v, suite="claims") if v.run_name in claimed else v for v in ordered]
     wanted = {n for n in args.only.split(",") if n}
-    return [v for v in rows if not wanted or v.name in wanted]
+    return [v for v in ordered if not wanted or v.name in wanted]
 
 
-def write_eval_docs(args: QualityArgs) -> str:
-    """The held-out documents (the first `eval_docs`, 0: all) as one file: the same for every row."""
-    target = Path(args.out) / "data" / "validation" / "c4-validation.00000-of-00001.json.gz"
+def describe(v: Variant, args: QualityArgs) -> dict:
+    """What a run is, as its result records it (beside what it measured)."""
+    outer = "none" if v.outer_identity else {"lr": v.outer_lr or args.outer_lr, "momentum": args.outer_momentum}
+    return {
+        "name": v.name,
+        "run": v.run_name,
+        "corpus": v.corpus,
+        "seed": v.seed,
+        "suite": v.suite,
+        "what": v.what,
+        "grid": list(v.grid),
+        "workers": v.workers,
+        "schedule": list(v.schedule) if v.schedule else None,
+        "worker_data": v.worker_data,
+        "accum": v.accum,
+        "outer": outer,
+        "communication": v.communication,
+        "token_multiple": v.token_multiple(args),
+    }
+
+
+def write_eval_docs(args: QualityArgs, corpus: str) -> str:
+    """The corpus's held-out documents (the first `eval_docs`, 0: all) as one file: the same for its every row."""
+    target = Path(args.out) / f"data-{corpus}" / "validation" / "c4-validation.00000-of-00001.json.gz"
     target.parent.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
-    for file in sorted(Path().glob(args.eval_glob)):
+    for file in sorted(Path().glob(CORPORA[corpus].eval)):
         with gzip.open(file, "rt", encoding="utf-8") as handle:
             lines.extend(handle)
+    if not lines:
+        raise SystemExit(f"no held-out documents in {CORPORA[corpus].eval}: run `make sample` first")
     with gzip.open(target, "wt", encoding="utf-8") as handle:
         handle.writelines(lines[: args.eval_docs or None])
     return str(target.parent / "*.json.gz")
@@ -204,10 +424,11 @@ def write_eval_docs(args: QualityArgs) -> str:
 def variant_config(args: QualityArgs, v: Variant, run_root: str, eval_glob: str) -> Config:
     levels = len(v.grid)
     blocks = list(v.blocks) if v.blocks else [args.blocks // levels] * levels
+    outer_lr = v.outer_lr or args.outer_lr
     outer = (
         {"lr": 1.0, "momentum": 0.0, "nesterov": False}
         if v.outer_identity
-        else {"lr": args.outer_lr, "momentum": args.outer_momentum, "nesterov": args.outer_momentum > 0}
+        else {"lr": outer_lr, "momentum": args.outer_momentum, "nesterov": args.outer_momentum > 0}
     )
     # grid [1]: every document lands in the one path, so the cheap tf-idf embedder routes as well as MiniLM.
     router = {
@@ -221,7 +442,7 @@ def variant_config(args: QualityArgs, v: Variant, run_root: str, eval_glob: str)
     return config_from_dict(
         {
             "run_root": run_root,
-            "data": {"train": args.train_glob, "eval": eval_glob, "max_docs": args.train_docs or None},
+            "data": {"train": CORPORA[v.corpus].train, "eval": eval_glob, "max_docs": args.train_docs or None},
             "router": router,
             "model": {
                 "grid": list(v.grid),
@@ -239,12 +460,15 @@ def variant_config(args: QualityArgs, v: Variant, run_root: str, eval_glob: str)
                 "rounds": args.rounds,
                 "inner_steps": args.inner_steps * v.step_multiple,
                 "micro_batch_size": args.micro_batch,
+                "gradient_accumulation_steps": v.accum,
                 "lr": args.lr,
                 "warmup_steps": args.warmup,
                 "min_lr_ratio": 1.0,  # constant after warmup, as the demo measured best far from convergence
                 "ds_config": "ds_configs/zero2.json",
                 "precision": "auto",
                 "workers_per_path": v.workers,
+                "worker_data": v.worker_data,
+                "workers_schedule": list(v.schedule) if v.schedule else None,
                 "seed": v.seed,
                 "launcher": args.launcher,
                 "parallel_paths": 1,
@@ -259,25 +483,26 @@ def variant_config(args: QualityArgs, v: Variant, run_root: str, eval_glob: str)
     )
 
 
-# -- prepare: once per grid and router, one tokenizer for all ------------------------------------
-def prepare_all(args: QualityArgs, rows: list[Variant], eval_glob: str) -> dict[str, dict]:
-    """One prepare per grid; the first trains the BPE tokenizer, the others are given it, so every
-    row cuts the held-out text into the same tokens."""
+# -- prepare: once per corpus and grid, one tokenizer per corpus ---------------------------------
+def prepare_all(args: QualityArgs, rows: list[Variant], eval_globs: dict[str, str]) -> dict[str, dict]:
+    """One prepare per corpus and grid; a corpus's first trains its BPE tokenizer, its others are
+    given it, so every row of a corpus cuts its held-out text into the same tokens."""
     preps: dict[str, dict] = {}
-    tokenizer_root: str | None = None
-    for v in sorted(rows, key=lambda r: r.grid != (1,)):  # grid [1] first: its prepare is the cheapest
+    tokenizer_roots: dict[str, str] = {}
+    for v in sorted(rows, key=lambda r: (r.corpus, r.grid != (1,))):  # grid [1] first: its prepare is the cheapest
         if v.prep_key in preps:
             continue
         prep_root = Path(args.out) / f"prep-{v.prep_key}"
         shutil.rmtree(prep_root, ignore_errors=True)  # another run's sizes would not match; and honest timings
-        config = variant_config(args, dataclasses.replace(v, discriminative=False), str(prep_root), eval_glob)
+        base = dataclasses.replace(v, discriminative=False, schedule=None, workers=1, worker_data="iid")
+        config = variant_config(args, base, str(prep_root), eval_globs[v.corpus])
         run = Run(config)
         root = stages.init_run(run)
-        if tokenizer_root:
-            copy_committed(root, tokenizer_root, (layout.TOKENIZER_DIR,))
+        if v.corpus in tokenizer_roots:
+            copy_committed(root, tokenizer_roots[v.corpus], (layout.TOKENIZER_DIR,))
         start = time.perf_counter()
         manifest = stages.prepare(run)
-        tokenizer_root = tokenizer_root or config.run_root
+        tokenizer_roots.setdefault(v.corpus, config.run_root)
         preps[v.prep_key] = {"root": config.run_root, "seconds": time.perf_counter() - start, "manifest": manifest}
         log.info("prepare %s: %.0f s", v.prep_key, preps[v.prep_key]["seconds"])
     return preps
@@ -293,7 +518,7 @@ def copy_committed(root: RunRoot, source_root: str, dirs: tuple[str, ...]) -> No
 
 # -- one row -------------------------------------------------------------------------------------
 def run_variant(args: QualityArgs, v: Variant, prep: dict, eval_glob: str) -> dict:
-    """One row through `stages.run` on its own island; its evaluations, timings and merge bytes."""
+    """One row through `stages.run` on its own island; its evaluations, timings, bytes and per-document scores."""
     run_root = Path(args.out) / v.run_name
     shutil.rmtree(run_root, ignore_errors=True)  # timings are only honest from a clean start
     config = variant_config(args, v, str(run_root), eval_glob)
@@ -303,16 +528,15 @@ def run_variant(args: QualityArgs, v: Variant, prep: dict, eval_glob: str) -> di
     start = time.time()
     stages.run(run)
     seconds = time.time() - start
-    evals = read_curve(root, config, v, start)
+    evals = read_curve(root, config, start)
+    t = config.train
+    tokens_per_job_round = t.inner_steps * t.micro_batch_size * t.gradient_accumulation_steps * config.model.seq_len
     result = {
-        "name": v.name,
-        "run": v.run_name,
-        "seed": v.seed,
-        "grid": list(v.grid),
-        "workers": v.workers,
+        **describe(v, args),
         "jobs": len(stages.list_paths(config)),
-        "steps_per_path": config.train.rounds * config.train.inner_steps,
-        "tokens_per_step": config.train.micro_batch_size * config.model.seq_len,
+        "steps_per_path": t.rounds * t.inner_steps,
+        "tokens": sum(v.paths * w for w in v.workers_per_round(args)) * tokens_per_job_round,
+        "tokens_per_step": t.micro_batch_size * t.gradient_accumulation_steps * config.model.seq_len,
         "hidden": config.model.hidden_size,
         "non_embedding_params": non_embedding_params(config),
         "perplexity": evals[-1]["perplexity"],
@@ -320,7 +544,8 @@ def run_variant(args: QualityArgs, v: Variant, prep: dict, eval_glob: str) -> di
         "eval_tokens": evals[-1]["tokens"],
         "evals": evals,
         "seconds": seconds,
-        "merge": merge_bytes(root, config),
+        "merges": read_merges(root, config),
+        "docs": document_scores(config, root),
     }
     if v.early_stopping:
         best = root.read_json("eval/best.json")
@@ -337,9 +562,9 @@ def run_variant(args: QualityArgs, v: Variant, prep: dict, eval_glob: str) -> di
     return result
 
 
-def read_curve(root: RunRoot, config: Config, v: Variant, start: float) -> list[dict]:
-    """Each round's evaluation with its steps per path and the seconds since the run started
-    (when its eval file was written: the wall-clock axis of the curves)."""
+def read_curve(root: RunRoot, config: Config, start: float) -> list[dict]:
+    """Each round's evaluation with its steps per worker and the seconds since the run started
+    (when its eval file was written)."""
     curve = []
     for r in range(config.train.rounds + 1):
         e = root.read_json(layout.eval_file(r))
@@ -357,10 +582,18 @@ def read_curve(root: RunRoot, config: Config, v: Variant, start: float) -> list[
     return curve
 
 
-def merge_bytes(root: RunRoot, config: Config) -> dict:
-    """merge.json's bytes of the last round: what islands send and receive, and data-parallel's."""
-    report = root.read_json(f"{layout.round_dir(config.train.rounds - 1)}/merge.json")
-    return {k: report.get(k) for k in ("bytes_outer", "bytes_data_parallel", "bytes_outer_uncompressed")}
+def read_merges(root: RunRoot, config: Config) -> list[dict]:
+    """Every round's merge.json bytes: what islands send and receive, and data-parallel's for the same jobs."""
+    merges = []
+    for r in range(config.train.rounds):
+        report = root.read_json(f"{layout.round_dir(r)}/merge.json")
+        merges.append(
+            {
+                "jobs": len(report.get("paths_merged", [])),
+                **{k: report.get(k) for k in ("bytes_outer", "bytes_data_parallel", "bytes_outer_uncompressed")},
+            }
+        )
+    return merges
 
 
 def non_embedding_params(config: Config) -> int:
@@ -372,6 +605,45 @@ def non_embedding_params(config: Config) -> int:
 
 
 _EVAL_LOCK = threading.Lock()
+
+
+def document_scores(config: Config, root: RunRoot) -> dict[str, list]:
+    """{document key: [nats, scored tokens, scored bytes]} of the last round's modules: the route-once
+    evaluation once more, document by document (the eval file keeps only sums), so the table can
+    say how much the choice of held-out documents alone moves a figure. Keys hash the tokens: the
+    same document has the same key in every row of a corpus, whichever path scored it."""
+    from models.grid import all_path_ids
+    from models.modular import eos_token_id
+    from pipeline.routing.tokenizer import load_tokenizer, token_byte_lengths
+    from pipeline.state.module_store import load_path_model
+
+    m, prefix, last = config.model, config.router.prefix_tokens, config.train.rounds
+    shards = layout.routing(config.router.discriminative_after, last).shards
+    byte_lengths = token_byte_lengths(load_tokenizer(root, m.tokenizer), m.vocab_size)
+    scores: dict[str, list] = {}
+    with _EVAL_LOCK:  # one evaluation at a time in this process, beside the islands
+        for path_id in all_path_ids(m.grid):
+            docs = [d for d in held_out_documents(root, config, path_id, shards) if len(d) > prefix]
+            if not docs:
+                continue
+            nats = document_losses(
+                load_path_model(root, config, last, path_id),
+                docs,
+                prefix,
+                m.seq_len,
+                config.eval.batch_size,
+                pad_id=eos_token_id(m.vocab_size, m.tokenizer),
+            )
+            for doc, nll in zip(docs, nats):
+                window = np.asarray(doc[: m.seq_len + 1], dtype=np.int64)
+                key = hashlib.blake2b(np.asarray(doc, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
+                entry = scores.setdefault(
+                    key, [0.0, 0, 0]
+                )  # a duplicated document: its copies summed, in every row alike
+                entry[0] += float(nll)
+                entry[1] += len(window) - prefix
+                entry[2] += int(byte_lengths[window[prefix:]].sum())
+    return scores
 
 
 def rerouted_eval(config: Config, root: RunRoot) -> dict:
@@ -388,25 +660,30 @@ def rerouted_eval(config: Config, root: RunRoot) -> dict:
 
 # -- all rows ------------------------------------------------------------------------------------
 def run_quality(args: QualityArgs) -> dict:
-    """Prepare once per grid, then every row, `lanes` at a time, longest first."""
+    """Prepare once per corpus and grid, then every row, `lanes` at a time, longest first. A row
+    that fails is recorded as failed with its error and the others go on."""
     start = time.perf_counter()
-    eval_glob = write_eval_docs(args)
     rows = variants(args)
-    preps = prepare_all(args, rows, eval_glob)
+    eval_globs = {c: write_eval_docs(args, c) for c in dict.fromkeys(v.corpus for v in rows)}
+    preps = prepare_all(args, rows, eval_globs)
     prepare_seconds = time.perf_counter() - start
     if args.launcher == "inprocess":
         args.lanes = 1  # one process cannot hold two in-process DeepSpeed ranks
     else:
         import torch
 
-        torch.set_num_threads(1)  # this process's own evaluations (round 0, re-routing) beside two islands
+        torch.set_num_threads(1)  # this process's own evaluations (round 0, documents, re-routing) beside two islands
     results: list[dict] = []
     partial = Path(args.out) / "quality.partial.json"
 
     def one(v: Variant) -> dict:
-        result = run_variant(args, v, preps[v.prep_key], eval_glob)
+        try:
+            result = run_variant(args, v, preps[v.prep_key], eval_globs[v.corpus])
+        except Exception as exc:  # noqa: BLE001 - one row's failure is a finding, not the end of the table
+            log.exception("%s failed", v.run_name)
+            result = {**describe(v, args), "failed": f"{type(exc).__name__}: {exc}"[:300]}
         results.append(result)
-        partial.write_text(json.dumps(results, indent=2))  # a run cut short still reports what it measured
+        partial.write_text(json.dumps(results))  # a run cut short still reports what it measured
         return result
 
     ordered = sorted(rows, key=lambda v: -v.cost(args))
@@ -415,12 +692,14 @@ def run_quality(args: QualityArgs) -> dict:
             future.result()
     order = {v.run_name: i for i, v in enumerate(rows)}
     results.sort(key=lambda r: order[r["run"]])
-    tokens = {r["run"]: r["eval_tokens"] for r in results}
+    tokens = {
+        c: sorted({r["eval_tokens"] for r in results if r["corpus"] == c and "eval_tokens" in r}) for c in eval_globs
+    }
     return {
+        "format": 2,
         "args": dataclasses.asdict(args),
         "runs": results,
-        "rows": summarize_rows(results, args),
-        "same_eval_tokens": len(set(tokens.values())) == 1,
+        "same_eval_tokens": {c: len(t) == 1 for c, t in tokens.items()},
         "eval_tokens": tokens,
         "seconds": time.perf_counter() - start,
         "prepare_seconds": prepare_seconds,
@@ -442,223 +721,127 @@ def _docs_per_path(manifest: dict) -> dict:
     }
 
 
-def summarize_rows(runs: list[dict], args: QualityArgs) -> list[dict]:
-    """One row per name: the mean over seeds and their spread, then the eval-only option rows."""
-    rows: list[dict] = []
-    for name in dict.fromkeys(r["name"] for r in runs):
-        group = [r for r in runs if r["name"] == name]
-        ppl = [r["perplexity"] for r in group]
-        rows.append(
-            {
-                "name": name,
-                "seeds": len(group),
-                "perplexity": float(np.mean(ppl)),
-                "bits_per_byte": float(np.mean([r["bits_per_byte"] for r in group])),
-                "spread": (max(ppl) - min(ppl)) / float(np.mean(ppl)) if len(group) > 1 else None,
-                "values": ppl,
-                "steps_per_path": group[0]["steps_per_path"],
-                "jobs": group[0]["jobs"],
-                "non_embedding_params": group[0]["non_embedding_params"],
-                "eval_tokens": group[0]["eval_tokens"],
-                "seconds": float(np.mean([r["seconds"] for r in group])),
-                "merge": group[0]["merge"],
-            }
-        )
-    base = next((r for r in runs if r["name"] == "dipaco_2x2" and r["seed"] == 0), None)
-    if base and "rerouted" in base:
-        rows.append(_derived("reroute64", base, base["rerouted"]))
-    if base and "early_stopped" in base:
-        rows.append(_derived("early_stop", base, base["early_stopped"]))
-    dense = next((r for r in rows if r["name"] == "dense"), None)
-    for row in rows:
-        row["vs_dense"] = row["perplexity"] / dense["perplexity"] - 1 if dense else None
-    return rows
-
-
-def _derived(name: str, base: dict, scores: dict) -> dict:
-    """An eval-only row of dipaco_2x2 seed 0 (no training of its own: 0 s)."""
-    return {
-        "name": name,
-        "seeds": 1,
-        "perplexity": scores["perplexity"],
-        "bits_per_byte": scores["bits_per_byte"],
-        "spread": None,
-        "values": [scores["perplexity"]],
-        "steps_per_path": base["steps_per_path"],
-        "jobs": base["jobs"],
-        "non_embedding_params": base["non_embedding_params"],
-        "eval_tokens": scores["tokens"],
-        "seconds": 0.0,
-        "merge": base["merge"],
-        "of": base["run"],
-    }
-
-
-# -- targets -------------------------------------------------------------------------------------
-def targets(q: dict) -> list[dict]:
-    """Issue 17's targets and issue 15's option goals on this run's rows: met or missed, and
-    whether the gap is larger than the spread over seeds (else it cannot be told from noise)."""
-    rows = {r["name"]: r for r in q["rows"]}
-    runs = {r["run"]: r for r in q["runs"]}
-    h, m = q["args"]["inner_steps"], q["args"]["workers"]
-    noise = max([r["spread"] for r in rows.values() if r["spread"] is not None] or [0.0])
-    out: list[dict] = []
-
-    def check(
-        what: str, a: str, b: str, bound: float, goal: str, pa: float | None = None, pb: float | None = None
-    ) -> None:
-        if (a not in rows and pa is None) or (b not in rows and pb is None):
-            return
-        pa = rows[a]["perplexity"] if pa is None else pa
-        pb = rows[b]["perplexity"] if pb is None else pb
-        gap = pa / pb - 1
-        out.append(
-            {
-                "target": what,
-                "goal": goal,
-                "measured": f"{100 * gap:+.1f}% ({pa:.2f} vs {pb:.2f})",
-                "met": gap <= bound,
-                "gap": gap,
-                "beyond_noise": abs(gap) > noise,
-                "a": a,
-                "b": b,
-            }
-        )
-
-    check("DiPaCo 2x2 vs dense of path size", "dipaco_2x2", "dense", -0.08, "<= -8% ppl")
-    check(f"DiPaCo 2x2 vs DiLoCo M={m}", "dipaco_2x2", f"diloco_m{m}", 0.0, "<= 0%")
-    check(f"DiLoCo M={m} vs dense trained {m}x the steps", f"diloco_m{m}", f"dense_x{m}", 0.05, "<= +5%")
-    check("DiPaCo 4x4 vs 2x2", "dipaco_4x4", "dipaco_2x2", 0.0, "< 0%")
-    check("flagship: DiPaCo 4x4 vs dense of 4x the non-embedding parameters", "dipaco_4x4", "dense_big", 0.02, "<= +2%")
-    base = runs.get("dipaco_2x2_s0")
-    if base:  # the options against plain DiPaCo 2x2 seed 0: same data, steps and seed
-        p0 = base["perplexity"]
-        check("re-routing every 64 tokens vs route once", "reroute64", "dipaco_2x2", -1e-12, "< 0%", pb=p0)
-        check("discriminative router vs k-means alone", "discriminative", "dipaco_2x2", -1e-12, "< 0%", pb=p0)
-        check("early stopping vs last round", "early_stop", "dipaco_2x2", 0.0, "(report)", pb=p0)
-        check("path-specific blocks (1 of 4) vs shared", "pathblocks", "dipaco_2x2", 0.0, "(report)", pb=p0)
-        check("int8 outer gradients vs uncompressed", "int8", "dipaco_2x2", 0.01, "<= +1%", pb=p0)
-        check("int4 outer gradients vs uncompressed", "int4", "dipaco_2x2", 0.02, "<= +2%", pb=p0)
-        for kind, share in (("int8", 4), ("int4", 8)):
-            merge = rows.get(kind, {}).get("merge") or {}
-            if merge.get("bytes_outer") and merge.get("bytes_data_parallel"):
-                ratio = merge["bytes_outer"] / merge["bytes_data_parallel"]
-                out.append(
-                    {
-                        "target": f"{kind} bytes per round / data-parallel (merge.json)",
-                        "goal": f"<= 1/({share}H) = {1 / (share * h):.5f}",
-                        "measured": f"{ratio:.5f}",
-                        "met": ratio <= 1 / (share * h),
-                        "gap": None,
-                        "beyond_noise": None,
-                    }
-                )
-    for t in out:
-        if t["goal"] == "(report)":
-            t["met"] = None
-    return out
-
-
-def why_missed(q: dict, t: dict) -> str:
-    """From the curves: is the gap closing (and at how many steps per path would the two lines
-    cross, extrapolating bits per byte linearly in log steps over the last two rounds), or not."""
-    curves = {}
-    for key in (t.get("a"), t.get("b")):
-        run = next((r for r in q["runs"] if r["name"] == key and r["seed"] == 0), None)
-        if run is None or len(run["evals"]) < 3:
-            return ""
-        curves[key] = run["evals"]
-    ea, eb = curves.values()
-    if len(ea) != len(eb):
-        return ""
-    # Rounds align the rows (dense_x4's round r is DiLoCo's round r at the same compute); the steps are a's.
-    steps = np.log([ea[-2]["steps_per_path"], ea[-1]["steps_per_path"]])
-    gap0 = ea[-2]["bits_per_byte"] - eb[-2]["bits_per_byte"]
-    gap1 = ea[-1]["bits_per_byte"] - eb[-1]["bits_per_byte"]
-    slope = (gap1 - gap0) / (steps[1] - steps[0])
-    if gap1 <= 0 or slope >= 0:
-        return (
-            f"gap in bits/byte {gap0:+.3f} -> {gap1:+.3f} over the last round: not closing at this scale, "
-            f"so more steps alone are unlikely to meet it"
-        )
-    cross = math.exp(steps[1] + gap1 / -slope)
-    return (
-        f"gap in bits/byte {gap0:+.3f} -> {gap1:+.3f} over the last round: closing; a straight line in "
-        f"log steps crosses at ~{cross:,.0f} steps per path"
-    )
-
-
 # -- plots ---------------------------------------------------------------------------------------
 def plot_quality(q: dict, out: Path) -> list[Path]:
-    """Bits per byte against steps per path and against wall-clock seconds (seed 0 of each row),
-    and the final perplexity of every row."""
+    """Per corpus, bits per byte (mean over seeds) against steps per worker and against bytes
+    communicated (log scale: dense sends nothing and is left out there); and every row's final
+    bits per byte with its 95 % interval."""
     from matplotlib import pyplot as plt
 
     from pipeline.tracking import plots  # Agg backend set there
 
-    fig, (ax_steps, ax_wall) = plt.subplots(1, 2, figsize=(13, 5))
-    for r in q["runs"]:
-        if r["seed"] != 0:
-            continue
-        bpb = [e["bits_per_byte"] for e in r["evals"]]
-        style = {"marker": "o", "markersize": 3, "label": r["name"], "linewidth": 1.2}
-        ax_steps.plot([e["steps_per_path"] for e in r["evals"]], bpb, **style)
-        ax_wall.plot([e["seconds"] for e in r["evals"]], bpb, **style)
-    for ax, xlabel in ((ax_steps, "inner steps per path"), (ax_wall, "wall-clock seconds (one core per row)")):
-        ax.set(xlabel=xlabel, ylabel="held-out bits per byte (routed)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    ax_steps.set_title("Learning curves against steps")
-    ax_wall.set_title("Learning curves against wall-clock time")
+    runs = [r for r in q["runs"] if not r.get("failed")]
+    shown = [r for r in runs if r["suite"] == "claims"] or runs
+    names = list(dict.fromkeys(r["name"] for r in shown))
+    colours = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
+    corpora_ = list(dict.fromkeys(r["corpus"] for r in shown))
+    fig, axes = plt.subplots(len(corpora_), 2, figsize=(14, 4.8 * len(corpora_)), squeeze=False)
+    for (ax_steps, ax_bytes), corpus in zip(axes, corpora_):
+        for name in names:
+            curve = claims.mean_curve([r for r in shown if r["corpus"] == corpus and r["name"] == name])
+            if not curve:
+                continue
+            style = {
+                "marker": "o",
+                "markersize": 2.5,
+                "label": name,
+                "linewidth": 1.1,
+                "color": colours[name],
+                "linestyle": "--" if name.startswith(("dense", "sync")) else "-",
+            }
+            ax_steps.plot([c["steps"] for c in curve], [c["bits_per_byte"] for c in curve], **style)
+            sent = [(c["bytes"], c["bits_per_byte"]) for c in curve if c["bytes"]]
+            if sent:
+                ax_bytes.plot(*zip(*sent), **style)
+        ax_steps.set(xlabel="inner steps per worker", ylabel=f"{corpus}: held-out bits per byte")
+        ax_bytes.set(
+            xlabel="bytes communicated (cumulative; sync: its data-parallel all-reduce)",
+            xscale="log",
+            ylabel=f"{corpus}: held-out bits per byte",
+        )
+        for ax in (ax_steps, ax_bytes):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     curves = out / "quality_curves.png"
     fig.savefig(curves, dpi=110)
     plots.close(fig)
 
-    fig, ax = plt.subplots(figsize=(11, 4))
-    rows = q["rows"]
-    bars = ax.bar([r["name"] for r in rows], [r["perplexity"] for r in rows], color="tab:blue")
-    for bar, r in zip(bars, rows):
-        note = f"{r['perplexity']:.1f}" + (f"\n{100 * r['vs_dense']:+.1f}%" if r.get("vs_dense") is not None else "")
-        ax.annotate(note, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
-    ax.set(ylabel="routed perplexity", title="Final held-out perplexity (same scored tokens in every row)")
-    ax.set_ylim(0, max(r["perplexity"] for r in rows) * 1.25)
-    plt.setp(ax.get_xticklabels(), rotation=20, fontsize=8)
+    rows = [r for r in claims.summarize(runs) if r["seeds"]]
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(rows)), 4.5))
+    labels = [f"{r['corpus']}/{r['name']}" for r in rows]
+    means = [r["bits_per_byte"].mean for r in rows]
+    errors = [0 if np.isnan(r["bits_per_byte"].half_width) else r["bits_per_byte"].half_width for r in rows]
+    ax.bar(labels, means, yerr=errors, capsize=2, color=[colours.get(r["name"], "tab:gray") for r in rows])
+    low = min(means) - 3 * max(errors + [0.01])
+    ax.set(
+        ylabel="held-out bits per byte",
+        title="Final bits per byte, mean over seeds ± 95 % interval",
+        ylim=(max(0, low), max(means) + 3 * max(errors + [0.01])),
+    )
+    plt.setp(ax.get_xticklabels(), rotation=60, ha="right", fontsize=7)
     fig.tight_layout()
-    bars_png = out / "quality_ppl.png"
-    fig.savefig(bars_png, dpi=110)
+    bars = out / "quality_rows.png"
+    fig.savefig(bars, dpi=110)
     plots.close(fig)
-    return [curves, bars_png]
+    return [curves, bars]
 
 
 # -- command line --------------------------------------------------------------------------------
-def plan_lines(args: QualityArgs) -> list[str]:
-    """The rows, their estimated core-seconds and the estimated wall-clock time (`--plan`)."""
+def prepare_estimate(args: QualityArgs, rows: list[Variant]) -> float:
+    """Seconds of the prepares: a tf-idf one (~7 s for the wiki sample), MiniLM ~95 s per 10,000 documents."""
+    total = 0.0
+    for key in dict.fromkeys(v.prep_key for v in rows):
+        v = next(r for r in rows if r.prep_key == key)
+        docs = CORPORA[v.corpus].documents if not args.train_docs else min(args.train_docs, CORPORA[v.corpus].documents)
+        minilm = v.grid != (1,) and args.embedder == "minilm"
+        total += 5 + docs * (0.0095 if minilm else 0.0005)
+    return total
+
+
+def plan(args: QualityArgs) -> dict:
+    """The rows' estimated seconds, the lanes they fill (the order run_quality uses) and the total."""
     rows = variants(args)
-    lines = [f"{v.run_name:>20}: {v.cost(args):6.0f} core-s" for v in rows]
     lanes = [0.0] * max(1, args.lanes)
-    for v in sorted(rows, key=lambda r: -r.cost(args)):  # the same greedy order run_quality uses
+    for v in sorted(rows, key=lambda r: -r.cost(args)):
         lanes[lanes.index(min(lanes))] += v.cost(args)
-    prepares = 30 + 95 * len({v.prep_key for v in rows if v.grid != (1,)})
+    prepares = prepare_estimate(args, rows)
+    return {
+        "rows": [(v.run_name, v.cost(args)) for v in rows],
+        "lanes": lanes,
+        "prepares": prepares,
+        "runs": len(rows),
+        "seconds": max(lanes) + prepares,
+    }
+
+
+def plan_lines(args: QualityArgs) -> list[str]:
+    p = plan(args)
+    lines = [f"{name:>28}: {cost:6.0f} core-s" for name, cost in p["rows"]]
     return [
         *lines,
-        f"lanes: {', '.join(f'{s:.0f}' for s in lanes)} s; prepares ~{prepares} s; "
-        f"total ~{(max(lanes) + prepares) / 60:.0f} min",
+        f"{p['runs']} runs; lanes: {', '.join(f'{s:.0f}' for s in p['lanes'])} s; prepares "
+        f"~{p['prepares']:.0f} s; quality total ~{p['seconds'] / 60:.0f} min",
     ]
 
 
-def parse_args(argv: list[str] | None = None) -> QualityArgs:
-    defaults = QualityArgs()
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, every row: a smoke check in a few minutes")
+def build_parser(prog: str = "python -m benchmarks.quality") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, every claims row: a smoke check in minutes")
+    parser.add_argument("--long", action="store_true", help="make bench-long's sizes: hidden 128, 24 rounds x H=25")
     parser.add_argument("--plan", action="store_true", help="print the rows and the estimated time, run nothing")
-    for name, value in vars(defaults).items():
+    for name, value in vars(QualityArgs()).items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
-    raw = vars(parser.parse_args(argv))
-    quick, plan = raw.pop("quick"), raw.pop("plan")
-    values = {**vars(defaults), **(QUICK if quick else {}), **{k: v for k, v in raw.items() if v is not None}}
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> QualityArgs:
+    raw = vars(build_parser().parse_args(argv))
+    quick, long, show_plan = raw.pop("quick"), raw.pop("long"), raw.pop("plan")
+    preset = QUICK if quick else LONG if long else {}
+    values = {**vars(QualityArgs()), **preset, **{k: v for k, v in raw.items() if v is not None}}
     args = QualityArgs(**values)
-    if plan:
+    if show_plan:
         print("\n".join(plan_lines(args)))
         raise SystemExit(0)
     return args
@@ -669,10 +852,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     result = run_quality(args)
     out = Path(args.out)
-    (out / "quality.json").write_text(json.dumps(result, indent=2))
+    (out / "quality.json").write_text(json.dumps(result))
     plot_quality(result, out)
-    for r in result["rows"]:
-        log.info("%-14s ppl %8.2f  %+6.1f%%", r["name"], r["perplexity"], 100 * (r["vs_dense"] or 0))
+    for r in claims.summarize(result["runs"]):
+        if r["seeds"]:
+            log.info("%-6s %-18s %s bits/byte", r["corpus"], r["name"], r["bits_per_byte"].text())
 
 
 if __name__ == "__main__":

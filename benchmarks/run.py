@@ -22,12 +22,21 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import perf, quality
+from benchmarks import claims, perf, quality
+from benchmarks.quality_report import quality_lines
 from benchmarks.results import commit_block
 
 log = logging.getLogger("dipaco.bench")
 OUT = Path("benchmarks/out")
 TARGETS = {"trainer": 0.95, "prepare": 0.85, "merge": 1.5}
+PERF_MINUTES, CHAOS_MINUTES = 8, 9  # measured on 2 cores, 2026-11-25 (benchmarks/RESULTS.md): the rest of `make bench`
+SHARED_FLAGS = (
+    "--hidden",
+    "--seq-len",
+    "--micro-batch",
+    "--inner-steps",
+)  # perf's diagnostic and quality both take them
+LONG_TITLE = "**The latest `make bench-long`**"  # under RESULTS.md's own heading for it
 
 
 def machine() -> str:
@@ -45,7 +54,7 @@ def ok(value: float, target: float, higher_is_better: bool = True) -> str:
 def trainer_run_label(key: str, args: dict) -> tuple[str, int]:
     """("default path (hidden 256, 4 blocks)", tokens per optimizer step) of one trainer measurement."""
     tokens = args.get("accum", 1) * args["micro_batch"] * args["seq_len"]
-    which = "quality" if key == "trainer_small_step" else "default"
+    which = "small-step" if key == "trainer_small_step" else "default"
     return f"{which} path (hidden {args['hidden']}, {args['blocks']} blocks, {args.get('precision', 'fp32')})", tokens
 
 
@@ -157,71 +166,9 @@ def perf_table(p: dict) -> list[str]:
     return rows
 
 
-def quality_table(q: dict) -> list[str]:
-    """One line per row: the mean over its seeds, their spread, and the difference to dense."""
-    rows = [
-        "| row | grid | jobs/round | steps per path | non-embedding params per path | seeds | routed ppl "
-        "| bits/byte | spread over seeds (ppl) | vs dense | scored tokens | wall-clock s (one core) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    runs = {r["name"]: r for r in q["runs"]}
-    for r in q["rows"]:
-        grid = runs[r["name"]]["grid"] if r["name"] in runs else f"({r.get('of')}, eval only)"
-        spread = (
-            "-" if r["spread"] is None else f"{100 * r['spread']:.1f}% ({' / '.join(f'{v:.2f}' for v in r['values'])})"
-        )
-        vs = "-" if r.get("vs_dense") is None else f"{100 * r['vs_dense']:+.1f}%"
-        rows.append(
-            f"| {r['name']} | {grid} | {r['jobs']} | {r['steps_per_path']} | {r['non_embedding_params'] / 1e6:.2f}M "
-            f"| {r['seeds']} | {r['perplexity']:.2f} | {r['bits_per_byte']:.3f} | {spread} | {vs} "
-            f"| {r['eval_tokens']:,} | {r['seconds']:.0f} |"
-        )
-    return rows
-
-
-def targets_table(q: dict) -> list[str]:
-    """Issue 17's targets and issue 15's option goals, met or missed, with why from the curves."""
-    rows = ["| target | goal | measured | | larger than the seed spread? |", "|---|---|---|---|---|"]
-    notes = []
-    for t in quality.targets(q):
-        verdict = "(report)" if t["met"] is None else ("met" if t["met"] else "**missed**")
-        noise = "-" if t["beyond_noise"] is None else ("yes" if t["beyond_noise"] else "no: within noise")
-        rows.append(f"| {t['target']} | {t['goal']} | {t['measured']} | {verdict} | {noise} |")
-        why = quality.why_missed(q, t) if t["met"] is False else ""
-        if why:
-            notes.append(f"- {t['target']}: {why}.")
-    return [*rows, "", *notes] if notes else rows
-
-
-def quality_lines(q: dict, carried: str) -> list[str]:
-    a = q["args"]
-    return [
-        f"## Quality (same held-out documents, tokens after the 32-token routing prefix{carried})",
-        "",
-        f"Path: hidden {a['hidden']}, {a['blocks']} blocks, BPE {a['vocab']:,} ids, seq_len {a['seq_len']}, micro "
-        f"batch {a['micro_batch']} ({a['seq_len'] * a['micro_batch']:,} tokens per step); {a['rounds']} rounds x "
-        f"H={a['inner_steps']}; inner lr {a['lr']} (constant after {a['warmup']} warmup steps); outer lr "
-        f"{a['outer_lr']}, momentum {a['outer_momentum']}; router {a['embedder']} product k-means (balanced); "
-        f"every row one `{a['launcher']}` island of one core, {a['lanes']} rows at a time; "
-        f"{q['seconds']:.0f} s in all, of which prepares {q['prepare_seconds']:.0f} s. Same scored tokens in "
-        f"every row: {q['same_eval_tokens']}.",
-        "",
-        *quality_table(q),
-        "",
-        "Targets (issue 17) and option goals (issue 15), options against `dipaco_2x2` seed 0:",
-        "",
-        *targets_table(q),
-        "",
-        "Paper shape (C4, 150M paths): DiPaCo 2x4 -8.4% ppl vs dense of path size and below DiLoCo M=8; DiLoCo "
-        "M=8 close to dense trained 8x the steps; DiPaCo 16x16 matches a 1.3B dense model (11.38 vs 11.41). "
-        "Curves (bits per byte against steps and wall-clock time): `quality_curves.png`; bars: `quality_ppl.png`.",
-        "",
-    ]
-
-
-def render(result: dict, command: str) -> str:
+def render(result: dict, command: str, title: str = "# dipaco benchmarks") -> str:
     lines = [
-        "# dipaco benchmarks",
+        title,
         "",
         f"- date: {result['date']}",
         f"- machine: {result['machine']}",
@@ -246,7 +193,7 @@ def render(result: dict, command: str) -> str:
         ]
     if "quality" in result:
         when = result["quality"].get("carried_over_from")
-        lines += quality_lines(result["quality"], f"; carried over from the run of {when}" if when else "")
+        lines += quality_lines(result["quality"], f" (carried over from the run of {when})" if when else "")
     return "\n".join(lines)
 
 
@@ -314,18 +261,19 @@ def log_mlflow(result: dict, files: list[Path]) -> None:
             metrics["prepare_full_ratio"] = p["prepare"]["full_ratio"]
             metrics["prepare_route_ratio"] = p["prepare"]["route_ratio"]
     q = result.get("quality", {})
-    for r in q.get("rows", []):
-        metrics[f"ppl_{r['name']}"] = r["perplexity"]
-        metrics[f"bpb_{r['name']}"] = r["bits_per_byte"]
-        if r.get("vs_dense") is not None:
-            metrics[f"rel_dense_{r['name']}"] = r["vs_dense"]
-        metrics[f"seconds_{r['name']}"] = r["seconds"]
-    for run in q.get("runs", []):
-        for e in run["evals"]:
+    fresh = q.get("format") == 2 and not q.get("carried_over_from")
+    for r in claims.summarize(q["runs"]) if fresh else []:
+        if r["seeds"]:
+            key = f"{r['corpus']}_{r['name']}"
+            metrics[f"bpb_{key}"] = r["bits_per_byte"].mean
+            metrics[f"ppl_{key}"] = r["perplexity"].mean
+            metrics[f"seconds_{key}"] = r["seconds"]
+    for run in q["runs"] if fresh else []:
+        for e in run.get("evals", []):
             client.log_metric(rid, f"bpb_curve_{run['run']}", e["bits_per_byte"], step=e["steps_per_path"])
-    for t in quality.targets(q) if q else []:
-        if t["met"] is not None:
-            metrics["target_met_" + "".join(c if c.isalnum() else "_" for c in t["target"])[:200]] = float(t["met"])
+    for t in claims.evaluate_targets(q["runs"]) if fresh else []:
+        name = "".join(c if c.isalnum() else "_" for c in f"{t['corpus']}_{t['a']}_vs_{t['b']}")[:200]
+        metrics[f"target_{name}"] = {"met": 1.0, "missed": 0.0}.get(t["verdict"].split(" ")[0], 0.5)
     for key, value in metrics.items():
         client.log_metric(rid, key, float(value))
     for file in files:
@@ -333,17 +281,20 @@ def log_mlflow(result: dict, files: list[Path]) -> None:
     client.set_terminated(rid)
 
 
-def publish(result: dict, command: str, out: Path = OUT, commit: bool = True, track: bool = True) -> str:
-    """Table, plots, the committed copy (the default run only) and the MLflow run."""
+def publish(
+    result: dict, command: str, out: Path = OUT, commit: bool = True, track: bool = True, block: str = "bench"
+) -> str:
+    """Table, plots, the committed copy (`make bench`'s between the `bench` markers, `make
+    bench-long`'s between `bench-long`) and the MLflow run."""
     files: list[Path] = []
     if "quality" in result:
         files += quality.plot_quality(result["quality"], out)
     if "perf" in result:
         files.append(plot_perf(result["perf"], out))
-    text = render(result, command)
+    text = render(result, command, LONG_TITLE if block == "bench-long" else "# dipaco benchmarks")
     (out / "results.md").write_text(text)
     if commit:
-        commit_block("bench", text)
+        commit_block(block, text)
     if not track:  # a re-render: the run is in MLflow already
         return text
     try:
@@ -363,6 +314,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="smoke check: every quality row at tiny sizes in a few "
         "minutes, perf skipped, written to benchmarks/out/quick/",
     )
+    parser.add_argument(
+        "--long",
+        action="store_true",
+        help="make bench-long: the claims suite at full length "
+        "(quality only), written to benchmarks/out/long/ and "
+        "RESULTS.md's bench-long block",
+    )
+    parser.add_argument("--plan", action="store_true", help="print the estimated time of this command and run nothing")
     parser.add_argument("--render-only", action="store_true", help="re-render benchmarks/out/results.json")
     parser.add_argument(
         "--tag",
@@ -372,7 +331,28 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     perf.add_arguments(parser)
     args, rest = parser.parse_known_args(argv)
+    argv = argv or []
+    for flag in SHARED_FLAGS:  # given explicitly: the quality rows take them too
+        rest += [a for i, a in enumerate(argv) if a.startswith(flag + "=")]
+        rest += [x for i, a in enumerate(argv) if a == flag and i + 1 < len(argv) for x in (a, argv[i + 1])]
     return args, rest  # the rest are quality flags (python -m benchmarks.quality --help)
+
+
+def plan_text(args: argparse.Namespace, quality_argv: list[str]) -> str:
+    """The estimate of this command: the quality rows' plan and, for `make bench`, perf and chaos."""
+    qargs = quality.parse_args([a for a in quality_argv if a != "--plan"])
+    lines = quality.plan_lines(qargs)
+    minutes = quality.plan(qargs)["seconds"] / 60 if not args.skip_quality else 0
+    perf_minutes = 0 if args.skip_perf else PERF_MINUTES
+    what = "make bench-long" if args.long else "this command" if args.quick or args.tag else "make bench"
+    chaos = CHAOS_MINUTES if what == "make bench" else 0
+    lines.append(
+        f"{what}: perf ~{perf_minutes} min + quality ~{minutes:.0f} min"
+        + (f" + chaos ~{chaos} min" if chaos else "")
+        + f" = ~{perf_minutes + minutes + chaos:.0f} min"
+        + (" (budget 60)" if what == "make bench" else "")
+    )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -385,14 +365,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.tag, args.skip_perf = args.tag or "quick", True
         quality_argv = ["--quick", *quality_argv]
-    out = OUT / args.tag if args.tag else OUT
-    if args.tag and not any(a.startswith("--out") for a in quality_argv):
+    if args.long:
+        args.skip_perf = True
+        quality_argv = ["--long", *quality_argv]
+    if args.plan:
+        print(plan_text(args, quality_argv))
+        return
+    out = OUT / args.tag if args.tag else OUT / "long" if args.long else OUT
+    block = "bench-long" if args.long else "bench"
+    if (args.tag or args.long) and not any(a.startswith("--out") for a in quality_argv):
         quality_argv += ["--out", str(out / "quality")]
     if args.render_only:
         result = json.loads((out / "results.json").read_text())
-        print(publish(result, result["command"], out, commit=not args.tag, track=False))
+        print(publish(result, result["command"], out, commit=not args.tag, track=False, block=block))
         return
-    command = "make bench" if not argv else "python -m benchmarks.run " + shlex.join(argv)
+    command = (
+        "make bench"
+        if not argv
+        else "make bench-long"
+        if argv == ["--long"]
+        else "python -m benchmarks.run " + shlex.join(argv)
+    )
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     result: dict = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "command": command}
@@ -411,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     result["seconds"] = time.perf_counter() - start
     result["machine"] = machine()
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
-    text = publish(result, command, out, commit=not args.tag)
+    text = publish(result, command, out, commit=not args.tag, block=block)
     print(text)  # the final table to stdout
 
 
