@@ -14,7 +14,7 @@ The claims suite (`--suite claims`, the default), each row on both corpora; M = 
 | row | run | tokens (x dense) |
 |---|---|---|
 | `dense` | grid [1], 1 worker, no outer step: plain training | 1 |
-| `sync_m2`, `sync_m4` | grid [1], 1 worker, gradient accumulation M, no outer step: M ranks all-reducing each step | M |
+| `sync_m2`, `sync_m4` | grid [1], 1 worker, gradient accumulation M, no outer step (M ranks all-reducing) | M |
 | `diloco_m1` | 1 worker + outer Nesterov (lr 0.7, momentum 0.9) | 1 |
 | `diloco_m2`, `diloco_m4` | M DiLoCo workers on iid parts of the data, outer Nesterov 0.7 / 0.9 | M |
 | `diloco_m4_olr0.4`, `_olr1` | the outer-lr sweep of M = 4 (seed 0; `--extras 1`: bench-long, quick) | 4 |
