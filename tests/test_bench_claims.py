@@ -56,7 +56,8 @@ def _run(name: str, seed: int, bpb: float, corpus: str = "wiki", docs: dict | No
             "what": name, "bits_per_byte": bpb, "perplexity": 2 ** (bpb * 4), "token_multiple": 1, "tokens": 1000,
             "steps_per_path": 10, "jobs": 1, "grid": [1], "eval_tokens": 50, "non_embedding_params": 1,
             "communication": "none", "accum": 1, "merges": [], "seconds": 1.0, "docs": docs or {},
-            "evals": [{"round": r, "steps_per_path": 5 * r, "bits_per_byte": bpb + 1 - r / 2} for r in range(3)]}
+            "evals": [{"round": r, "steps_per_path": 5 * r, "bits_per_byte": bpb + 1 - r / 2,
+                       "perplexity": 2 ** ((bpb + 1 - r / 2) * 4)} for r in range(3)]}
 
 
 def test_the_targets_are_judged_seed_paired_on_each_corpus():
@@ -74,7 +75,10 @@ def test_the_targets_are_judged_seed_paired_on_each_corpus():
     assert got[("mixed", "dipaco_2x2", "diloco_m4")] == "unresolved"  # -0.02 ± a lot
     assert ("wiki", "dipaco_2x2", "diloco_m4") not in got  # that target is the mixed corpus's
     assert ("wiki", "diloco_m2", "sync_m2") not in got  # rows not run: no verdict
-    assert all(t["trend"] == "" for t in claims.evaluate_targets(runs) if t["verdict"] == "met")
+    trends = {(t["corpus"], t["a"], t["b"]): t["trend"] for t in claims.evaluate_targets(runs)}
+    assert all(trends[k] == "" for k, v in got.items() if v == "met")
+    assert trends[("wiki", "diloco_m4", "sync_m4")].startswith("gap in bits/byte over the last 3 evaluations +0.")
+    assert "perplexity" in trends[("wiki", "dipaco_2x2", "dense")] or got[("wiki", "dipaco_2x2", "dense")] == "met"
 
 
 def test_the_pool_target_is_two_sided():
