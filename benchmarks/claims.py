@@ -180,7 +180,7 @@ class Target:
     def goal(self) -> str:
         unit = "ppl" if self.metric == "perplexity" else "bits/byte"
         if self.tolerance is not None:
-            return f"|{self.a} / {self.b} − 1| <= {self.tolerance:.0%} ({unit})"
+            return f"{self.a} = {self.b} ± {self.tolerance:.0%} ({unit}, two-sided)"  # no "|": a table cell
         times = "" if self.factor == 1 else f" × {self.factor:g}"
         return f"{self.a} <= {self.b}{times} ({unit})"
 
@@ -211,11 +211,14 @@ def two_sided(a: dict[int, float], b: dict[int, float], tolerance: float) -> tup
     return state + (" (1 seed)" if "1 seed" in upper else ""), diff
 
 
-def gap_trend(runs_a: dict[int, dict], runs_b: dict[int, dict], factor: float, last: int = 3) -> str:
-    """How a − factor x b (bits/byte, mean over seeds) moved over the last evaluations: measured only."""
+def gap_trend(
+    runs_a: dict[int, dict], runs_b: dict[int, dict], factor: float, metric: str = "bits_per_byte", last: int = 3
+) -> str:
+    """How a − factor x b (mean over seeds) moved over the last evaluations: measured only."""
 
     def curve(runs: dict[int, dict]) -> list[float]:
-        return [e["bits_per_byte"] for e in mean_curve(list(runs.values()))]
+        evals = [r["evals"] for r in runs.values()]
+        return [statistics.mean(e[i][metric] for e in evals) for i in range(min(map(len, evals)))]
 
     ca, cb = curve(runs_a), curve(runs_b)
     n = min(len(ca), len(cb))
@@ -223,7 +226,10 @@ def gap_trend(runs_a: dict[int, dict], runs_b: dict[int, dict], factor: float, l
         return ""
     gaps = [ca[i] - factor * cb[i] for i in range(max(0, n - last), n)]
     moved = "narrowing" if abs(gaps[-1]) < abs(gaps[0]) else "widening" if abs(gaps[-1]) > abs(gaps[0]) else "flat"
-    return f"gap in bits/byte over the last {len(gaps)} evaluations {' → '.join(f'{g:+.4f}' for g in gaps)} ({moved})"
+    unit, digits = ("perplexity", 2) if metric == "perplexity" else ("bits/byte", 4)
+    return (
+        f"gap in {unit} over the last {len(gaps)} evaluations {' → '.join(f'{g:+.{digits}f}' for g in gaps)} ({moved})"
+    )
 
 
 def evaluate_targets(runs: list[dict], targets: tuple[Target, ...] = TARGETS) -> list[dict]:
@@ -264,7 +270,7 @@ def evaluate_targets(runs: list[dict], targets: tuple[Target, ...] = TARGETS) ->
                     "verdict": state,
                     "seeds": diff.n,
                     "eval_noise": statistics.mean(noise) if noise else None,
-                    "trend": gap_trend(ra, rb, factor) if not state.startswith("met") else "",
+                    "trend": gap_trend(ra, rb, factor, t.metric) if not state.startswith("met") else "",
                 }
             )
     return out

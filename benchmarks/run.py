@@ -1,12 +1,15 @@
 """`make bench`: performance, then quality, in one run; one markdown table, PNG plots, MLflow.
 
-`python -m benchmarks.run [quality flags] [--skip-perf] [--skip-quality] [--quick]` writes
-`benchmarks/out/results.md` (+ `results.json`, `*.png`), logs everything to the MLflow experiment
-`dipaco-bench` at `sqlite:///benchmarks/out/mlflow.db`, and puts the table into
-`benchmarks/RESULTS.md` between its `bench` markers (the committed copy, the one place benchmark
-results live; the notes written by hand around the markers stay). Every figure is a ratio of two
-measurements taken in this one run on this machine, printed with its core count, because absolute
-numbers on a shared 2-core box mean little and ratios measured side by side do.
+`python -m benchmarks.run [quality flags] [--skip-perf] [--skip-quality] [--quick | --long] [--plan]`
+writes `benchmarks/out/results.md` (+ `results.json`, `*.png`), logs everything to the MLflow
+experiment `dipaco-bench` at `sqlite:///benchmarks/out/mlflow.db`, and puts the table into
+`benchmarks/RESULTS.md` between its `bench` markers (`--long`, i.e. `make bench-long`: the claims
+suite at full length, quality only, between its `bench-long` markers; the committed copy, the one
+place benchmark results live; the notes written by hand around the markers stay). `--plan` prints
+the estimated time and runs nothing. Every performance figure is a ratio of two measurements taken
+in this one run on this machine, printed with its core count, because absolute numbers on a shared
+2-core box mean little and ratios measured side by side do; every quality figure a mean over seeds
+with its interval (benchmarks/quality_report.py).
 """
 
 from __future__ import annotations

@@ -98,7 +98,15 @@ def _run(name: str, seed: int, bpb: float, corpus: str = "wiki", docs: dict | No
         "merges": [],
         "seconds": 1.0,
         "docs": docs or {},
-        "evals": [{"round": r, "steps_per_path": 5 * r, "bits_per_byte": bpb + 1 - r / 2} for r in range(3)],
+        "evals": [
+            {
+                "round": r,
+                "steps_per_path": 5 * r,
+                "bits_per_byte": bpb + 1 - r / 2,
+                "perplexity": 2 ** ((bpb + 1 - r / 2) * 4),
+            }
+            for r in range(3)
+        ],
     }
 
 
@@ -121,7 +129,10 @@ def test_the_targets_are_judged_seed_paired_on_each_corpus():
     assert got[("mixed", "dipaco_2x2", "diloco_m4")] == "unresolved"  # -0.02 ± a lot
     assert ("wiki", "dipaco_2x2", "diloco_m4") not in got  # that target is the mixed corpus's
     assert ("wiki", "diloco_m2", "sync_m2") not in got  # rows not run: no verdict
-    assert all(t["trend"] == "" for t in claims.evaluate_targets(runs) if t["verdict"] == "met")
+    trends = {(t["corpus"], t["a"], t["b"]): t["trend"] for t in claims.evaluate_targets(runs)}
+    assert all(trends[k] == "" for k, v in got.items() if v == "met")
+    assert trends[("wiki", "diloco_m4", "sync_m4")].startswith("gap in bits/byte over the last 3 evaluations +0.")
+    assert "perplexity" in trends[("wiki", "dipaco_2x2", "dense")] or got[("wiki", "dipaco_2x2", "dense")] == "met"
 
 
 def test_the_pool_target_is_two_sided():
