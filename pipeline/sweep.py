@@ -303,7 +303,7 @@ def holdout_point(sweep: Sweep, prediction: dict) -> tuple[Point, str]:
         if key in sweep.axes and entry["value"] is not None:
             values[key] = _snap(entry["value"], sweep.axes[key])
     values = {k: values[k] for k in [*sweep.axes, *values] if k in values}  # the axes' order, as point ids are
-    return spec.make_point(sweep, values, spec.sweep_inner_steps(sweep), prefix="holdout_"), name
+    return spec.make_point(sweep, values, prefix="holdout_"), name
 
 
 def _snap(value, grid: list):

@@ -108,14 +108,12 @@ def test_sync_and_diloco_points_train_the_same_tokens_and_sync_ignores_the_outer
             s.outer.nesterov, s.train.inner_steps) == (1, 2, 1.0, 0.0, False, 3)
     assert (d.train.workers_per_path, d.train.gradient_accumulation_steps, d.outer.lr) == (2, 1, 0.4)
     assert d.run_root == f"{sweep.sweep_root}/runs/diloco_h32_m2_olr0.4_H3" and not d.mlflow.enabled
-    for size in (16, 32):
-        for m in (1, 2):  # every point of one size and M: the same steps and tokens, whole rounds of its H
-            same = [p for p in points if p.values["model.hidden_size"] == size and p.M == m]
-            assert len({(p.steps, p.tokens) for p in same}) == 1
-            assert all(p.steps % 6 == 0 and p.config.train.rounds * p.config.train.inner_steps == p.steps for p in same)
-    n = by_id["sync_h32_m1"].N
-    per_step = s.train.micro_batch_size * s.model.seq_len
-    assert by_id["sync_h32_m1"].steps == 6 * max(1, round(0.5 * n / per_step / 6))
+    for size in (16, 32):  # every point of one size: the same tokens at any M, in whole rounds of its H
+        same = [p for p in points if p.values["model.hidden_size"] == size]
+        assert len({p.tokens for p in same}) == 1 and len({p.steps * p.M for p in same}) == 1
+        assert all(p.steps % 6 == 0 and p.config.train.rounds * p.config.train.inner_steps == p.steps for p in same)
+    n, per_step = by_id["sync_h32_m1"].N, s.train.micro_batch_size * s.model.seq_len
+    assert by_id["sync_h32_m1"].steps == 12 * max(1, round(0.5 * n / per_step / 12))  # lcm(H) x lcm(M) = 12
 
 
 def test_non_embedding_params_count_the_decoder_blocks_of_the_real_model():

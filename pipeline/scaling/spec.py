@@ -22,10 +22,11 @@ one point (trained once, at the largest H of the sweep).
 
 The budget fixes train.rounds. tokens_per_param: D = tokens_per_param x N tokens per path, N the
 non-embedding parameters of one path (its decoder blocks: what a scaling law counts), as
-D / tokens per step (micro batch x seq_len x accumulation x workers x ranks) inner steps per worker;
-steps: that many. The steps are rounded to a multiple of every H of the sweep (their lcm, when it is
-at most 8 x the largest H; else to a multiple of the point's own H), so that all points of one size
-and M train the same tokens whatever their H (sync and DiLoCo alike); rounds = steps / H.
+D / tokens per step (micro batch x seq_len x accumulation x workers x ranks) inner steps per worker,
+rounded so that the M workers' steps together are a multiple of lcm(H values) x lcm(M values) (each
+lcm when it is at most 8 x the largest value, else the point's own): every point of one size trains
+the same tokens whatever its algorithm, M and H, in whole rounds. steps: that many inner steps per
+worker, rounded to a multiple of lcm(H values). rounds = steps / H.
 
 Everything here is checked before torch loads: an unknown key or an empty axis is refused with one
 line naming the key and the file, and every point's config is built and validated up front.
@@ -65,7 +66,7 @@ SHORT = {"model.hidden_size": "h", "train.workers_per_path": "m", "outer.lr": "o
          "train.inner_steps": "H", "model.blocks_per_level": "b", "model.num_heads": "nh", "train.seed": "s",
          "model.init_seed": "is", "outer.momentum": "mom", "train.micro_batch_size": "mb", "model.grid": "g"}
 MAX_ID_CHARS = 64
-LCM_LIMIT = 8  # steps round to the lcm of the sweep's H values when it is at most this x the largest
+LCM_LIMIT = 8  # steps round to the lcm of the sweep's H (and M) values when it is at most this x the largest
 
 
 @dataclass(frozen=True)
@@ -271,26 +272,31 @@ CONFIG_KEYS = frozenset(flatten(Config().to_dict()))
 def expand(sweep: Sweep) -> list[Point]:
     """Every point of the grid, in the file's order, each config built and validated; sync points
     that differ only in keys sync ignores are one point."""
-    names = list(sweep.axes)
-    h_values = sweep_inner_steps(sweep)
+    names, units = list(sweep.axes), sweep_units(sweep)
     points: dict[str, Point] = {}
     for combo in itertools.product(*(sweep.axes[n] for n in names)):
-        point = make_point(sweep, dict(zip(names, combo)), h_values)
+        point = make_point(sweep, dict(zip(names, combo)), units)
         points.setdefault(point.id, point)
     return list(points.values())
 
 
-def sweep_inner_steps(sweep: Sweep) -> list[int]:
-    """The H values of the sweep (its axis, or the base's one value)."""
-    if "train.inner_steps" in sweep.axes:
-        return list(sweep.axes["train.inner_steps"])
+@dataclass(frozen=True)
+class Units:
+    """The sweep's values of H and of M, which its budget's steps are whole multiples of."""
+
+    h: tuple[int, ...]
+    m: tuple[int, ...]
+
+
+def sweep_units(sweep: Sweep) -> Units:
     base = build_config(sweep, sweep.settings, "<base>")
-    return [base.train.inner_steps]
+    return Units(h=tuple(sweep.axes.get("train.inner_steps", [base.train.inner_steps])),
+                 m=tuple(sweep.axes.get("train.workers_per_path", [base.train.workers_per_path])))
 
 
-def make_point(sweep: Sweep, values: dict[str, Any], h_values: list[int] | None = None, prefix: str = "") -> Point:
+def make_point(sweep: Sweep, values: dict[str, Any], units: Units | None = None, prefix: str = "") -> Point:
     """One point: its axis values turned into config keys (the algorithm's, then the budget's)."""
-    h_values = h_values or sweep_inner_steps(sweep)
+    units = units or sweep_units(sweep)
     algorithm = values.get("algorithm", "run")
     own = {k: v for k, v in values.items() if k != "algorithm"}
     named = {k: v for k, v in values.items() if algorithm != "sync" or k not in SYNC_IGNORES}
@@ -303,12 +309,12 @@ def make_point(sweep: Sweep, values: dict[str, Any], h_values: list[int] | None 
         keys.update({"train.workers_per_path": 1,
                      "train.gradient_accumulation_steps": M * first.train.gradient_accumulation_steps,
                      "outer.lr": 1.0, "outer.momentum": 0.0, "outer.nesterov": False,
-                     "train.inner_steps": max(h_values)})
+                     "train.inner_steps": max(units.h)})
     elif algorithm == "diloco":
         keys["train.workers_per_path"] = M
     config = build_config(sweep, {**sweep.settings, **keys}, point_id)
     n = non_embedding_params(config)
-    steps = budget_steps(sweep, config, n, h_values)
+    steps = budget_steps(sweep, config, n, M, units)
     rounds = steps // config.train.inner_steps
     keys.update({"train.rounds": rounds, "run_root": f"{sweep.sweep_root.rstrip('/')}/runs/{point_id}",
                  "mlflow.enabled": False})
@@ -374,16 +380,21 @@ def tokens_per_step(config: Config) -> int:
             * t.procs_per_path * t.num_nodes)
 
 
-def budget_steps(sweep: Sweep, config: Config, n: int, h_values: list[int]) -> int:
-    """Inner steps per worker for the budget, a multiple of every H of the sweep (module docstring)."""
+def budget_steps(sweep: Sweep, config: Config, n: int, m: int, units: Units) -> int:
+    """Inner steps per worker for the budget, in whole rounds of every H of the sweep and, for a
+    tokens budget, the same tokens at every M (module docstring)."""
     if "steps" in sweep.budget:
-        raw = float(sweep.budget["steps"])
-    else:
-        raw = sweep.budget["tokens_per_param"] * n / tokens_per_step(config)
-    unit = math.lcm(*h_values)
-    if unit > LCM_LIMIT * max(h_values):
-        unit = config.train.inner_steps
-    return unit * max(1, round(raw / unit))
+        unit = _unit(units.h, config.train.inner_steps)
+        return unit * max(1, round(sweep.budget["steps"] / unit))
+    worker_steps = sweep.budget["tokens_per_param"] * n * m / tokens_per_step(config)  # all M workers' steps
+    unit = _unit(units.h, config.train.inner_steps) * _unit(units.m, m)
+    return unit * max(1, round(worker_steps / unit)) // m
+
+
+def _unit(values: tuple[int, ...], own: int) -> int:
+    """The lcm of a sweep's values, unless it is over LCM_LIMIT x the largest: then the point's own."""
+    unit = math.lcm(*values)
+    return own if unit > LCM_LIMIT * max(values) else unit
 
 
 def assignments(items: list[str], sweep: Sweep, flag: str = "--predict") -> dict[str, Any]:
