@@ -9,11 +9,13 @@
     evaluation  routed perplexity and bits per byte; the discriminative re-routing after round R
     islands     long-lived trainers pulling tasks from the run root's queue, their supervisor; one-shot launches
     tracking    MLflow tracker, registry and pyfunc, plots, utilisation, the run summary
+    scaling     scaling-law sweeps: the sweep file and its points, the power-law fits and findings,
+                their plots, report and MLflow runs (the runner, pipeline/sweep.py, is at the top)
 
 above them the Beam app (the top-level `preprocessing` package: read C4, embed, route, write
 shards), which none of these packages imports, and at the top the stages the CLI and the Airflow
-DAG call (stages, each taking the Run of run.py: config, run root, tracker; preflight, cli) and the
-entry point of an island's ranks (island_rank), which hand the Beam job to the layers below where
-they need it. Below them all, `models`. tests/test_code_layout.py holds the rule, for benchmarks/
-and airflow/dags/ too.
+DAG call (stages, each taking the Run of run.py: config, run root, tracker; preflight, cli, sweep)
+and the entry point of an island's ranks (island_rank), which hand the Beam job to the layers below
+where they need it. Below them all, `models`. tests/test_code_layout.py holds the rule, for
+benchmarks/ and airflow/dags/ too.
 """

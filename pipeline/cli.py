@@ -95,6 +95,19 @@ COMMANDS = {
             "dipaco run --config configs/tiny.yaml --set train.rounds=3 --set 'model.grid=[2, 1]'",
         ],
     ),
+    "sweep": (
+        "scaling-law sweep: train a grid of runs, fit the laws, predict a larger run (docs/sweep.md)",
+        "Train every point of a sweep file (sizes x replicas x hyper-parameters, sync or DiLoCo) as a normal run "
+        "under <sweep_root>/runs/, skipping committed points, then fit loss against size per algorithm and M and "
+        "write <sweep_root>/fit.json, plots and points.csv (MLflow: one run per sweep, one nested run per point). "
+        "--predict KEY=VALUE gives the predicted loss and best hyper-parameters at a size outside the sweep; "
+        "--verify trains that point and records the prediction's error (fit.json's holdout). "
+        "--set applies to every point.",
+        [
+            "dipaco sweep --config configs/sweep.yaml --quick",
+            "dipaco sweep --config configs/sweep.yaml --quick --predict model.hidden_size=64 --verify",
+        ],
+    ),
 }
 
 
@@ -189,6 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
     command("clean").add_argument(
         "--keep-registry", action="store_true", help="keep mlflow.db and mlartifacts/ (the registered model versions)"
     )
+    sub = command("sweep")
+    sub.add_argument("--quick", action="store_true", help="the sweep file's quick section: tiny sizes, minutes")
+    sub.add_argument(
+        "--predict",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a point outside the sweep (repeatable): model.hidden_size=128 [algorithm=diloco]",
+    )
+    sub.add_argument("--verify", action="store_true", help="train the --predict point; fit.json records the error")
     return parser
 
 
@@ -216,6 +239,10 @@ def check(args: argparse.Namespace, config: Config) -> None:
 
 
 def dispatch(args: argparse.Namespace) -> dict | None:
+    if args.command == "sweep":  # a sweep file, not a run config: pipeline.sweep checks it before torch loads
+        from pipeline import sweep
+
+        return sweep.command(args.config, args.quick, args.predict, args.verify, args.overrides)
     config = load_config(args.config, args.overrides)
     check(args, config)
     from pipeline import stages  # torch and DeepSpeed load here, once the arguments are known good
@@ -326,6 +353,10 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     if args.command == "run":
         print(format_summary(result))
+    elif args.command == "sweep":
+        from pipeline.scaling.report import format_report
+
+        print(format_report(result))
     elif result is not None:
         print(json.dumps(result, indent=2, default=str))
     return 0

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 
 # pipeline's packages, each importing only those before it (pipeline/__init__.py lists them).
-ORDER = ["core", "state", "routing", "outer", "train", "evaluation", "islands", "tracking"]
+ORDER = ["core", "state", "routing", "outer", "train", "evaluation", "islands", "tracking", "scaling"]
 # Every layer of the repository, lowest first. `pipeline` is the top of pipeline/ (stages, cli,
 # preflight, island_rank): the only part of it that may import the Beam app (preprocessing).
 LAYERS = ["models", *(f"pipeline.{p}" for p in ORDER), "preprocessing", "pipeline", "benchmarks", "airflow", "scripts"]
@@ -23,7 +23,7 @@ LAYERS = ["models", *(f"pipeline.{p}" for p in ORDER), "preprocessing", "pipelin
 INDEPENDENT = {
     ("pipeline.evaluation", "pipeline.train"),
     ("pipeline.evaluation", "pipeline.outer"),
-    *(("preprocessing", f"pipeline.{p}") for p in ("outer", "train", "evaluation", "islands", "tracking")),
+    *(("preprocessing", f"pipeline.{p}") for p in ("outer", "train", "evaluation", "islands", "tracking", "scaling")),
 }
 NOT_CODE = ("tests/",)  # the test suite
 

@@ -312,3 +312,13 @@ def test_a_trigger_that_would_run_code_is_refused_by_configure_before_anything_r
     for config in ("/etc/passwd", "tests/data/c4/train/c4-train.00000-of-00002.json"):  # JSON lines parse as YAML
         with pytest.raises(ConfigError, match="outside the directories this DAG trusts"):
             dag.task_dict["configure"].python_callable(params={**params, "config": config, "overrides": []})
+
+
+def test_the_sweep_dag_maps_one_pooled_task_per_point_between_plan_and_fit(dagbag):
+    """dipaco_sweep only wires pipeline.sweep: plan -> train_point (mapped over the point ids) -> fit."""
+    sweep = dagbag.dags["dipaco_sweep"]
+    assert set(sweep.task_dict) == {"plan", "train_point", "fit"}
+    point = sweep.task_dict["train_point"]
+    assert point.upstream_task_ids == {"plan"} and point.downstream_task_ids == {"fit"}
+    assert point.pool == "dipaco_paths" and "point_id" in point.map_index_template
+    assert sweep.params["quick"] is False

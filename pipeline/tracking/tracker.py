@@ -153,6 +153,8 @@ def get_tracker(config: Config) -> Tracker:
 class MlflowTracker(Tracker):
     """Logs through `MlflowClient` (no fluent active-run state, which is per process)."""
 
+    PARENT_KIND = "pipeline"  # dipaco.kind of the parent run (a sweep's: "sweep", pipeline.scaling.tracking)
+
     def __init__(self, config: Config):
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         import mlflow
@@ -468,7 +470,7 @@ class MlflowTracker(Tracker):
 
     def _parent(self) -> str:
         if self._parent_id is None:
-            tags = {KIND: "pipeline", "dipaco.run_root": redact(self.config.run_root)}
+            tags = {KIND: self.PARENT_KIND, "dipaco.run_root": redact(self.config.run_root)}
             run = self._find_or_create("pipeline", None, Path(self.config.run_root.rstrip("/")).name, tags)
             self._parent_id = run.info.run_id
             state = {

@@ -1,0 +1,297 @@
+"""`dipaco sweep`: the sweep file is checked before anything runs, its points are normal runs that
+resume after a crash without retraining what was committed, and the fits recover known laws."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import REPO, TINY_VOCAB, write_synthetic_shards
+from pipeline import stages
+from pipeline import sweep as sweeps
+from pipeline.core.errors import ConfigError
+from pipeline.run import Run
+from pipeline.scaling import laws, spec
+from pipeline.state import layout
+from pipeline.state.storage import RunRoot
+
+# configs/tiny.yaml as one dense path on synthetic shards (no Beam job), trained in this process
+TINY = {
+    "model.grid": [1],
+    "model.blocks_per_level": [2],
+    "model.tokenizer": "gpt2",
+    "model.vocab_size": TINY_VOCAB,
+    "train.launcher": "inprocess",
+    "train.inner_steps": 2,
+    "train.lr": 0.01,
+}
+
+
+def sweep_file(tmp_path, axes: dict, budget: dict | None = None, **extra) -> str:
+    settings = {k: v for k, v in TINY.items() if k not in axes}
+    doc = {
+        "base": "configs/tiny.yaml",
+        "sweep_root": str(tmp_path / "sweep"),
+        "set": settings,
+        "axes": axes,
+        "budget": budget or {"steps": 4},
+        "mlflow": {"enabled": False},
+        **extra,
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(path)
+
+
+def with_shards(path: str) -> tuple[spec.Sweep, list[spec.Point]]:
+    """The sweep's shared data as synthetic shards (what its prepare would commit)."""
+    sweep, points = sweeps.plan(path)
+    for point in points:
+        root = RunRoot(sweeps.prepared_root(sweep, point.config))
+        if not root.is_committed(layout.SHARDS_DIR):
+            write_synthetic_shards(root, point.config.model.grid)
+    return sweep, points
+
+
+def files(root: RunRoot, rel: str) -> dict[str, tuple[int, int]]:
+    base = root.local_path(rel)
+    return {str(p.relative_to(base)): (p.stat().st_mtime_ns, p.stat().st_size) for p in base.rglob("*") if p.is_file()}
+
+
+def module_bytes(root: RunRoot, round_index: int) -> dict[str, bytes]:
+    rel = layout.modules_dir(round_index)
+    return {name: root.read_committed(rel, name) for name in root.marker(rel)["files"]}
+
+
+# -- the sweep file -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "axes, budget, message",
+    [
+        (
+            {"model.hidden_sise": [16, 32]},
+            None,
+            r"axes\.model\.hidden_sise: not a config key \(did you mean model\.hidden_size",
+        ),
+        ({"outer.lr": []}, None, r"axes\.outer\.lr is empty: give at least one value"),
+        ({"outer.lr": 0.7}, None, r"axes\.outer\.lr must be a list of values"),
+        ({"algorithm": ["sync", "fedavg"]}, None, r"axes\.algorithm: 'fedavg' is not an algorithm"),
+        (
+            {"train.rounds": [1, 2]},
+            None,
+            r"axes\.train\.rounds: a sweep cannot set it: the budget decides train\.rounds",
+        ),
+        ({"outer.lr": [0.5]}, {"tokens_per_param": -1}, r"budget\.tokens_per_param must be a positive number"),
+        ({"outer.lr": [0.5]}, {"flops": 10}, r"budget must be one of"),
+    ],
+)
+def test_a_wrong_sweep_file_is_refused_naming_the_key(tmp_path, axes, budget, message):
+    path = sweep_file(tmp_path, axes, budget)
+    with pytest.raises(ConfigError, match=message) as caught:
+        spec.load_sweep(path)
+    assert str(caught.value).startswith(path)
+    assert not (tmp_path / "sweep").exists()
+
+
+def test_unknown_keys_and_bad_point_values_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key axis \(known: base, sweep_root"):
+        spec.load_sweep(sweep_file(tmp_path, {"outer.lr": [0.5]}, axis={"outer.lr": [1]}))
+    with pytest.raises(ConfigError, match=r"unknown key quick\.axis"):
+        spec.load_sweep(sweep_file(tmp_path, {"outer.lr": [0.5]}, quick={"axis": {}}))
+    with pytest.raises(ConfigError, match=r"quick\.axes\.train\.lr is empty"):  # checked without --quick too
+        spec.load_sweep(sweep_file(tmp_path, {"outer.lr": [0.5]}, quick={"axes": {"train.lr": []}}))
+    with pytest.raises(ConfigError, match=r"point h33: .*model.num_heads must divide model.hidden_size \(33\)"):
+        spec.expand(spec.load_sweep(sweep_file(tmp_path, {"model.hidden_size": [32, 33]})))
+
+
+def test_the_cli_refuses_a_wrong_sweep_file_in_one_line_before_torch_loads(tmp_path):
+    path = sweep_file(tmp_path, {"model.hidden_sise": [16]})
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pipeline.cli", "sweep", "--config", path],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("import time:")]
+    assert result.returncode == 2 and len(errors) == 1 and "axes.model.hidden_sise: not a config key" in errors[0]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert not {"torch", "deepspeed", "mlflow", "apache_beam"} & imported
+
+
+# -- the points -----------------------------------------------------------------------------------
+def test_sync_and_diloco_points_train_the_same_tokens_and_sync_ignores_the_outer_step(tmp_path):
+    sweep = spec.load_sweep(
+        sweep_file(
+            tmp_path,
+            {
+                "algorithm": ["sync", "diloco"],
+                "model.hidden_size": [16, 32],
+                "train.workers_per_path": [1, 2],
+                "outer.lr": [0.4, 0.7],
+                "train.inner_steps": [2, 3],
+            },
+            {"tokens_per_param": 0.5},
+        )
+    )
+    points = spec.expand(sweep)
+    sync = [p for p in points if p.algorithm == "sync"]
+    assert len(sync) == 4 and len(points) == 4 + 16  # sync: one point per size and M, whatever the outer lr and H
+    assert {p.id for p in sync} == {"sync_h16_m1", "sync_h16_m2", "sync_h32_m1", "sync_h32_m2"}
+    by_id = {p.id: p for p in points}
+    s, d = by_id["sync_h32_m2"].config, by_id["diloco_h32_m2_olr0.4_H3"].config
+    assert (
+        s.train.workers_per_path,
+        s.train.gradient_accumulation_steps,
+        s.outer.lr,
+        s.outer.momentum,
+        s.outer.nesterov,
+        s.train.inner_steps,
+    ) == (1, 2, 1.0, 0.0, False, 3)
+    assert (d.train.workers_per_path, d.train.gradient_accumulation_steps, d.outer.lr) == (2, 1, 0.4)
+    assert d.run_root == f"{sweep.sweep_root}/runs/diloco_h32_m2_olr0.4_H3" and not d.mlflow.enabled
+    for size in (16, 32):  # every point of one size: the same tokens at any M, in whole rounds of its H
+        same = [p for p in points if p.values["model.hidden_size"] == size]
+        assert len({p.tokens for p in same}) == 1 and len({p.steps * p.M for p in same}) == 1
+        assert all(p.steps % 6 == 0 and p.config.train.rounds * p.config.train.inner_steps == p.steps for p in same)
+    n, per_step = by_id["sync_h32_m1"].N, s.train.micro_batch_size * s.model.seq_len
+    assert by_id["sync_h32_m1"].steps == 12 * max(1, round(0.5 * n / per_step / 12))  # lcm(H) x lcm(M) = 12
+
+
+def test_non_embedding_params_count_the_decoder_blocks_of_the_real_model():
+    from models.modular import ModelShape, build_path_model
+    from pipeline.core.config import load_config
+
+    config = load_config(REPO / "configs" / "tiny.yaml", ["model.hidden_size=48", "model.path_specific_blocks=1"])
+    model = build_path_model(ModelShape.from_config(config.model))
+    blocks = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
+    assert spec.non_embedding_params(config) == blocks
+
+
+# -- runs -----------------------------------------------------------------------------------------
+def test_a_sweep_point_is_the_same_run_as_its_config_alone(tmp_path):
+    sweep, points = with_shards(sweep_file(tmp_path, {"algorithm": ["diloco"], "train.workers_per_path": [2]}))
+    (point,) = points
+    result = sweeps.command(sweep.source)
+    assert result["trained"] == 1
+
+    alone = dataclasses.replace(point.config, run_root=str(tmp_path / "alone"))
+    write_synthetic_shards(stages.init_run(Run(alone)), alone.model.grid)
+    summary = stages.run(Run(alone))
+    last = alone.train.rounds
+    a, b = RunRoot(point.config.run_root), RunRoot(alone.run_root)
+    assert a.read_json(layout.eval_file(last)) == b.read_json(layout.eval_file(last))
+    assert module_bytes(a, last) == module_bytes(b, last)  # bitwise
+    committed = RunRoot(sweep.sweep_root).read_json(f"points/{point.id}/result.json")
+    assert committed["bits_per_byte"] == summary["eval"][last]["bits_per_byte"]
+
+
+def test_a_sweep_that_crashed_mid_point_resumes_without_retraining_committed_points(tmp_path, monkeypatch):
+    path = sweep_file(tmp_path, {"algorithm": ["sync", "diloco"]}, mlflow={"enabled": True})
+    sweep, points = with_shards(path)
+    first, second = points
+    real_run, calls = stages.run, []
+
+    def crash_once(run, rounds=None):
+        calls.append(run.config.run_root)
+        if run.config.run_root == second.config.run_root and len(calls) == 2:
+            real_run(run, rounds=1)  # round 0 trains and commits, then the process "dies"
+            raise RuntimeError("injected crash after round 0")
+        return real_run(run, rounds)
+
+    monkeypatch.setattr(stages, "run", crash_once)
+    with pytest.raises(RuntimeError, match="injected crash"):
+        sweeps.command(path)
+    root = RunRoot(sweep.sweep_root)
+    assert root.is_committed(f"points/{first.id}") and not root.is_committed(f"points/{second.id}")
+    assert layout.next_round(RunRoot(second.config.run_root)) == 1  # the crashed point kept its committed round
+    before = {rel: files(root, rel) for rel in (f"runs/{first.id}", f"points/{first.id}")}
+
+    calls.clear()
+    report = sweeps.command(path)
+    assert calls == [second.config.run_root]  # the committed point was not trained again
+    assert (report["trained"], report["reused"]) == (1, 1)
+    assert {rel: files(root, rel) for rel in before} == before  # its files untouched
+    fit = json.loads(root.local_path("fit.json").read_text())
+    assert fit["sweep"]["committed"] == 2 and set(fit["groups"]) == {"sync M=1", "diloco M=1"}
+    finding = fit["findings"]["diloco_m1_not_worse_than_sync"]
+    assert finding["verdict"] in ("reproduced", "not reproduced", "unresolved") and len(finding["difference_by_N"]) == 1
+
+    from mlflow.tracking import MlflowClient  # one parent run, one nested run per point, logged once
+
+    client = MlflowClient(f"sqlite:///{root.local_path('mlflow.db')}")
+    runs = client.search_runs([client.get_experiment_by_name("dipaco-sweep").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags["dipaco.kind"] == "sweep"]
+    nested = sorted(r.data.tags["dipaco.point"] for r in runs if r.data.tags["dipaco.kind"] == "sweep_point")
+    assert nested == sorted([first.id, second.id])
+    assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in runs if r is not parent)
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"points_table.json", "fit.json", "points.csv", "plots"} <= artifacts
+
+
+def test_predict_gives_an_interval_and_verify_records_the_holdout_error(tmp_path):
+    path = sweep_file(tmp_path, {"model.hidden_size": [16, 24, 32], "train.lr": [0.005, 0.01]})
+    sweep, _ = with_shards(path)
+    report = sweeps.command(path, predict_items=["model.hidden_size=40"], verify_point=True)
+    fit = json.loads(RunRoot(sweep.sweep_root).local_path("fit.json").read_text())
+    (group,) = fit["prediction"]["groups"].values()
+    lr = group["hyper"]["train.lr"]["value"]
+    assert not fit["prediction"]["inside_sweep"] and group["bits_per_byte"]["interval"][0] is not None
+    holdout = fit["holdout"]
+    assert holdout["values"] == {"model.hidden_size": 40, "train.lr": float(f"{lr:.3g}")}
+    assert holdout["point"] == spec.point_name(holdout["values"]).join(["holdout_", ""])
+    assert holdout["error"] == pytest.approx(holdout["measured"] - holdout["predicted"])
+    assert holdout["predicted"] == group["bits_per_byte"]["value"]
+    assert RunRoot(sweep.sweep_root).is_committed(f"holdout/{holdout['point']}")
+    assert report["fit"]["holdout"] == holdout
+
+
+# -- fits -----------------------------------------------------------------------------------------
+def test_the_fit_recovers_the_exponent_of_a_known_law_within_5_percent():
+    rng = np.random.default_rng(0)
+    n = np.geomspace(3e4, 3e6, 7)
+    loss = (25.0 * n**-0.3 + 1.1) * (1 + rng.normal(0, 0.002, n.size))  # 0.2% noise
+    law = laws.fit_law(list(n), list(loss), draws=200, seed=0)
+    assert law["form"] == laws.LAW
+    assert law["alpha"] == pytest.approx(0.3, rel=0.05) and law["E"] == pytest.approx(1.1, rel=0.05)
+    low, high = law["ci"]["alpha"]
+    assert low <= 0.3 <= high and law["bootstrap"]["fitted"] > 150
+    big = laws.predict_with_interval(law, 3e7)
+    assert big["interval"][0] <= 25.0 * 3e7**-0.3 + 1.1 <= big["interval"][1]
+
+
+def test_the_joint_law_recovers_the_replica_exponent_and_says_why_when_it_cannot():
+    cells = [(float(n), m, 30.0 * n**-0.25 * m**0.04 + 0.9) for n in np.geomspace(1e4, 1e6, 4) for m in (1, 2, 4)]
+    joint = laws.fit_joint(cells, draws=50, seed=0)
+    assert joint["alpha"] == pytest.approx(0.25, rel=0.05) and joint["beta"] == pytest.approx(0.04, rel=0.05)
+    refused = laws.fit_joint([c for c in cells if c[1] == 1], draws=10, seed=0)
+    assert not refused["fitted"] and "one value of M (1)" in refused["why"]
+
+
+def test_findings_compare_the_algorithms_within_the_tolerance():
+    def point(algorithm, m, n, loss, olr=None):
+        return {
+            "id": f"{algorithm}{m}{n}{olr}",
+            "algorithm": algorithm,
+            "M": m,
+            "N": n,
+            "bits_per_byte": loss,
+            "hyper": {} if olr is None else {"outer.lr": olr},
+        }
+
+    points = [point("sync", m, n, 3.0 - 0.1 * i) for i, n in enumerate((1e4, 1e5, 1e6)) for m in (1, 2)]
+    for i, n in enumerate((1e4, 1e5, 1e6)):
+        for olr, extra in ((0.4, 0.05), (0.7, 0.0), (1.0, 0.06)):  # 0.7 best at every size
+            points.append(point("diloco", 1, n, 3.0 - 0.1 * i - 0.01 + extra, olr))
+            points.append(point("diloco", 2, n, 3.0 - 0.1 * i + 0.2 / (i + 1) + extra, olr))
+    fit = laws.analyse(points, draws=20, seed=0, tolerance=0.02)
+    found = fit["findings"]
+    assert found["gap_shrinks_with_N"]["verdict"] == "reproduced"  # +0.2 -> +0.067
+    assert found["diloco_m1_not_worse_than_sync"]["verdict"] == "reproduced"  # -0.01 everywhere
+    assert found["outer_lr_independent_of_N"]["verdict"] == "reproduced"
+    assert fit["groups"]["diloco M=2"]["optima"]["outer.lr"]["trend"]["trend"] is False
