@@ -144,10 +144,11 @@ def _joint(xm, a, alpha, beta, e):
     return a * np.power(x, -alpha) * np.power(m, beta) + e
 
 
-def _fit_joint_once(n: np.ndarray, m: np.ndarray, loss: np.ndarray) -> dict[str, float]:
+def _fit_joint_once(n: np.ndarray, m: np.ndarray, loss: np.ndarray, starts: tuple[float, ...] = (0.1, 0.3, 0.7)
+                    ) -> dict[str, float]:
     n0, floor = float(np.exp(np.log(n).mean())), float(loss.min())
     best, best_sse = None, math.inf
-    for alpha0 in (0.1, 0.3, 0.7):
+    for alpha0 in starts:
         try:
             params, _ = curve_fit(_joint, (n / n0, m), loss, p0=(max(float(loss.mean()) / 2, 1e-3), alpha0, 0.0, floor / 2),
                                   bounds=([0.0, 0.0, -2.0, 0.0], [np.inf, 5.0, 2.0, floor]), method="trf", maxfev=20000)
@@ -176,7 +177,8 @@ def fit_joint(cells: list[tuple[float, int, float]], draws: int, seed: int) -> d
         return {"fitted": False, "form": JOINT, "why": "; ".join(why)}
     n, m, loss = (np.asarray(v, float) for v in zip(*cells))
     law = _fit_joint_once(n, m, loss)
-    samples = _bootstrap(lambda idx: _fit_joint_once(n[idx], m[idx], loss[idx]), len(n), draws, seed,
+    start = (max(law["alpha"], 0.05),)
+    samples = _bootstrap(lambda idx: _fit_joint_once(n[idx], m[idx], loss[idx], start), len(n), draws, seed,
                          lambda idx: len(set(n[idx])) >= 3 and len(set(m[idx])) >= 2)
     fitted = np.array([_joint((v, w), law["A"], law["alpha"], law["beta"], law["E"]) for v, w in zip(n, m)])
     return {"fitted": True, "form": JOINT, **law, "rmse": float(np.sqrt(((fitted - loss) ** 2).mean())),
