@@ -75,8 +75,10 @@ from pipeline import stages
 from pipeline.core.config import Config, RouterConfig, config_from_dict
 from pipeline.evaluation.evaluate import document_losses, evaluate_round, held_out_documents
 from pipeline.run import Run
+from pipeline.scaling.spec import non_embedding_params
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
+from pipeline.sweep import copy_committed
 
 log = logging.getLogger("dipaco.bench.quality")
 OUT = Path("benchmarks/out")
@@ -508,14 +510,6 @@ def prepare_all(args: QualityArgs, rows: list[Variant], eval_globs: dict[str, st
     return preps
 
 
-def copy_committed(root: RunRoot, source_root: str, dirs: tuple[str, ...]) -> None:
-    """Committed directories of another run root into this one (router, shards, tokenizer)."""
-    for rel in dirs:
-        if not root.is_committed(rel):
-            root.remove(rel)
-            shutil.copytree(Path(source_root) / rel, root.local_path(rel))
-
-
 # -- one row -------------------------------------------------------------------------------------
 def run_variant(args: QualityArgs, v: Variant, prep: dict, eval_glob: str) -> dict:
     """One row through `stages.run` on its own island; its evaluations, timings, bytes and per-document scores."""
@@ -594,14 +588,6 @@ def read_merges(root: RunRoot, config: Config) -> list[dict]:
             }
         )
     return merges
-
-
-def non_embedding_params(config: Config) -> int:
-    """A path's parameters without the embedding and head (what the flagship row scales 4x)."""
-    m = config.model
-    intermediate = m.intermediate_size or 64 * -(-(8 * m.hidden_size // 3) // 64)
-    per_block = 4 * m.hidden_size**2 + 3 * m.hidden_size * intermediate + 2 * m.hidden_size
-    return per_block * (sum(m.blocks_per_level) + m.path_specific_blocks)
 
 
 _EVAL_LOCK = threading.Lock()

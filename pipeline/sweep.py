@@ -187,16 +187,16 @@ def train_points(sweep: Sweep, points: list[Point], tracker) -> dict:
     """Every point not committed yet, `lanes` at a time; each logged as it commits."""
     root = RunRoot(sweep.sweep_root)
     todo = [p for p in points if not root.is_committed(f"{POINTS_DIR}/{p.id}")]
+    lanes = _lanes(sweep, todo)
     log.info(
-        "sweep: %d point(s), %d committed before, %d to train, %d at a time",
+        "sweep: %d point(s), %d committed before, %d to train%s",
         len(points),
         len(points) - len(todo),
         len(todo),
-        _lanes(sweep, todo),
+        f", {lanes} at a time" if todo else "",
     )
     if todo:
         prepare_data(sweep, todo)
-    lanes = _lanes(sweep, todo)
     if lanes == 1:
         for point in todo:
             tracker.log_point(point.summary(), run_point(sweep, point))

@@ -177,10 +177,12 @@ def _joint(xm, a, alpha, beta, e):
     return a * np.power(x, -alpha) * np.power(m, beta) + e
 
 
-def _fit_joint_once(n: np.ndarray, m: np.ndarray, loss: np.ndarray) -> dict[str, float]:
+def _fit_joint_once(
+    n: np.ndarray, m: np.ndarray, loss: np.ndarray, starts: tuple[float, ...] = (0.1, 0.3, 0.7)
+) -> dict[str, float]:
     n0, floor = float(np.exp(np.log(n).mean())), float(loss.min())
     best, best_sse = None, math.inf
-    for alpha0 in (0.1, 0.3, 0.7):
+    for alpha0 in starts:
         try:
             params, _ = curve_fit(
                 _joint,
@@ -216,8 +218,9 @@ def fit_joint(cells: list[tuple[float, int, float]], draws: int, seed: int) -> d
         return {"fitted": False, "form": JOINT, "why": "; ".join(why)}
     n, m, loss = (np.asarray(v, float) for v in zip(*cells))
     law = _fit_joint_once(n, m, loss)
+    start = (max(law["alpha"], 0.05),)
     samples = _bootstrap(
-        lambda idx: _fit_joint_once(n[idx], m[idx], loss[idx]),
+        lambda idx: _fit_joint_once(n[idx], m[idx], loss[idx], start),
         len(n),
         draws,
         seed,

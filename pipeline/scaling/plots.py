@@ -29,6 +29,9 @@ def loss_against_size(fit: dict) -> Figure:
         if params:
             curves = np.array([[a * x**-alpha + e for x in xs] for a, alpha, e in params])
             ax.fill_between(xs, *np.percentile(curves, [2.5, 97.5], axis=0), color=color, alpha=0.15, linewidth=0)
+    seen = [s["bits_per_byte"] for g in fit["groups"].values() for s in g["sizes"]]
+    if seen:  # the points decide the view: a wide bootstrap band beyond them would flatten them
+        ax.set_ylim(min(seen) - 0.15 * (max(seen) - min(seen) + 0.1), max(seen) + 0.25 * (max(seen) - min(seen) + 0.1))
     ax.set_xscale("log")
     ax.set(
         xlabel="non-embedding parameters per path (N)",

@@ -133,7 +133,12 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _ci(value: float, interval: list) -> str:
     low, high = interval
-    return f"{value:.3g} [{_num(low, 3)}, {_num(high, 3)}]" if low is not None else f"{value:.3g}"
+    return f"{_g(value)} [{_g(low)}, {_g(high)}]" if low is not None else _g(value)
+
+
+def _g(value: float) -> str:
+    """3 significant digits; a bound pushed to zero (E, when the sizes cannot show a floor) as 0."""
+    return "0" if abs(value) < 1e-6 else f"{value:.3g}"
 
 
 def _num(value, digits: int = 4) -> str:
