@@ -626,7 +626,7 @@ def validate(config: Config) -> None:
         need(
             all(m >= 1 for m in schedule),
             "train.workers_schedule",
-            f"needs at least 1 worker a round, got {schedule!r}",
+            f"needs at least 1 worker a round, got {min(schedule, default=1)}",
         )
         need(
             len(schedule) == t.rounds,
@@ -634,9 +634,9 @@ def validate(config: Config) -> None:
             f"has {len(schedule)} entries for {t.rounds} rounds (train.rounds): one a round",
         )
         need(
-            max(schedule) == t.workers_per_path,
+            max(schedule, default=0) == t.workers_per_path,
             "train.workers_schedule",
-            f"its largest entry {max(schedule)} must "
+            f"its largest entry {max(schedule, default=0)} must "
             f"equal train.workers_per_path ({t.workers_per_path}): job ids are numbered up to it",
         )
     need(t.num_nodes >= 1, "train.num_nodes", "must be >= 1")
