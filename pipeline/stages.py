@@ -18,6 +18,7 @@ from pipeline.core.config import Config, dump_yaml
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.evaluation.early_stopping import best_up_to, write_best
 from pipeline.evaluation.evaluate import evaluate_round
+from pipeline.island_rank import reshard  # the Beam app's re-sharding, handed to the layers below
 from pipeline.islands import supervisor
 from pipeline.islands.launch import island_names, read_metrics, train_path_job
 from pipeline.islands.task_queue import TaskQueue, write_plan
@@ -34,15 +35,6 @@ from pipeline.tracking.utilisation import round_utilisation
 log = logging.getLogger("dipaco")
 # Sections that fix what the committed state means; a run root refuses a config that changes them.
 _FIXED = ("model", "router")
-
-
-def reshard(*args, **kwargs) -> dict:
-    """The Beam app's re-sharding (preprocessing.prepare.reshard, via pipeline.island_rank), handed
-    to in-process islands and the reroute stage: only this top layer may import the Beam app, and
-    importing it takes seconds most runs never need."""
-    from pipeline.island_rank import reshard as beam_reshard
-
-    return beam_reshard(*args, **kwargs)
 
 
 def init_run(run: Run) -> RunRoot:
