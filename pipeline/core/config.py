@@ -513,7 +513,7 @@ def _check_type(value: Any, hint: Any, key: str, source: str) -> Any:
     """Return value coerced to hint (int -> float only), or raise naming the key."""
     if _matches(value, hint):
         return float(value) if hint is float and isinstance(value, int) else value
-    raise ConfigError(f"{source}: {key} must be {_describe(hint)}, got {type(value).__name__} {shown(value)}")
+    raise ConfigError(f"{source}: {key} must be {describe_type(hint)}, got {type(value).__name__} {shown(value)}")
 
 
 def _matches(value: Any, hint: Any) -> bool:
@@ -532,12 +532,13 @@ def _matches(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
-def _describe(hint: Any) -> str:
+def describe_type(hint: Any) -> str:
+    """int | None -> 'int or null', list[str] -> 'a list of str': the words the errors and docs/config.md use."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+        return " or ".join(describe_type(arg) for arg in typing.get_args(hint))
     if origin is list:
-        return f"a list of {_describe(typing.get_args(hint)[0])}"
+        return f"a list of {describe_type(typing.get_args(hint)[0])}"
     return {type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
 
 

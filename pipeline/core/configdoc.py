@@ -17,13 +17,11 @@ import io
 import json
 import sys
 import tokenize
-import types
 import typing
 from pathlib import Path
-from typing import Any
 
 from pipeline.core import config as config_module
-from pipeline.core.config import ENUMS, REPO_ROOT, Config
+from pipeline.core.config import ENUMS, REPO_ROOT, Config, describe_type
 from pipeline.core.trust import TRIGGER_KEYS
 
 DOC = REPO_ROOT / "docs" / "config.md"
@@ -70,16 +68,6 @@ def field_comments(source: str) -> dict[tuple[str, str], str]:
     return found
 
 
-def type_name(hint: Any) -> str:
-    """int | None -> 'int or null', list[str] -> 'list of str': the words the config's errors use."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(type_name(arg) for arg in typing.get_args(hint))
-    if origin is list:
-        return f"list of {type_name(typing.get_args(hint)[0])}"
-    return "null" if hint is type(None) else hint.__name__
-
-
 def default_text(f: dataclasses.Field) -> str:
     value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     return json.dumps(value) if not isinstance(value, str) else value
@@ -96,7 +84,7 @@ def rows(cls: type, prefix: str, help_text: dict[tuple[str, str], str]) -> list[
         if f.metadata.get("internal") or dataclasses.is_dataclass(hints[f.name]):
             continue
         key = prefix + f.name
-        kind = type_name(hints[f.name])
+        kind = describe_type(hints[f.name])
         if key in ENUMS:
             kind += ": " + " \\| ".join(f"`{word}`" for word in ENUMS[key])
         out.append(
