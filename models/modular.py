@@ -11,6 +11,7 @@ from, and `save_pretrained`, `generate` and MLflow's transformers flavour work o
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -159,10 +160,18 @@ def assemble_path_state(shape: ModelShape, modules: list[ModuleState]) -> dict[s
     return {to_hf_key(shape, level, k): t for level, module in enumerate(modules) for k, t in module.items()}
 
 
+_GLOBAL_RNG_LOCK = threading.Lock()
+
+
 def build_path_model(shape: ModelShape, modules: list[ModuleState] | None = None, seed: int = 0) -> LlamaForCausalLM:
-    """A LlamaForCausalLM for one path: seeded fresh weights, or the given modules loaded strictly."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(shape.llama_config())
+    """A LlamaForCausalLM for one path: seeded fresh weights, or the given modules loaded strictly.
+
+    The weights are drawn from torch's one global generator, so the seeding and the drawing hold a
+    lock: a sweep's lanes build their round-0 models in threads of one process, and two builds at
+    once would interleave their draws (each point's start would depend on its neighbour's timing)."""
+    with _GLOBAL_RNG_LOCK:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(shape.llama_config())
     if modules is not None:
         missing, unexpected = model.load_state_dict(assemble_path_state(shape, modules), strict=False)
         if missing or unexpected:

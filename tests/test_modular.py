@@ -60,3 +60,16 @@ def test_path_ids_are_validated_against_the_grid():
         parse_job_id("p0.w3", [1], 3)
     with pytest.raises(ValueError):
         parse_job_id("p0", [1], 3)
+
+
+def test_models_built_in_parallel_threads_have_their_own_seeds_weights():
+    """A sweep's lanes build round-0 models in threads of one process: each must be its seed's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seeds = list(range(8)) * 3
+    alone = {seed: path_state(build_path_model(SHAPE, seed=seed)) for seed in range(8)}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        together = list(pool.map(lambda seed: path_state(build_path_model(SHAPE, seed=seed)), seeds))
+    for seed, state in zip(seeds, together):
+        for name, tensor in state.items():
+            assert torch.equal(tensor, alone[seed][name]), f"seed {seed}: {name} differs when built beside others"

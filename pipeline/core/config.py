@@ -463,8 +463,10 @@ def _apply_override(raw: dict[str, Any], item: str, source: str, trusted: bool =
     if not trusted:
         check_trigger_override(item, f"{source}: DAG trigger override")
     keys, name = key_path.split("."), one_line(key_path, SHOWN_CHARS)
-    value = parse_yaml(value_text, f"--set {name}") if value_text.strip() else None
-    _refuse_yaml11_booleans(value_text, name)
+    value = None
+    if value_text.strip():  # only blanks (a tab, say) is no value, and not YAML libyaml can scan
+        value = parse_yaml(value_text, f"--set {name}")
+        _refuse_yaml11_booleans(value_text, name)
     node = raw
     for key in keys[:-1]:
         child = node.setdefault(key, {})
