@@ -101,7 +101,9 @@ def prepare_data(sweep: Sweep, points: list[Point]) -> dict[str, str]:
 def copy_committed(root: RunRoot, source_root: str, dirs: tuple[str, ...]) -> None:
     """Committed directories of another local run root into this one (tokenizer, router, shards),
     each copied under a temporary name and renamed into place, so a crash never leaves a copy
-    whose _SUCCESS came over before its files. Ones the source has not committed are skipped."""
+    whose _SUCCESS came over before its files. Ones the source has not committed are skipped.
+    Files are hard-linked where the file system allows (a committed file is never written in place:
+    every write is a new file renamed over the old name), so 56 points cost one copy of the data."""
     source = RunRoot(source_root)
     for rel in dirs:
         if root.is_committed(rel) or not source.is_committed(rel):
@@ -110,8 +112,15 @@ def copy_committed(root: RunRoot, source_root: str, dirs: tuple[str, ...]) -> No
         target = root.local_path(rel)
         tmp = target.with_name(f"{target.name}.copy-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(source.local_path(rel), tmp)
+        shutil.copytree(source.local_path(rel), tmp, copy_function=_link_or_copy)
         os.replace(tmp, target)
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another device, or a file system without hard links
+        shutil.copy2(source, target)
 
 
 # -- one point ------------------------------------------------------------------------------------

@@ -189,6 +189,10 @@ def test_a_sweep_point_is_the_same_run_as_its_config_alone(tmp_path):
     assert module_bytes(a, last) == module_bytes(b, last)  # bitwise
     committed = RunRoot(sweep.sweep_root).read_json(f"points/{point.id}/result.json")
     assert committed["bits_per_byte"] == summary["eval"][last]["bits_per_byte"]
+    shared = RunRoot(sweeps.prepared_root(sweep, point.config)).local_path(layout.SHARDS_DIR)
+    for shard in (p for p in shared.rglob("*") if p.is_file()):  # the point's shards are the shared files
+        linked = a.local_path(layout.SHARDS_DIR) / shard.relative_to(shared)
+        assert linked.stat().st_ino == shard.stat().st_ino, f"{linked} is a copy, not a link"
 
 
 def test_a_sweep_that_crashed_mid_point_resumes_without_retraining_committed_points(tmp_path, monkeypatch):
