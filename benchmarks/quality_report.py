@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from benchmarks import claims
+from benchmarks.results import table_head
 from benchmarks.stats import Estimate
 
 SOURCES = {
@@ -43,11 +44,10 @@ def _estimate(e: Estimate, digits: int = 4) -> str:
 
 def rows_table(rows: list[dict]) -> list[str]:
     """One line per row of one corpus: bits per byte over seeds, evaluation noise, tokens and bytes."""
-    lines = [
+    lines = table_head(
         "| row | run | seeds | tokens (x dense) | steps per worker | bits/byte, mean ± 95 % over seeds "
-        "| evaluation noise (± 95 %, documents) | perplexity | bytes per round | bytes / sync's | s (one core) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        "| evaluation noise (± 95 %, documents) | perplexity | bytes per round | bytes / sync's | s (one core) |"
+    )
     for r in rows:
         if not r["seeds"]:
             lines.append(f"| {r['name']} | {r['what']} | 0 | | | **failed**: {'; '.join(r['failed'])} | | | | | |")
@@ -64,11 +64,10 @@ def rows_table(rows: list[dict]) -> list[str]:
 
 def targets_table(targets: list[dict]) -> list[str]:
     """Each target's two rows, the difference's interval over seeds, the documents' noise of it, the verdict."""
-    lines = [
+    lines = table_head(
         "| corpus | target | a | b | a − factor × b, ± 95 % over seeds | evaluation noise of it (± 95 %, documents) "
-        "| verdict |",
-        "|---|---|---|---|---|---|---|",
-    ]
+        "| verdict |"
+    )
     for t in targets:
         verdict = t["verdict"] if t["verdict"].startswith("met") else f"**{t['verdict']}**"
         digits = 2 if t["metric"] == "perplexity" else 4
@@ -88,8 +87,7 @@ def options_lines(q: dict) -> list[str]:
     lines = [
         "### Options (one seed each, against `dipaco_2x2` seed 0 of the same corpus)",
         "",
-        "| row | run | steps per worker | perplexity | bits/byte | s (one core) |",
-        "|---|---|---|---|---|---|",
+        *table_head("| row | run | steps per worker | perplexity | bits/byte | s (one core) |"),
     ]
     for r in runs:
         if r.get("failed"):
@@ -103,8 +101,7 @@ def options_lines(q: dict) -> list[str]:
     if goals:
         lines += [
             "",
-            "| goal | measured | verdict |",
-            "|---|---|---|",
+            *table_head("| goal | measured | verdict |"),
             *[f"| {g['target']} | {g['measured']} | {g['verdict']} |" for g in goals],
         ]
     return [*lines, ""]

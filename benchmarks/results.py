@@ -20,3 +20,8 @@ def commit_block(name: str, text: str, heading: str = "", path: Path = COMMITTED
     else:
         new = (old.rstrip("\n") + "\n\n" if old.strip() else "") + (f"{heading}\n\n" if heading else "") + block + "\n"
     path.write_text(new)
+
+
+def table_head(header: str) -> list[str]:
+    """A markdown table's header row (`| a | b |`: its cells hold no `|`) and the separator row under it."""
+    return [header, "|" + "---|" * (header.count("|") - 1)]

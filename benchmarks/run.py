@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks import claims, perf, quality
 from benchmarks.quality_report import quality_lines
-from benchmarks.results import commit_block
+from benchmarks.results import commit_block, table_head
 
 log = logging.getLogger("dipaco.bench")
 OUT = Path("benchmarks/out")
@@ -73,9 +73,10 @@ def zero_cost_table(p: dict) -> list[str]:
         "ZeRO's fixed cost per optimizer step (medians of paired blocks; the last column estimates, from the "
         "measured ratio, the step size from which it reaches 0.95, the plain step growing with its tokens):",
         "",
-        "| path | tokens/step | plain s/step | mode | extra ms/step | share of a plain step "
-        "| tokens/step for 0.95 (estimate) |",
-        "|---|---|---|---|---|---|---|",
+        *table_head(
+            "| path | tokens/step | plain s/step | mode | extra ms/step | share of a plain step "
+            "| tokens/step for 0.95 (estimate) |"
+        ),
     ]
     for key in ("trainer", "trainer_bf16", "trainer_small_step"):
         run = p.get(key)
@@ -97,7 +98,7 @@ def zero_cost_table(p: dict) -> list[str]:
 
 
 def perf_table(p: dict) -> list[str]:
-    rows = ["| figure | measured | reference | ratio | target | |", "|---|---|---|---|---|---|"]
+    rows = table_head("| figure | measured | reference | ratio | target | |")
     t = p["trainer"]
     for key, target in (("trainer", "target"), ("trainer_bf16", "target"), ("trainer_small_step", "diagnostic")):
         if not p.get(key):
@@ -189,8 +190,7 @@ def render(result: dict, command: str, title: str = "# dipaco benchmarks") -> st
             "Merge profile (cProfile of the merging threads: merge_round's and each module's merge_module; "
             "cumulative seconds; the reads on the I/O threads overlap them and are not in it):",
             "",
-            "| function | s |",
-            "|---|---|",
+            *table_head("| function | s |"),
             *[f"| `{r['function']}` | {r['seconds']} |" for r in prof],
             "",
         ]

@@ -145,13 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, rounds: bool = False) -> argparse.ArgumentParser:
+    def command(name: str, round_help: str = "", round_required: bool = True) -> argparse.ArgumentParser:
+        """A subcommand with --config and --set; with round_help, also --round R (and the epilog
+        explains rounds)."""
         help_text, description, examples = COMMANDS[name]
         sub = commands.add_parser(
             name,
             help=help_text,
             description=textwrap.fill(description, 100),
-            epilog=_epilog(examples, rounds),
+            epilog=_epilog(examples, rounds=bool(round_help)),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         sub.add_argument("--config", required=True, metavar="FILE", help="YAML run config, e.g. configs/demo.yaml")
@@ -163,17 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="override a config key, value parsed as YAML (repeatable): --set 'model.grid=[2, 2]'",
         )
+        if round_help:
+            sub.add_argument("--round", type=round_number, required=round_required, metavar="R", help=round_help)
         return sub
 
     command("prepare")
-    sub = command("train-path", rounds=True)
-    sub.add_argument(
-        "--round",
-        type=round_number,
-        required=True,
-        metavar="R",
-        help="the round to train: its paths start from round R's modules",
-    )
+    sub = command("train-path", round_help="the round to train: its paths start from round R's modules")
     sub.add_argument(
         "--path",
         required=True,
@@ -181,19 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="path id, one module index per level: p1-0 on the demo's [2, 1] grid (p<k0>-<k1>-...; "
         "p1-0.w1 for DiLoCo worker 1 when train.workers_per_path > 1)",
     )
-    command("merge", rounds=True).add_argument(
-        "--round",
-        type=round_number,
-        required=True,
-        metavar="R",
-        help="the round whose trained paths are merged into the modules of round R+1",
-    )
-    command("eval", rounds=True).add_argument(
-        "--round",
-        type=round_number,
-        default=None,
-        metavar="R",
-        help="score the modules round R starts from (0: the initial ones; default: the newest committed)",
+    command("merge", round_help="the round whose trained paths are merged into the modules of round R+1")
+    command(
+        "eval",
+        round_help="score the modules round R starts from (0: the initial ones; default: the newest committed)",
+        round_required=False,
     )
     command("island").add_argument(
         "--name", default=None, metavar="NAME", help="the island's name in the queue's records (default: host-pid)"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +29,27 @@ from pipeline.state.shards import shard_table, write_shard_file  # noqa: E402
 from pipeline.state.storage import RunRoot  # noqa: E402
 
 TINY_VOCAB = 256
+TINY_YAML = REPO / "configs" / "tiny.yaml"
+# configs/tiny.yaml on a small vocabulary of GPT-2 ids (synthetic shards need no trained
+# tokenizer), in-process launcher, tracking off: tiny_config's overrides, and tiny_cli_args'.
+TINY_SETS = (
+    "model.tokenizer=gpt2",
+    f"model.vocab_size={TINY_VOCAB}",
+    "train.launcher=inprocess",
+    "mlflow.enabled=false",
+)
+# dipaco_train's unmapped tasks, every one of which succeeds in a DAG run of one round
+# (airflow.rounds_per_run: 1); round 1's group is left to the next DAG run.
+ONE_ROUND_DAG_TASKS = (
+    "configure",
+    "prepare",
+    "plan",
+    "evaluate_initial",
+    "islands",
+    "round_0.finished",
+    "round_0.register",
+    "report",
+)
 
 
 def synthetic_documents(path_index: int, n_docs: int, vocab: int, seed: int) -> list[list[int]]:
@@ -83,14 +106,61 @@ def wait_for(predicate, timeout: float, what: str, every: float = 0.05):
 def tiny_config(run_root: Path, *overrides: str) -> Config:
     """configs/tiny.yaml on a small vocabulary of GPT-2 ids (synthetic shards need no trained
     tokenizer), in-process launcher, tracking off."""
-    base = [
-        f"run_root={run_root}",
-        "model.tokenizer=gpt2",
-        f"model.vocab_size={TINY_VOCAB}",
-        "train.launcher=inprocess",
-        "mlflow.enabled=false",
-    ]
-    return load_config(REPO / "configs" / "tiny.yaml", [*base, *overrides])
+    return load_config(TINY_YAML, [f"run_root={run_root}", *TINY_SETS, *overrides])
+
+
+def set_args(overrides) -> list[str]:
+    """`--set KEY=VALUE` arguments of `dipaco`, one per override."""
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
+def tiny_cli_args(run_root: Path, *overrides: str) -> list[str]:
+    """tiny_config's config as `dipaco` arguments: --config configs/tiny.yaml and its --set overrides."""
+    return ["--config", str(TINY_YAML), *set_args([f"run_root={run_root}", *TINY_SETS, *overrides])]
+
+
+def dipaco_run(overrides, cwd: Path, env: dict, program: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`dipaco run --config <repository>/configs/tiny.yaml --set ...` in a fresh process, which must
+    succeed; `program` starts dipaco (default: python -m pipeline.cli)."""
+    done = subprocess.run(
+        [*(program or [sys.executable, "-m", "pipeline.cli"]), "run", "--config", str(TINY_YAML), *set_args(overrides)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def start_island(run_root: Path, name: str, env: dict | None = None) -> subprocess.Popen:
+    """`python -m pipeline.island_rank` joining the run in its own session (os.killpg reaches its
+    whole tree), output unbuffered on its stdout, stderr included."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.island_rank", "--run-root", str(run_root), "--island", name],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def run_script_json(script: str, argument, cwd: Path, env: dict, timeout: float = 180):
+    """What `python -c script json(argument)` prints last, as JSON, from a fresh process: one that
+    shares nothing with the test's imports (a model loaded from the registry, say)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argument)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(autouse=True)

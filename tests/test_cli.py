@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, tiny_config, write_synthetic_shards
+from conftest import REPO, tiny_cli_args, tiny_config, write_synthetic_shards
 from pipeline import stages
 from pipeline.cli import main
 from pipeline.core.config import config_from_dict, load_config
@@ -192,20 +192,7 @@ def test_a_refused_argument_leaves_an_existing_run_root_unchanged(run_root, caps
     config = tiny_config(run_root)
     write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
     before = files_under(run_root)
-    base = [
-        "--config",
-        TINY,
-        "--set",
-        f"run_root={run_root}",
-        "--set",
-        "model.tokenizer=gpt2",
-        "--set",
-        "model.vocab_size=256",
-        "--set",
-        "train.launcher=inprocess",
-        "--set",
-        "train.inner_steps=9",
-    ]  # would rewrite run.yaml
+    base = tiny_cli_args(run_root, "train.inner_steps=9")  # would rewrite run.yaml
     assert main(["train-path", "--round", "0", "--path", "p9-9", *base]) == 2
     assert main(["merge", "--round", "0", *base]) == 2  # no path of round 0 trained yet
     assert "dipaco train-path --round 0" in capsys.readouterr().err

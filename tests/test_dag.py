@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import ONE_ROUND_DAG_TASKS, REPO
 
 # Airflow reads its configuration when first imported: point it at a private home and SQLite DB,
 # with no example DAGs, before anything imports it. The DAG's parse-time settings come from
@@ -213,16 +213,7 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
         )
     assert sorted(labels) == ["island-0", "island-1"]
     assert reschedules >= 1
-    for name in (
-        "configure",
-        "prepare",
-        "plan",
-        "evaluate_initial",
-        "islands",
-        "round_0.finished",
-        "round_0.register",
-        "report",
-    ):
+    for name in ONE_ROUND_DAG_TASKS:
         assert states[(name, -1)] == "success", name
     # rounds_per_run=1: round 1's group is left to the next DAG run, skipped, not failed
     assert {s for (t, _), s in states.items() if t.startswith("round_1.")} == {"skipped"}

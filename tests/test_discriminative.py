@@ -107,17 +107,20 @@ def _stamps(run) -> dict[str, bytes]:
     return {rel: (base / rel).read_bytes() for rel in ("router/_SUCCESS", "shards/_SUCCESS", "report.json")}
 
 
+# A run re-routed after round 0 (and the copy of it that checks round 1 waits for the new shards).
+REROUTED_RUN = (
+    "router.discriminative_after=0",
+    "train.rounds=2",
+    "train.inner_steps=2",
+    "model.tokenizer=bpe",
+    "model.vocab_size=512",
+    "data.max_docs=48",
+)
+
+
 def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(tmp_path):
     run = tmp_path / "run"
-    config = tiny_config(
-        run,
-        "router.discriminative_after=0",
-        "train.rounds=2",
-        "train.inner_steps=2",
-        "model.tokenizer=bpe",
-        "model.vocab_size=512",
-        "data.max_docs=48",
-    )
+    config = tiny_config(run, *REROUTED_RUN)
     torch.set_num_threads(1)  # the in-process island, sized to one core
     stages.run(Run(config), rounds=1)  # round 0, then the re-routing: the plan reaches round R
     assert torch.get_num_threads() == 1  # the re-sharding Beam job's embedder left it as it was
@@ -129,15 +132,7 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
     # Round 1's train tasks wait for the new shards: without them only the reroute task is ready.
     shutil.copytree(run, tmp_path / "copy")
     shutil.rmtree(tmp_path / "copy" / "reroute")
-    copy = tiny_config(
-        tmp_path / "copy",
-        "router.discriminative_after=0",
-        "train.rounds=2",
-        "train.inner_steps=2",
-        "model.tokenizer=bpe",
-        "model.vocab_size=512",
-        "data.max_docs=48",
-    )
+    copy = tiny_config(tmp_path / "copy", *REROUTED_RUN)
     waiting = {t.name for t in TaskQueue(RunRoot(copy.run_root), copy).ready(2)}
     assert "reroute.r0" in waiting and not any(n.startswith("train.r1") for n in waiting)
     assert {f"train.r1.{p}" for p in all_path_ids([2, 2])} <= {t.name for t in TaskQueue(root, config).ready(2)}

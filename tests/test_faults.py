@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY_VOCAB, tiny_config, write_synthetic_shards
+from conftest import REPO, tiny_cli_args, tiny_config, write_synthetic_shards
 from models.grid import ModuleKey
 from pipeline import stages
 from pipeline.core.errors import CorruptStateError, StorageError
@@ -28,18 +28,10 @@ from pipeline.state.storage import RunRoot
 from pipeline.train.distributed import child_env
 from pipeline.train.train_path import CKPT, train_path
 
-TINY_SETS = [
-    "model.tokenizer=gpt2",
-    f"model.vocab_size={TINY_VOCAB}",
-    "train.launcher=inprocess",
-    "mlflow.enabled=false",
-]
-
 
 def cli(args: list[str], run_root: Path, *sets: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     """`dipaco` in a fresh process (so SIGKILL hits a real process, not the test)."""
-    overrides = [arg for s in [f"run_root={run_root}", *TINY_SETS, *sets] for arg in ("--set", s)]
-    command = [sys.executable, "-m", "pipeline.cli", *args, "--config", str(REPO / "configs" / "tiny.yaml"), *overrides]
+    command = [sys.executable, "-m", "pipeline.cli", *args, *tiny_cli_args(run_root, *sets)]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=child_env(env), **kwargs)
 
 

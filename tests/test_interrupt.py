@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_config, write_synthetic_shards
+from conftest import REPO, tiny_cli_args, tiny_config, write_synthetic_shards
 from pipeline import stages
 from pipeline.islands import processes
 from pipeline.islands.task_queue import Task, TaskQueue
@@ -65,20 +65,10 @@ def _start_and_interrupt(
 
 @pytest.mark.slow  # ~40 s: two deepspeed islands start twice
 def test_ctrl_c_then_sigterm_on_dipaco_run_stop_every_island_process_and_release_its_tasks(run_root):
-    sets = [
-        f"run_root={run_root}",
-        "model.tokenizer=gpt2",
-        "model.vocab_size=256",
-        "train.launcher=deepspeed",
-        "train.islands=2",
-        "train.rounds=1",
-        "train.inner_steps=100000",
-        "mlflow.enabled=false",
-    ]
+    sets = ["train.launcher=deepspeed", "train.islands=2", "train.rounds=1", "train.inner_steps=100000"]
     config = tiny_config(run_root, *sets)
     write_synthetic_shards(stages.init_run(Run(config)), config.model.grid)
-    command = [sys.executable, "-m", "pipeline.cli", "run", "--config", "configs/tiny.yaml"]
-    command += [arg for s in sets for arg in ("--set", s)]
+    command = [sys.executable, "-m", "pipeline.cli", "run", *tiny_cli_args(run_root, *sets)]
     queue = TaskQueue(RunRoot(config.run_root), config)
     tasks = [Task.of("train", 0, job) for job in stages.list_paths(config)]
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, tiny_config, wait_for, write_synthetic_shards
+from conftest import REPO, start_island, tiny_cli_args, tiny_config, wait_for, write_synthetic_shards
 from models.grid import ModuleKey
 from pipeline import stages
 from pipeline.core.errors import InputError, IslandError
@@ -137,19 +137,6 @@ def test_a_module_is_merged_as_soon_as_its_paths_are_in_and_round_1_starts_befor
     assert metrics["round"] == 1
 
 
-def _island(run_root, name: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.island_rank", "--run-root", str(run_root), "--island", name],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
 @pytest.mark.slow  # ~40 s: three island processes
 def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root):
     config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=400", "train.max_attempts=1")
@@ -157,7 +144,7 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 1)
     queue = TaskQueue(root, config)
-    leaving = _island(run_root, "leaving")
+    leaving = start_island(run_root, "leaving")
 
     def running_lease():
         if leaving.poll() is not None:
@@ -185,22 +172,9 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
             "-m",
             "pipeline.cli",
             "island",
-            "--config",
-            "configs/tiny.yaml",
             "--name",
             "stayer",
-            "--set",
-            f"run_root={run_root}",
-            "--set",
-            "model.tokenizer=gpt2",
-            "--set",
-            "model.vocab_size=256",
-            "--set",
-            "train.launcher=inprocess",
-            "--set",
-            "train.ds_config=ds_configs/zero3.json",
-            "--set",
-            "mlflow.enabled=false",
+            *tiny_cli_args(run_root, "train.ds_config=ds_configs/zero3.json"),
         ],
         cwd=REPO,
         capture_output=True,

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import REPO, tiny_config, wait_for, write_synthetic_shards
+from conftest import REPO, start_island, tiny_config, wait_for, write_synthetic_shards
 from pipeline import stages
 from pipeline.island_rank import reshard
 from pipeline.islands.island import Island
@@ -49,18 +49,6 @@ def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readab
     successor.finish("done")
 
 
-def _island(run_root, name: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.island_rank", "--run-root", str(run_root), "--island", name],
-        cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
 @pytest.mark.slow  # ~20 s: a real island process, stopped and resumed
 def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_finishes(run_root):
     config = tiny_config(run_root, *ONE_PATH, "train.inner_steps=300", "train.lease_seconds=1.0")
@@ -68,7 +56,7 @@ def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_fin
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 1)
     queue, task = TaskQueue(root, config), Task.of("train", 0, "p0")
-    zombie = _island(run_root, "zombie")
+    zombie = start_island(run_root, "zombie")
     try:
         wait_for(lambda: queue.attempts(task), 120, "the island to claim the train task")
         time.sleep(1.0)

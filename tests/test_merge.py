@@ -20,10 +20,13 @@ from pipeline.train.train_path import train_path
 LR, MOMENTUM = 0.7, 0.9
 
 
-def fake_path(root: RunRoot, config, round_index: int, path_id: str, shift: float, tokens: int) -> dict:
-    """Commit a path's training output as the trainer would: its modules moved by `shift`."""
+def fake_path(root: RunRoot, config, round_index: int, path_id: str, shift: float, tokens: int) -> list[dict]:
+    """Commit a path's training output as the trainer would: all its modules (its private one
+    last, with path blocks) moved by `shift`; returned in level order."""
     shape = ModelShape.from_config(config.model)
-    modules = load_path_modules(root, round_index, tuple(int(k) for k in path_id[1:].split("-")))
+    modules = load_path_modules(
+        root, round_index, tuple(int(k) for k in path_id[1:].split("-")), shape, config.model.grid
+    )
     trained = [
         {k: v + shift * (1 + torch.arange(v.numel()).reshape(v.shape) % 3) for k, v in m.items()} for m in modules
     ]
@@ -31,7 +34,7 @@ def fake_path(root: RunRoot, config, round_index: int, path_id: str, shift: floa
     root.write_bytes(f"{rel}/model.safetensors", st_save(assemble_path_state(shape, trained)))
     root.write_json(f"{rel}/metrics.json", {"tokens": tokens})
     root.commit(rel, info={"tokens": tokens})
-    return {level: m for level, m in enumerate(trained)}
+    return trained
 
 
 def nesterov_by_hand(before, grad, buf):

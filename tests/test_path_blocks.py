@@ -3,13 +3,12 @@ parameters), a private module per path that the merge carries over from the path
 
 import pytest
 import torch
-from safetensors.torch import save as st_save
+from test_merge import fake_path
 
 from conftest import tiny_config, write_synthetic_shards
 from models.grid import ModuleKey, all_modules, path_modules, paths_through
 from models.modular import (
     ModelShape,
-    assemble_path_state,
     build_path_model,
     initial_level_states,
     path_state,
@@ -24,7 +23,7 @@ from pipeline.islands.task_queue import Task, TaskQueue
 from pipeline.outer.merge import merge_round
 from pipeline.run import Run
 from pipeline.state import layout
-from pipeline.state.module_store import decode, load_modules, load_path_modules
+from pipeline.state.module_store import decode, load_modules
 from pipeline.state.storage import RunRoot
 
 SHAPE = ModelShape.from_config(
@@ -106,27 +105,11 @@ def test_zero_blocks_keep_todays_module_files_and_one_block_adds_a_private_modul
     assert root.marker(layout.modules_dir(0))["modules"][4:] == [[2, i] for i in range(4)]
 
 
-def _fake_path(root: RunRoot, config, round_index: int, path_id: str, shift: float, tokens: int) -> list[dict]:
-    """Commit a path's training output as the trainer would: all its modules moved by `shift`."""
-    shape = ModelShape.from_config(config.model)
-    modules = load_path_modules(
-        root, round_index, tuple(int(k) for k in path_id[1:].split("-")), shape, config.model.grid
-    )
-    trained = [
-        {k: v + shift * (1 + torch.arange(v.numel()).reshape(v.shape) % 3) for k, v in m.items()} for m in modules
-    ]
-    rel = layout.path_dir(round_index, path_id)
-    root.write_bytes(f"{rel}/model.safetensors", st_save(assemble_path_state(shape, trained)))
-    root.write_json(f"{rel}/metrics.json", {"tokens": tokens})
-    root.commit(rel, info={"tokens": tokens})
-    return trained
-
-
 def test_the_merge_carries_each_paths_private_module_over_and_steps_the_shared_ones(tmp_path):
     config = tiny_config(tmp_path / "whole", "model.grid=[2, 1]", "model.path_specific_blocks=1")
     root = stages.init_run(Run(config))
     trained = {
-        p: _fake_path(root, config, 0, p, shift, tokens)
+        p: fake_path(root, config, 0, p, shift, tokens)
         for p, shift, tokens in (("p0-0", 0.01, 30), ("p1-0", -0.02, 10))
     }
     report = merge_round(config, 0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, tiny_config, write_synthetic_shards
+from conftest import REPO, dipaco_run, tiny_config, write_synthetic_shards
 from pipeline import stages
 from pipeline.core.config import REPO_ROOT, resolve_ds_config
 from pipeline.run import Run
@@ -54,21 +54,7 @@ def test_dipaco_run_from_another_directory_registers_a_model_with_the_pipelines_
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_TRACKING")}
     env["PYTHONPATH"] = str(REPO)  # this checkout's code, wherever the console script was installed from
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("dipaco")),
-            "run",
-            "--config",
-            str(REPO / "configs" / "tiny.yaml"),
-            *[arg for item in sets for arg in ("--set", item)],
-        ],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = dipaco_run(sets, elsewhere, env, program=[str(Path(sys.executable).with_name("dipaco"))])
     assert sorted(p.name for p in elsewhere.iterdir()) == []  # nothing written where it ran
 
     (mlmodel,) = run_root.glob("mlartifacts/**/MLmodel")  # one registered round

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, tiny_config
+from conftest import REPO, run_script_json, tiny_config
 from pipeline import stages
 from pipeline.run import Run
 from pipeline.state import layout
@@ -127,16 +125,7 @@ def test_champion_loads_in_a_fresh_process_with_its_tokenizer_and_generates_like
     )
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(PROMPTS)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_script_json(script, PROMPTS, tmp_path, env)
     # the run's trained tokenizer travelled inside the model: no run root, no GPT-2 files needed
     assert out["bundled"] and out["vocab"] == len(load_tokenizer(RunRoot(prepared.run_root), "bpe"))
     assert [type(t) for t in out["greedy"]] == [str, str]

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, tiny_config, wait_for
+from conftest import ONE_ROUND_DAG_TASKS, REPO, dipaco_run, run_script_json, tiny_config, wait_for
 from pipeline.core.errors import ConfigError
 from pipeline.state import layout
 from preprocessing.prepare import DASK_RUNNER, make_runner, pipeline_options, run_prepare
@@ -244,23 +243,7 @@ def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_
     ]
     env = {**svc.base_env(), "OMP_NUM_THREADS": "1", **credentials}  # the pipeline logs in as MLflow's client does
     env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "run",
-            "--config",
-            "configs/tiny.yaml",
-            *(a for o in overrides for a in ("--set", o)),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    dipaco_run(overrides, REPO, env)
 
     # the server's PostgreSQL store holds the runs and the registry; its artifact store the files
     assert not (tmp_path / "run" / "mlflow.db").exists()
@@ -283,16 +266,7 @@ def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_
         "print(json.dumps(model.predict(json.loads(sys.argv[1]), params={'max_new_tokens': 4})))\n"
     )
     fresh = {**env, "MLFLOW_TRACKING_URI": uri}
-    loaded = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(PROMPTS)],
-        cwd=tmp_path,
-        env=fresh,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
-    texts = json.loads(loaded.stdout.strip().splitlines()[-1])
+    texts = run_script_json(script, PROMPTS, tmp_path, fresh)
     assert len(texts) == len(PROMPTS) and all(isinstance(t, str) and t for t in texts)
 
 
@@ -439,16 +413,7 @@ def test_airflow_on_postgresql_with_celery_runs_a_dag_run_whose_killed_island_is
             run_id,
         )
     }
-    for name in (
-        "configure",
-        "prepare",
-        "plan",
-        "evaluate_initial",
-        "islands",
-        "round_0.finished",
-        "round_0.register",
-        "report",
-    ):
+    for name in ONE_ROUND_DAG_TASKS:
         assert tis[(name, -1)][0] == "success", name
     assert {s[0] for (t, _), s in tis.items() if t.startswith("round_1.")} == {"skipped"}  # rounds_per_run=1
     islands = {v[5]: (m, *v) for (t, m), v in tis.items() if t == "island"}
