@@ -121,6 +121,8 @@ def perf_table(p: dict) -> list[str]:
                 f"| {label}, {what} tokens/s | {run['tokens_per_s'][mode]:.0f} "
                 f"| plain PyTorch {run['tokens_per_s']['plain']:.0f} | {ratio:.3f} | {verdict} |"
             )
+    if p.get("trainer_bf16_skipped"):
+        rows.append(f"| path trainer, bf16 | not measured: {p['trainer_bf16_skipped']} | | | >= 0.95 | |")
     for mode in ("plain", "zero2"):
         rows.append(
             f"| MFU, {mode} | {t['tokens_per_s'][mode] * t['model_flops_per_token'] / 1e9:.2f} GFLOP/s "
