@@ -31,6 +31,7 @@ from pipeline.routing.tokenizer import commit_bpe, describe, encode, load_tokeni
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 from preprocessing import c4
+from preprocessing.progress import DOCUMENTS_ROUTED, LINES_READ, ProgressFiles, ProgressMonitor
 from preprocessing.transforms import (
     AssignPath,
     EmbedPrefix,
@@ -57,7 +58,7 @@ def pipeline_options(config: Config):
 
     flags = list(config.beam.options)
     if not any(f.startswith("--default_sdk_harness_log_level") for f in flags):
-        # SDK workers log Beam's harness chatter at INFO to stderr; keep their warnings and our progress
+        # SDK workers log Beam's harness chatter at INFO to stderr; keep their warnings and our own lines
         flags += [
             "--default_sdk_harness_log_level=WARNING",
             '--sdk_harness_log_level_overrides={"preprocessing": "INFO"}',
@@ -108,8 +109,10 @@ def make_pipeline(config: Config):
     return beam.Pipeline(runner=runner, options=options)
 
 
-def run_to_completion(pipeline):
-    """Run, wait, and let go of what the runner holds: the DaskRunner opens a client to the
+def run_to_completion(pipeline, progress: ProgressMonitor | None = None):
+    """Run and wait, with the job's `progress` logged from the driver all along (the
+    DirectRunner's run() returns once the job is done, other runners' wait_until_finish()); then
+    let go of what the runner holds: the DaskRunner opens a client to the
     cluster for every pipeline and never closes it (it kept reconnecting to a stopped cluster);
     and this process's torch thread count, which the direct runner's embedder sets to the cores
     in this very process: an island that re-shards (router.discriminative_after) or a run that
@@ -118,14 +121,15 @@ def run_to_completion(pipeline):
     import torch
 
     threads = torch.get_num_threads()
-    result = pipeline.run()
-    try:
-        result.wait_until_finish()
-    finally:
-        torch.set_num_threads(threads)
-        client = getattr(result, "client", None)
-        if client is not None:
-            client.close()
+    with progress or contextlib.nullcontext():
+        result = pipeline.run()
+        try:
+            result.wait_until_finish()
+        finally:
+            torch.set_num_threads(threads)
+            client = getattr(result, "client", None)
+            if client is not None:
+                client.close()
     return result
 
 
@@ -221,13 +225,14 @@ def sample_training_texts(config: Config, root: RunRoot, plan) -> list[str]:
         n = max(n, config.model.tokenizer_sample_docs)
     pipeline = make_pipeline(config)
     train_plan = [p for p in plan if p[0] == "train"]
-    read = pipeline | "ReadC4" >> ReadC4(train_plan, config.data.max_doc_bytes, config.router.batch_size)
+    progress = ProgressFiles.new(root.url, ROUTER_WORK)
+    read = pipeline | "ReadC4" >> ReadC4(train_plan, config.data.max_doc_bytes, config.router.batch_size, progress)
     (
         read.batches
         | "SampleDocs" >> SampleDocs(n, config.router.seed, sample_text_chars(config.router.prefix_tokens))
         | "SaveSample" >> _save_json(root.url, f"{ROUTER_WORK}/sample.json")
     )
-    run_to_completion(pipeline)
+    run_to_completion(pipeline, ProgressMonitor(progress, "router sample", (LINES_READ,)))
     sample_file = f"{ROUTER_WORK}/sample.json"  # [[key, doc_id, text]] by key; absent: no documents
     if not root.exists(sample_file):
         return []
@@ -317,13 +322,14 @@ def route_documents(
         worker_threads(config),
         routing.router,
     )
-    read = pipeline | "ReadC4" >> ReadC4(plan, config.data.max_doc_bytes, config.router.batch_size)
+    progress = ProgressFiles.new(root.url, work_dir(routing.shards))
+    read = pipeline | "ReadC4" >> ReadC4(plan, config.data.max_doc_bytes, config.router.batch_size, progress)
     shard_stats = (
         read.batches
         | "SpreadDocs" >> beam.Reshuffle()  # batches of one file would otherwise all embed on one worker
         | "TokenizeDocs" >> TokenizeDocs(config.router.prefix_tokens, root.url, config.model.tokenizer)
         | "EmbedPrefix" >> EmbedPrefix(handler)
-        | "AssignPath" >> AssignPath(root.url, config.data.parts_per_path, routing.router)
+        | "AssignPath" >> AssignPath(root.url, config.data.parts_per_path, routing.router, progress)
         | "WriteShards" >> WriteShards(root.url, routing.shards)
     )
     rejected_stats = read.rejected | "WriteRejected" >> WriteRejected(
@@ -334,7 +340,7 @@ def route_documents(
         | "MergeStats" >> beam.Flatten()
         | "Summarize" >> Summarize(root.url, summary_file(routing.shards))
     )
-    return run_to_completion(pipeline)
+    return run_to_completion(pipeline, ProgressMonitor(progress, "prepare", (DOCUMENTS_ROUTED, LINES_READ)))
 
 
 def write_shards(
@@ -444,8 +450,9 @@ def _counters(result) -> dict[str, int]:
         return {}
 
 
-class _WorkerProgressOnly(logging.Filter):
-    """Keeps our workers' progress lines among the messages Beam relays from its SDK workers."""
+class _WorkerLinesOnly(logging.Filter):
+    """Keeps our workers' own lines (an embedder loaded) among the messages Beam relays from its SDK
+    workers; progress comes through files on every runner (preprocessing.progress)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "prepare worker:" in record.getMessage()
@@ -453,11 +460,11 @@ class _WorkerProgressOnly(logging.Filter):
 
 @contextlib.contextmanager
 def quiet_beam():
-    """Beam's INFO chatter (harness start/stop, gRPC) buries the job's own progress; keep
-    warnings, and from the relayed worker logs only the progress lines."""
+    """Beam's INFO chatter (harness start/stop, gRPC) buries the job's own lines; keep warnings,
+    and from the relayed worker logs only our workers' lines."""
     beam_log = logging.getLogger("apache_beam")
     relay = logging.getLogger("apache_beam.runners.portability.local_job_service")
-    level, relay_level, relay_filter = beam_log.level, relay.level, _WorkerProgressOnly()
+    level, relay_level, relay_filter = beam_log.level, relay.level, _WorkerLinesOnly()
     beam_log.setLevel(logging.WARNING)
     relay.setLevel(logging.INFO)
     relay.addFilter(relay_filter)

@@ -8,7 +8,9 @@ in plain functions elsewhere), as in Beam's own examples.
 Writers name their parts after a deterministic key (split, path, bucket) and sort rows, so a
 retried bundle rewrites the same file with the same bytes and the shards do not depend on how
 Beam split the work. Counts come back as data (the Summarize combine), not as Metrics, because
-only committed bundle outputs are exact on every runner; Metrics drive progress logs.
+only committed bundle outputs are exact on every runner; Metrics feed the closing log line, and
+progress is reported through files in the run root (preprocessing.progress), which every runner
+passes on.
 
 Every step also runs on Beam's DaskRunner (a Dask cluster), which executes only plain ParDos,
 GroupByKey and Flatten and, measured on 2.77, silently loses what a DoFn emits in finish_bundle
@@ -25,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -40,6 +41,7 @@ from pipeline.state import layout
 from pipeline.state.shards import shard_table, write_shard_file
 from pipeline.state.storage import RunRoot
 from preprocessing import c4
+from preprocessing.progress import DOCUMENTS_ROUTED, LINES_READ, ProgressFiles, counts_of
 
 log = logging.getLogger(__name__)
 # Beam logs every string annotation (from __future__ import annotations) at INFO; nothing to act on.
@@ -58,26 +60,9 @@ def summary_file(shards: str) -> str:
     return f"{work_dir(shards)}/summary.json"
 
 
-PROGRESS_EVERY_S = 10.0
-
-
 def stable_bucket(key: str, buckets: int) -> int:
     """Same bucket in every process and run (Python's hash() is salted per process)."""
     return int.from_bytes(hashlib.sha1(key.encode("utf-8", "surrogatepass")).digest()[:8], "big") % buckets
-
-
-class _Progress:
-    """Logs a counter at most every PROGRESS_EVERY_S seconds from inside a worker."""
-
-    def __init__(self, what: str):
-        self.what, self.count, self.last = what, 0, time.monotonic()
-
-    def add(self, n: int = 1) -> None:
-        self.count += n
-        now = time.monotonic()
-        if now - self.last >= PROGRESS_EVERY_S:
-            self.last = now
-            log.info("prepare worker: %d %s so far", self.count, self.what)
 
 
 # -- ReadC4 --------------------------------------------------------------------------------------
@@ -109,15 +94,21 @@ class _ReadFileFn(beam.DoFn):
     """(split, file, line limit) -> (kind, value): batches of Documents, Rejections (up to the
     file's byte budget), line counts and exact rejection counts by reason."""
 
-    def __init__(self, max_doc_bytes: int, batch_size: int, budgets: dict[str, int] | None = None):
+    def __init__(
+        self,
+        max_doc_bytes: int,
+        batch_size: int,
+        budgets: dict[str, int] | None = None,
+        progress: ProgressFiles | None = None,
+    ):
         self.max_doc_bytes, self.batch_size = max_doc_bytes, batch_size
-        self.budgets = budgets or {}
+        self.budgets, self.progress_files = budgets or {}, progress
         self.lines = Metrics.counter(NAMESPACE, "lines_read")
         self.documents = Metrics.counter(NAMESPACE, "documents_read")
         self.rejected = Metrics.counter(NAMESPACE, "rejected")
 
     def setup(self) -> None:
-        self.progress = _Progress("lines read")
+        self.progress = counts_of(self.progress_files)
 
     def process(self, element: tuple[str, str, int | None]) -> Iterator[tuple[str, Any]]:
         split, file, limit = element
@@ -139,7 +130,7 @@ class _ReadFileFn(beam.DoFn):
                     yield REJECTED, record
                 else:
                     unlisted += 1
-            self.progress.add()
+            self.progress.add(LINES_READ)
         if batch:
             yield DOCUMENTS, batch
         self.lines.inc(count)
@@ -154,6 +145,9 @@ class _ReadFileFn(beam.DoFn):
                 self.budgets.get(split, REJECTED_BYTES_PER_SPLIT),
             )
             yield LINES, ("unlisted", split, unlisted)
+
+    def finish_bundle(self) -> None:
+        self.progress.flush()
 
 
 def _of_kind(record: tuple[str, Any], kind: str) -> Iterator[Any]:
@@ -170,16 +164,23 @@ class ReadC4Outputs(NamedTuple):
 class ReadC4(beam.PTransform):
     """The read plan [(split, file, limit)] -> ReadC4Outputs (batches, rejected, lines)."""
 
-    def __init__(self, plan: list[tuple[str, str, int | None]], max_doc_bytes: int, batch_size: int = 64):
+    def __init__(
+        self,
+        plan: list[tuple[str, str, int | None]],
+        max_doc_bytes: int,
+        batch_size: int = 64,
+        progress: ProgressFiles | None = None,
+    ):
         super().__init__()
-        self.plan, self.max_doc_bytes, self.batch_size = plan, max_doc_bytes, batch_size
+        self.plan, self.max_doc_bytes, self.batch_size, self.progress = plan, max_doc_bytes, batch_size, progress
 
     def expand(self, pbegin) -> ReadC4Outputs:
         records = (
             pbegin
             | "ListFiles" >> beam.Create(self.plan)
             | "SpreadFiles" >> beam.Reshuffle()  # one file per element: files read in parallel
-            | "ParseLines" >> beam.ParDo(_ReadFileFn(self.max_doc_bytes, self.batch_size, rejected_budgets(self.plan)))
+            | "ParseLines"
+            >> beam.ParDo(_ReadFileFn(self.max_doc_bytes, self.batch_size, rejected_budgets(self.plan), self.progress))
         )
         return ReadC4Outputs(
             *(
@@ -275,8 +276,14 @@ class EmbedPrefix(beam.PTransform):
 class _AssignFn(beam.DoFn):
     """(key, PredictionResult) -> ((split, path_id, bucket), (doc_id, input_ids))."""
 
-    def __init__(self, root_url: str, parts_per_path: int, router_dir: str = layout.ROUTER_DIR):
-        self.root_url, self.parts, self.router_dir = root_url, parts_per_path, router_dir
+    def __init__(
+        self,
+        root_url: str,
+        parts_per_path: int,
+        router_dir: str = layout.ROUTER_DIR,
+        progress: ProgressFiles | None = None,
+    ):
+        self.root_url, self.parts, self.router_dir, self.progress_files = root_url, parts_per_path, router_dir, progress
         self.routed = Metrics.counter(NAMESPACE, "documents_routed")
 
     def setup(self) -> None:
@@ -284,23 +291,32 @@ class _AssignFn(beam.DoFn):
 
         # centroids (or classifier weights) only; no embedder loaded here
         self.router = Router.load(RunRoot(self.root_url), directory=self.router_dir)
-        self.progress = _Progress("documents routed")
+        self.progress = counts_of(self.progress_files)
 
     def process(self, element):
         (split, doc_id, ids), result = element
         path = self.router.route_features(np.asarray(result.inference)[None, :])[0]
         self.routed.inc()
-        self.progress.add()
+        self.progress.add(DOCUMENTS_ROUTED)
         yield (split, path, stable_bucket(doc_id, self.parts)), (doc_id, ids)
+
+    def finish_bundle(self) -> None:
+        self.progress.flush()
 
 
 class AssignPath(beam.PTransform):
-    def __init__(self, root_url: str, parts_per_path: int, router_dir: str = layout.ROUTER_DIR):
+    def __init__(
+        self,
+        root_url: str,
+        parts_per_path: int,
+        router_dir: str = layout.ROUTER_DIR,
+        progress: ProgressFiles | None = None,
+    ):
         super().__init__()
-        self.root_url, self.parts, self.router_dir = root_url, parts_per_path, router_dir
+        self.root_url, self.parts, self.router_dir, self.progress = root_url, parts_per_path, router_dir, progress
 
     def expand(self, embedded):
-        return embedded | "Route" >> beam.ParDo(_AssignFn(self.root_url, self.parts, self.router_dir))
+        return embedded | "Route" >> beam.ParDo(_AssignFn(self.root_url, self.parts, self.router_dir, self.progress))
 
 
 # -- WriteShards / WriteRejected -----------------------------------------------------------------

@@ -51,6 +51,10 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's dask, mlflow and airflow commands
 HOST = "127.0.0.1"
 STATE_FILE = "services.json"
+# A DAG run from the command line, in a run root of its own. `-o yaml`: the CLI's default output is
+# a table of the run's 12 fields, whose cells wrap into garbage on an 80- or 100-column terminal
+# (200 columns when piped); yaml is one field a line. docs/operations.md prints the same command.
+TRIGGER = """airflow dags trigger dipaco_train -o yaml -c '{"overrides": ["run_root=runs/services-dag"]}'"""
 
 
 @dataclass
@@ -665,8 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"run on them:      dipaco run --config {settings.dipaco_config.relative_to(REPO)}")
         print(
-            f"                  . {settings.home / 'airflow.env'} && airflow dags trigger dipaco_train "
-            f'-c \'{{"overrides": ["run_root=runs/services-dag"]}}\'  '
+            f"                  . {settings.home / 'airflow.env'} && {TRIGGER}  "
             f"(or the UI, http://{HOST}:{settings.airflow_port}; "
             f"a run root other than the CLI's)"
         )

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
+import shlex
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -313,3 +316,40 @@ def test_the_sweep_dag_maps_one_pooled_task_per_point_between_plan_and_fit(dagba
     assert point.upstream_task_ids == {"plan"} and point.downstream_task_ids == {"fit"}
     assert point.pool == "dipaco_paths" and "point_id" in point.map_index_template
     assert sweep.params["quick"] is False
+
+
+def documented_trigger() -> list[str]:
+    """The `airflow dags trigger` command docs/operations.md prints, as argv after `airflow`."""
+    text = (REPO / "docs" / "operations.md").read_text().replace("\\\n", " ")
+    line = re.search(r"^.*\.venv/bin/airflow dags trigger .*$", text, flags=re.M).group(0)
+    argv = shlex.split(line.split("&&", 1)[1], comments=True)
+    assert argv[0] == ".venv/bin/airflow", argv
+    return argv[1:]
+
+
+def test_the_documented_trigger_prints_the_new_run_one_field_a_line(dag, airflow_db, capsys):
+    """The command the docs and `make services` print: Airflow's default output is a table of the
+    run's 12 fields, 200 columns wide (garbage once a terminal wraps its cells); the command asks
+    for yaml, one field a line, which fits 80 columns."""
+    from airflow.cli import cli_parser
+    from airflow.models.dagrun import DagRun
+    from airflow.settings import Session
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import services  # scripts/services.py: what `make services` prints
+
+    argv = documented_trigger()
+    assert shlex.split(services.TRIGGER)[1:] == argv  # one command, printed twice
+    parser = cli_parser.get_parser()
+    for command in (["dags", "reserialize"], argv):  # as a DAG processor would, then the trigger
+        capsys.readouterr()
+        args = parser.parse_args(command)
+        args.func(args)
+    out = capsys.readouterr().out  # Airflow's own log lines (a timestamp first), then the run
+    printed = "".join(line for line in out.splitlines(True) if not re.match(r"\d{4}-\d\d-\d\dT", line))
+    assert max(len(line) for line in printed.splitlines()) <= 80, printed
+    (run,) = yaml.safe_load(printed)
+    assert run["dag_id"] == "dipaco_train" and run["conf"] == {"overrides": ["run_root=runs/services-dag"]}
+    with Session() as session:  # the queued run goes: the DAG's other tests start from no run
+        session.query(DagRun).filter(DagRun.run_id == run["dag_run_id"]).delete()
+        session.commit()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
 import os
 import random
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -19,6 +21,7 @@ from pipeline.routing.tokenizer import encode
 from pipeline.state import layout
 from pipeline.state.shards import read_path_documents
 from pipeline.state.storage import RunRoot
+from preprocessing import progress
 from preprocessing.prepare import run_prepare
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -198,16 +201,54 @@ def test_gzip_plain_and_a_glob_over_several_files_give_identical_shards(tmp_path
     assert sum(len(v) for v in results["plain"][0].values()) == 45
 
 
-def test_multiprocessing_with_two_workers_matches_one_worker(messy, tmp_path):
+def test_multiprocessing_with_two_workers_matches_one_worker(messy, tmp_path, caplog):
     base, _, _ = messy
     train, val = str(base / "train/*.json"), str(base / "validation/*.json")
     single = run_prepare(config(tmp_path, train, val, name="one", options=IN_MEMORY))
     multi_cfg = config(
         tmp_path, train, val, name="two", options=["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
     )
+    caplog.set_level(logging.INFO, logger="preprocessing")
+    caplog.clear()
     multi = run_prepare(multi_cfg)
     assert without_timing(multi) == without_timing(single)
     assert shard_rows(multi_cfg.run_root) == shard_rows(tmp_path / "one")
+    # the worker processes' progress files, summed by the driver, end at what the job routed
+    assert routed_progress(caplog.text)[-1] == (multi["routed"], multi["lines_read"])
+
+
+PROGRESS_LINE = re.compile(r"prepare: ([\d,]+) documents routed (?:so far|in all) \(([\d,]+) lines read\)")
+
+
+def routed_progress(log_text: str) -> list[tuple[int, int]]:
+    """(documents routed, lines read) of each progress line the driver logged, in order."""
+    return [tuple(int(n.replace(",", "")) for n in m.groups()) for m in PROGRESS_LINE.finditer(log_text)]
+
+
+def test_the_driver_logs_the_workers_progress_from_their_files_up_to_the_documents_routed(
+    tmp_path, monkeypatch, caplog
+):
+    lines = encoded(good_lines(1500, seed=4))
+    for offset, (raw, _) in zip(range(100, 1500, 200), BAD):
+        lines.insert(offset, raw)
+    for i in range(2):
+        write_lines(tmp_path / "c4" / f"c4-train.{i:05d}-of-00002.json", lines[i::2])
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.01)  # the driver's line, usually every 10 s
+    monkeypatch.setattr(progress, "WRITE_EVERY_S", 0.0)  # a worker's file, usually every 2 s
+    caplog.set_level(logging.INFO, logger="preprocessing")
+    cfg = config(tmp_path, str(tmp_path / "c4" / "*.json"), batch_size=16)
+    manifest = run_prepare(cfg)
+
+    counts = routed_progress(caplog.text)
+    assert len({routed for routed, _ in counts}) >= 2, caplog.text[-3000:]  # seen while it ran
+    assert counts == sorted(counts)  # sums of counters that only grow
+    assert counts[-1] == (manifest["routed"], manifest["lines_read"]) == (1500, 1507)
+    assert manifest["rejected"] == len(BAD)  # rejections are still counted as ever
+    assert not re.search(r"prepare worker: .* so far", caplog.text)  # one report, the driver's, on every runner
+    assert re.search(r"router sample: [\d,]+ lines read", caplog.text)  # the router's sampling job too
+    root = RunRoot(cfg.run_root)
+    assert not root.exists("shards/_work") and not root.exists("router/_work")  # the files went with the scratch
+    assert not any("progress" in name for rel in ("shards", "router") for name in root.marker(rel)["files"])
 
 
 def test_missing_inputs_raise_an_input_error_naming_the_glob(tmp_path):
@@ -228,6 +269,21 @@ def test_max_docs_caps_the_lines_read_in_file_order(messy, tmp_path):
     manifest = run_prepare(cfg)
     assert manifest["lines_read"] == 20 == manifest["routed"] + manifest["rejected"]
     assert manifest["rejected"] == 3  # lines 4, 11 and 18 of the file
+
+
+def test_a_progress_file_that_cannot_be_written_is_reported_once_and_the_counting_goes_on(tmp_path, caplog):
+    """Progress is advice: a worker whose file cannot be written (here a file stands where its
+    directory goes) says so once and keeps counting; the driver finds nothing to sum."""
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "scratch" / "progress").write_text("a file where the directory goes")
+    files = progress.ProgressFiles(str(tmp_path), "scratch/progress/job", 0.0)
+    counts = files.counts()
+    assert files.counts() is counts  # one per process, whichever DoFn asks
+    for _ in range(3):
+        counts.add(progress.LINES_READ)
+    counts.flush()
+    assert caplog.text.count("progress not reported") == 1 and "scratch/progress/job" in caplog.text
+    assert counts.counts == {"lines read": 3} and progress.read_totals(files) == {}
 
 
 @pytest.fixture(scope="module")

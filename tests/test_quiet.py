@@ -50,3 +50,18 @@ def test_a_sensor_waiting_in_dags_test_is_not_reported_as_unrunnable(caplog):
 
     assert not quiet.filter(record("up_for_reschedule", None))  # a round's sensor waits: its normal state
     assert quiet.filter(record(None, None))  # nothing waits on a sensor: a real deadlock, still reported
+
+
+def test_loading_the_minilm_embedder_draws_no_progress_bar_and_leaves_the_switches_as_they_were(capfd):
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    from pipeline.routing.embedders import MiniLMEmbedder
+
+    before = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    capfd.readouterr()
+    embedder = MiniLMEmbedder()
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "it/s" not in err, err[-500:]  # transformers 5's tqdm bar
+    assert embedder.embed(["The French Revolution was"]).shape == (1, 384)
+    assert (hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()) == before

