@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=1500)
     parser.add_argument("--docs-per-path", type=int, default=60)
     parser.add_argument("--lease-seconds", type=float, default=4.0)
-    parser.add_argument("--backup-after", type=float, default=1.5, help="train.backup_after of both runs")
+    parser.add_argument("--backup-after", type=float, default=1.2, help="train.backup_after of both runs")
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between scheduled faults")
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--commit", action="store_true", help="put the table into benchmarks/RESULTS.md")
