@@ -46,6 +46,7 @@ from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.shards import shard_table, write_shard_file
 from pipeline.state.storage import RunRoot
+from pipeline.tracking.utilisation import island_seconds
 from pipeline.train.distributed import child_env
 
 log = logging.getLogger("dipaco.bench.chaos")
@@ -88,7 +89,9 @@ def chaos_config(run_root: Path, args: argparse.Namespace) -> Config:
             "train.warmup_steps=5",
             f"train.lease_seconds={args.lease_seconds}",
             "train.max_attempts=8",
-            f"train.backup_after={args.backup_after}",
+            f"model.grid=[{args.grid}]",
+            f"model.blocks_per_level=[{', '.join('1' for _ in args.grid.split(','))}]",
+            f"train.backup_after={'null' if args.backup_after is None else args.backup_after}",
             f"train.checkpoint_every={max(1, args.inner_steps // 4)}",
             "train.islands=4",
         ],
@@ -155,7 +158,10 @@ def first_train_started(root: RunRoot) -> bool:
     return any(name.startswith("train.") for name in root.listdir(LEASES))
 
 
-def run_once(args: argparse.Namespace, name: str, faults: bool) -> dict:
+def run_once(args: argparse.Namespace, name: str, faults: bool, straggler: bool | None = None) -> dict:
+    """One run on 4 islands: `faults` the whole schedule (module docstring), `straggler` only
+    island-2 at a quarter of the speed (default: with the faults)."""
+    straggler = faults if straggler is None else straggler
     run_root = (OUT / name).resolve()
     if run_root.exists():
         import shutil
@@ -179,7 +185,7 @@ def run_once(args: argparse.Namespace, name: str, faults: bool) -> dict:
             env["DIPACO_FAULT_WRITE_ERRORS"] = "3:queue/leases"
         islands.start(f"island-{k}", env)
     throttler = None
-    if faults:
+    if straggler:
         throttler = threading.Thread(target=throttle, args=(islands, "island-2", stop), daemon=True)
         throttler.start()
     while not first_train_started(root):
@@ -232,6 +238,38 @@ def run_once(args: argparse.Namespace, name: str, faults: bool) -> dict:
             throttler.join()
         islands.stop()
     return summarize(root, config, name, wall, time.monotonic() - train_began, events)
+
+
+def island_utilisation(root: RunRoot, config: Config) -> dict[str, dict]:
+    """Per island, over its running time from the first train claim to the last round's commit:
+    the share spent in inner-loop steps of train attempts that published (the pipeline's own
+    utilisation, island by island), and the seconds of attempts that published nothing (cancelled
+    backups, lost leases). Wall-clock records: only for runs without a clock offset."""
+    claims, busy, wasted = [], {}, {}
+    for task in root.listdir(LEASES):
+        if not task.startswith("train."):
+            continue
+        for attempt in root.listdir(f"{LEASES}/{task}"):
+            record = root.read_json(f"{LEASES}/{task}/{attempt}")
+            island = record.get("island")
+            claims.append(float(record["claimed_at"]))
+            if record.get("state") == "done":
+                busy[island] = busy.get(island, 0.0) + float(record.get("inner_seconds") or 0.0)
+            else:
+                end = float(record.get("finished_at", record.get("heartbeat")))
+                wasted[island] = wasted.get(island, 0.0) + end - float(record["claimed_at"])
+    end = float(root.marker(layout.round_dir(config.train.rounds - 1))["committed_at"])
+    running = island_seconds(root, end, since=min(claims))
+    return {
+        name: {
+            "utilisation": busy.get(name, 0.0) / seconds,
+            "running_s": round(seconds, 1),
+            "inner_s": round(busy.get(name, 0.0), 1),
+            "wasted_s": round(wasted.get(name, 0.0), 1),
+        }
+        for name, seconds in sorted(running.items())
+        if seconds > 0
+    }
 
 
 def held_by(root: RunRoot, island: str) -> list[str]:
@@ -300,6 +338,7 @@ def summarize(root: RunRoot, config: Config, name: str, wall: float, train_wall:
         "resumed": resumed,
         "attempts_not_done": sum(a["state"] != "done" for items in attempts.values() for a in items),
         "modules": digests,
+        "islands": island_utilisation(root, config),
     }
 
 
@@ -342,6 +381,61 @@ def render(free: dict, chaos: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+STRAGGLER = "island-2"
+
+
+def others(run: dict) -> list[dict]:
+    return [v for k, v in run["islands"].items() if k != STRAGGLER]
+
+
+def render_straggler(runs: list[dict], args: argparse.Namespace) -> str:
+    """The straggler table: each island's utilisation beside a quarter-speed island-2, with
+    backups on and off, against the same run without the straggler."""
+    lines = [
+        f"Straggler benchmark (`python -m benchmarks.chaos --straggler`, {os.cpu_count()} CPU cores, "
+        f"{time.strftime('%Y-%m-%d')}): tiny model, grid [{args.grid}], {args.rounds} rounds x "
+        f"{args.inner_steps} inner steps, 4 islands of 1 rank, lease {args.lease_seconds} s, "
+        f"checkpoint_every {max(1, args.inner_steps // 4)}; island-2 at a quarter of the speed, no other fault. "
+        "Utilisation: the share of an island's running time (first train claim to the last round's commit) "
+        "spent in inner-loop steps of attempts that published.",
+        "",
+        "| run | wall s | goodput vs no straggler | others' utilisation (min, mean) | island-2's | "
+        "backup attempts (done / cancelled) | seconds of attempts that published nothing |",
+        "| --- | ---: | ---: | --- | ---: | --- | ---: |",
+    ]
+    base = runs[0]["goodput_tokens_per_s"]
+    for run in runs:
+        rest = [v["utilisation"] for v in others(run)]
+        slow = run["islands"].get(STRAGGLER, {}).get("utilisation")
+        done = sum(b["state"] == "done" for b in run["backups"])
+        lines.append(
+            f"| {run['run']} | {run['wall_s']} | {run['goodput_tokens_per_s'] / base:.2f} | "
+            f"{min(rest):.2f}, {sum(rest) / len(rest):.2f} | {'-' if slow is None else f'{slow:.2f}'} | "
+            f"{done} / {len(run['backups']) - done} | "
+            f"{sum(v['wasted_s'] for v in run['islands'].values()):.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def straggler_main(args: argparse.Namespace) -> int:
+    """Three runs: no straggler, island-2 at a quarter speed with backups (args.backup_after),
+    and the same without backups."""
+    without = argparse.Namespace(**{**vars(args), "backup_after": None})
+    runs = [
+        run_once(args, "no-straggler", faults=False),
+        run_once(args, f"straggler-backup-{args.backup_after}", faults=False, straggler=True),
+        run_once(without, "straggler-no-backups", faults=False, straggler=True),
+    ]
+    (OUT / "straggler.json").write_text(json.dumps(runs, indent=2) + "\n")
+    table = render_straggler(runs, args)
+    (OUT / "straggler.md").write_text(table + "\n")
+    print(table)
+    if args.commit:
+        commit_block("straggler", table, heading="## Faults and stragglers")
+    same = all(run["modules"] == runs[0]["modules"] for run in runs)
+    return 0 if same and runs[0]["modules"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
@@ -351,11 +445,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backup-after", type=float, default=1.2, help="train.backup_after of both runs")
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between scheduled faults")
     parser.add_argument("--timeout", type=float, default=1200.0)
+    parser.add_argument("--grid", default="2,2", help="model.grid, comma-separated")
+    parser.add_argument(
+        "--straggler",
+        action="store_true",
+        help="instead: island-2 at a quarter of the speed and no other fault, backups on and off, against no straggler",
+    )
     parser.add_argument("--commit", action="store_true", help="put the table into benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     OUT.mkdir(parents=True, exist_ok=True)
+    if args.straggler:
+        return straggler_main(args)
     free = run_once(args, "fault-free", faults=False)
     chaos = run_once(args, "chaos", faults=True)
     (OUT / "results.json").write_text(json.dumps({"fault_free": free, "chaos": chaos}, indent=2) + "\n")

@@ -18,6 +18,7 @@ The claims suite (`--suite claims`, the default), each row on both corpora; M = 
 | `diloco_m1` | 1 worker + outer Nesterov (lr 0.7, momentum 0.9) | 1 |
 | `diloco_m2`, `diloco_m4` | M DiLoCo workers on iid parts of the data, outer Nesterov 0.7 / 0.9 | M |
 | `diloco_m4_olr0.4`, `_olr1` | the outer-lr sweep of M = 4 (seed 0; `--extras 1`: bench-long, quick) | 4 |
+| `diloco_m4_avg` | 4 workers averaged each round, no outer optimizer (lr 1, momentum 0; seed 0, `--extras 1`) | 4 |
 | `noniid_m4` | 4 workers, each on its own k-means cluster (`train.worker_data: clustered`) | 4 |
 | `pool_m4` | `train.workers_schedule` cycling 2, 4, 6, 4 workers (claims.pool_schedule: 4 x rounds worker-rounds) | 4 |
 | `dipaco_2x2` | [2, 2] grid (4 paths) routed by MiniLM product k-means, outer Nesterov | 4 (1 a path) |
@@ -214,10 +215,11 @@ class Variant:
 
     @property
     def communication(self) -> str:
-        """What the row sends between workers: sync all-reduces every step, dense nothing."""
+        """What the row sends between workers: sync all-reduces every step, dense nothing, and
+        several workers averaged without an outer optimizer (the `_avg` row) what DiLoCo sends."""
         if self.accum > 1:
             return "data_parallel"
-        return "none" if self.outer_identity else "outer"
+        return "none" if self.outer_identity and self.workers == 1 and self.grid == (1,) else "outer"
 
     def workers_per_round(self, args: QualityArgs) -> list[int]:
         return list(self.schedule) if self.schedule else [self.workers] * args.rounds
@@ -281,6 +283,21 @@ def claims_variants(args: QualityArgs) -> list[Variant]:
                 False,
             )
             for lr in (float(x) for x in args.outer_lr_sweep.split(",") if x and args.extras)
+        ),
+        *(
+            [
+                (
+                    f"diloco_m{M}_avg",
+                    {
+                        "workers": M,
+                        "outer_identity": True,
+                        "what": f"{M} workers on iid parts, averaged (outer lr 1, momentum 0: no outer optimizer)",
+                    },
+                    False,
+                )
+            ]
+            if args.extras
+            else []
         ),
         (
             f"noniid_m{M}",

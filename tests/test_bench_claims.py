@@ -33,6 +33,7 @@ def test_every_claims_row_runs_on_both_corpora_and_is_a_valid_config(tmp_path):
         "diloco_m4",
         "diloco_m4_olr0.4",
         "diloco_m4_olr1",
+        "diloco_m4_avg",
         "noniid_m4",
         "pool_m4",
         "dipaco_2x2",
@@ -51,11 +52,15 @@ def test_every_claims_row_runs_on_both_corpora_and_is_a_valid_config(tmp_path):
         }.get(v.name, 4)
         if v.name == "pool_m4":
             assert config.train.workers_per_path == max(config.train.workers_schedule) == 6
+        if v.name == "diloco_m4_avg":  # averaging only: no outer optimizer, but it sends what DiLoCo sends
+            assert (config.outer.lr, config.outer.momentum, config.train.workers_per_path) == (1.0, 0.0, 4)
+            assert v.communication == "outer"
         if v.name.startswith("sync"):
             assert config.train.gradient_accumulation_steps == v.token_multiple(args) and config.outer.lr == 1.0
     assert {v.name for v in quality.variants(quality.QualityArgs())} == names - {
         "diloco_m4_olr0.4",
         "diloco_m4_olr1",
+        "diloco_m4_avg",
         "dipaco_4x4",
     }  # make bench: no extras
 

@@ -61,10 +61,10 @@ def round_utilisation(config: Config, round_index: int) -> dict | None:
     }
 
 
-def island_seconds(root: RunRoot, until: float) -> dict[str, float]:
-    """Island name -> seconds it was running before `until`: the union of its lifetimes (earlier
-    lives from "lifetimes", the current one from started_at/finished_at). A life without an end
-    (its process was killed before it could write one) ends where the next life starts, else now."""
+def island_seconds(root: RunRoot, until: float, since: float = float("-inf")) -> dict[str, float]:
+    """Island name -> seconds it was running between `since` and `until`: the union of its lifetimes
+    (earlier lives from "lifetimes", the current one from started_at/finished_at). A life without an
+    end (its process was killed before it could write one) ends where the next life starts, else now."""
     found = {}
     for name in root.listdir(ISLANDS):
         if not name.endswith(".json"):
@@ -85,8 +85,9 @@ def island_seconds(root: RunRoot, until: float) -> dict[str, float]:
                 if i + 1 < len(lives)
                 else time.time()
             )
-            if start < until:
-                spans.append((start, min(stop, until)))
+            start, stop = max(start, since), min(stop, until)
+            if start < stop:
+                spans.append((start, stop))
         if spans:
             found[name.removesuffix(".json")] = _union_length(spans)
     return found
