@@ -667,7 +667,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{settings.airflow_db}, CeleryExecutor on {settings.redis_url}, queue {settings.celery_queue}; "
             f"user {AIRFLOW_ADMIN}, password in {settings.home / 'secrets' / 'airflow-admin-password'})"
         )
-        print(f"run on them:      dipaco run --config {settings.dipaco_config.relative_to(REPO)}")
+        print(  # the MLflow server answers 401 without the credentials mlflow.env exports
+            f"run on them:      . {settings.home / 'mlflow.env'} && "
+            f"dipaco run --config {settings.dipaco_config.relative_to(REPO)}"
+        )
         print(
             f"                  . {settings.home / 'airflow.env'} && {TRIGGER}  "
             f"(or the UI, http://{HOST}:{settings.airflow_port}; "
