@@ -549,8 +549,11 @@ def start_airflow(
     queue: str,
     logs: Path,
     timeout_s: float = 180,
+    task_env: dict[str, str] | None = None,
 ) -> str:
-    """Migrate the metadata DB, create the path trainers' pool, start the five components."""
+    """Migrate the metadata DB, create the path trainers' pool, start the five components. The
+    Celery worker, which runs the DAG's tasks, also gets `task_env` (the MLflow server's credentials:
+    without them the tasks' tracking calls are answered 401)."""
     airflow(env, "db", "migrate")
     airflow(env, "pools", "set", pool, str(pool_slots), "dipaco path trainers")
     port = int(env["AIRFLOW__API__PORT"])
@@ -575,7 +578,7 @@ def start_airflow(
             "--concurrency",
             env["AIRFLOW__CELERY__WORKER_CONCURRENCY"],
         ],
-        env,
+        {**env, **(task_env or {})},
         logs,
     )
     wait_until(lambda: http_ok(f"{address}/api/v2/monitor/health"), api, timeout_s, "answer on /api/v2/monitor/health")
@@ -622,7 +625,15 @@ def start_all(settings: Settings) -> Deployment:
             settings.celery_concurrency,
             home / "secrets",
         )
-        start_airflow(deployment, env, "dipaco_paths", settings.pool_slots, settings.celery_queue, logs)
+        start_airflow(
+            deployment,
+            env,
+            "dipaco_paths",
+            settings.pool_slots,
+            settings.celery_queue,
+            logs,
+            task_env=mlflow_credentials(home / "secrets"),
+        )
         write_env_file(home / "airflow.env", env)
     except BaseException:
         stop(deployment.pids)
