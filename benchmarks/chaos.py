@@ -53,6 +53,7 @@ log = logging.getLogger("dipaco.bench.chaos")
 OUT = Path("benchmarks/out/chaos")
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 256
+STRAGGLER = "island-2"  # the island throttled to a quarter of the speed
 
 
 def synthetic_shards(root: RunRoot, grid: list[int], docs_per_path: int, seed: int = 0) -> None:
@@ -158,10 +159,9 @@ def first_train_started(root: RunRoot) -> bool:
     return any(name.startswith("train.") for name in root.listdir(LEASES))
 
 
-def run_once(args: argparse.Namespace, name: str, faults: bool, straggler: bool | None = None) -> dict:
-    """One run on 4 islands: `faults` the whole schedule (module docstring), `straggler` only
-    island-2 at a quarter of the speed (default: with the faults)."""
-    straggler = faults if straggler is None else straggler
+def run_once(args: argparse.Namespace, name: str, faults: bool, straggler: bool) -> dict:
+    """One run on 4 islands: `faults` the scheduled faults, the clock offset and the failing writes
+    (module docstring); `straggler` the STRAGGLER island at a quarter of the speed throughout."""
     run_root = (OUT / name).resolve()
     if run_root.exists():
         import shutil
@@ -186,7 +186,7 @@ def run_once(args: argparse.Namespace, name: str, faults: bool, straggler: bool 
         islands.start(f"island-{k}", env)
     throttler = None
     if straggler:
-        throttler = threading.Thread(target=throttle, args=(islands, "island-2", stop), daemon=True)
+        throttler = threading.Thread(target=throttle, args=(islands, STRAGGLER, stop), daemon=True)
         throttler.start()
     while not first_train_started(root):
         time.sleep(0.2)
@@ -381,9 +381,6 @@ def render(free: dict, chaos: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-STRAGGLER = "island-2"
-
-
 def others(run: dict) -> list[dict]:
     return [v for k, v in run["islands"].items() if k != STRAGGLER]
 
@@ -422,7 +419,7 @@ def straggler_main(args: argparse.Namespace) -> int:
     and the same without backups."""
     without = argparse.Namespace(**{**vars(args), "backup_after": None})
     runs = [
-        run_once(args, "no-straggler", faults=False),
+        run_once(args, "no-straggler", faults=False, straggler=False),
         run_once(args, f"straggler-backup-{args.backup_after}", faults=False, straggler=True),
         run_once(without, "straggler-no-backups", faults=False, straggler=True),
     ]
@@ -458,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     if args.straggler:
         return straggler_main(args)
-    free = run_once(args, "fault-free", faults=False)
-    chaos = run_once(args, "chaos", faults=True)
+    free = run_once(args, "fault-free", faults=False, straggler=False)
+    chaos = run_once(args, "chaos", faults=True, straggler=True)
     (OUT / "results.json").write_text(json.dumps({"fault_free": free, "chaos": chaos}, indent=2) + "\n")
     table = render(free, chaos, args)
     (OUT / "results.md").write_text(table + "\n")
