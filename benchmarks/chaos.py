@@ -76,6 +76,11 @@ def synthetic_shards(root: RunRoot, grid: list[int], docs_per_path: int, seed: i
     root.commit("shards")
 
 
+def checkpoint_every(args: argparse.Namespace) -> int:
+    """train.checkpoint_every: 4 checkpoints a task (the config and both tables print it)."""
+    return max(1, args.inner_steps // 4)
+
+
 def chaos_config(run_root: Path, args: argparse.Namespace) -> Config:
     return load_config(
         REPO / "configs" / "tiny.yaml",
@@ -93,7 +98,7 @@ def chaos_config(run_root: Path, args: argparse.Namespace) -> Config:
             f"model.grid=[{args.grid}]",
             f"model.blocks_per_level=[{', '.join('1' for _ in args.grid.split(','))}]",
             f"train.backup_after={'null' if args.backup_after is None else args.backup_after}",
-            f"train.checkpoint_every={max(1, args.inner_steps // 4)}",
+            f"train.checkpoint_every={checkpoint_every(args)}",
             "train.islands=4",
         ],
     )
@@ -350,7 +355,7 @@ def render(free: dict, chaos: dict, args: argparse.Namespace) -> str:
         f"{time.strftime('%Y-%m-%d')}): tiny model, grid [2, 2], "
         f"{args.rounds} rounds x {args.inner_steps} inner steps, "
         f"4 islands of 1 rank, lease {args.lease_seconds} s, backup_after {args.backup_after}, "
-        f"checkpoint_every {max(1, args.inner_steps // 4)}.",
+        f"checkpoint_every {checkpoint_every(args)}.",
         "",
         "| run | wall s | committed tokens | goodput tokens/s | vs fault-free |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -392,7 +397,7 @@ def render_straggler(runs: list[dict], args: argparse.Namespace) -> str:
         f"Straggler benchmark (`python -m benchmarks.chaos --straggler`, {os.cpu_count()} CPU cores, "
         f"{time.strftime('%Y-%m-%d')}): tiny model, grid [{args.grid}], {args.rounds} rounds x "
         f"{args.inner_steps} inner steps, 4 islands of 1 rank, lease {args.lease_seconds} s, "
-        f"checkpoint_every {max(1, args.inner_steps // 4)}; island-2 at a quarter of the speed, no other fault. "
+        f"checkpoint_every {checkpoint_every(args)}; island-2 at a quarter of the speed, no other fault. "
         "Utilisation: the share of an island's running time (first train claim to the last round's commit) "
         "spent in inner-loop steps of attempts that published.",
         "",
