@@ -171,10 +171,8 @@ QUICK = {
 LONG = {
     "rounds": 24,
     "inner_steps": 25,
-    "hidden": 128,
-    "micro_batch": 6,
     "extras": 1,
-}  # `make bench-long`: 600 steps a worker
+}  # `make bench-long`: make bench's model, 3x its rounds: 600 steps a worker (~112 min planned)
 
 
 @dataclass(frozen=True)
@@ -676,8 +674,11 @@ def run_quality(args: QualityArgs) -> dict:
         import torch
 
         torch.set_num_threads(1)  # this process's own evaluations (round 0, documents, re-routing) beside two islands
-    results: list[dict] = []
     partial = Path(args.out) / "quality.partial.json"
+    results = finished_runs(partial, args, {v.run_name for v in rows})
+    if results:
+        log.info("resuming: %d runs already measured with these sizes (%s)", len(results), partial)
+    done = {r["run"] for r in results}
 
     def one(v: Variant) -> dict:
         try:
@@ -686,10 +687,10 @@ def run_quality(args: QualityArgs) -> dict:
             log.exception("%s failed", v.run_name)
             result = {**describe(v, args), "failed": f"{type(exc).__name__}: {exc}"[:300]}
         results.append(result)
-        partial.write_text(json.dumps(results))  # a run cut short still reports what it measured
+        write_partial(partial, args, results)  # a run cut short still reports what it measured
         return result
 
-    ordered = sorted(rows, key=lambda v: -v.cost(args))
+    ordered = sorted((v for v in rows if v.run_name not in done), key=lambda v: -v.cost(args))
     with ThreadPoolExecutor(max_workers=max(1, args.lanes)) as pool:
         for future in [pool.submit(one, v) for v in ordered]:
             future.result()
@@ -704,7 +705,8 @@ def run_quality(args: QualityArgs) -> dict:
         "runs": results,
         "same_eval_tokens": {c: len(t) == 1 for c, t in tokens.items()},
         "eval_tokens": tokens,
-        "seconds": time.perf_counter() - start,
+        "seconds": time.perf_counter() - start,  # this invocation's: a resumed one did less
+        "resumed_runs": len(done),
         "prepare_seconds": prepare_seconds,
         "prepare": {
             k: {
@@ -715,6 +717,31 @@ def run_quality(args: QualityArgs) -> dict:
             for k, p in preps.items()
         },
     }
+
+
+def write_partial(path: Path, args: QualityArgs, results: list[dict]) -> None:
+    """The runs measured so far with the sizes that measured them, to a temporary name and renamed:
+    a benchmark stopped halfway (hours, for bench-long) resumes from here instead of from nothing."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"args": dataclasses.asdict(args), "runs": results}))
+    tmp.replace(path)
+
+
+def finished_runs(path: Path, args: QualityArgs, wanted: set[str]) -> list[dict]:
+    """The runs of an earlier, interrupted invocation worth keeping: only when every size was the
+    same (`args`, lanes and launcher aside: they change the time, not the numbers), only rows this
+    invocation wants, and never a failed one (it runs again)."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(saved, dict) or not isinstance(saved.get("runs"), list):
+        return []  # the old format (a bare list) carried no sizes: nothing to trust
+    same = ("lanes", "launcher")
+    now = {k: v for k, v in dataclasses.asdict(args).items() if k not in same}
+    if {k: v for k, v in (saved.get("args") or {}).items() if k not in same} != now:
+        return []
+    return [r for r in saved["runs"] if isinstance(r, dict) and r.get("run") in wanted and "failed" not in r]
 
 
 def _docs_per_path(manifest: dict) -> dict:
@@ -831,7 +858,7 @@ def plan_lines(args: QualityArgs) -> list[str]:
 def build_parser(prog: str = "python -m benchmarks.quality") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, every claims row: a smoke check in minutes")
-    parser.add_argument("--long", action="store_true", help="make bench-long's sizes: hidden 128, 24 rounds x H=25")
+    parser.add_argument("--long", action="store_true", help="bench-long: make bench's model, 24 rounds x H=25")
     parser.add_argument("--plan", action="store_true", help="print the rows and the estimated time, run nothing")
     for name, value in vars(QualityArgs()).items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
