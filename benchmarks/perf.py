@@ -5,7 +5,7 @@
   batches and steps, interleaved in one launched process (`benchmarks.perf_worker`), on the path
   `dipaco run` trains by default (its 2,048-token step); and model FLOP utilisation against an
   fp32 matmul measured in that process. Target >= 0.95x. Beside it, as a diagnostic, a small
-  path (hidden 128, 4 blocks: `make bench-long`'s claims path) at a 768-token step, where DeepSpeed's
+  path (hidden 128, 4 blocks) at a 768-token step, where DeepSpeed's
   fixed per-optimizer-step work (its flat
   gradient buffers, float64 norm, fp32 master copy) is a visible share of a step.
 - prepare: documents/s of the whole Beam job over the raw embedder on the same documents
@@ -430,7 +430,7 @@ def run_perf(args: argparse.Namespace) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # The small-step diagnostic runs on bench-long's claims path (hidden 128, 4 blocks, 768 tokens).
+    # The small-step diagnostic runs on a small path (hidden 128, 4 blocks, 768 tokens).
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=6)

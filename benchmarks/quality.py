@@ -50,8 +50,10 @@ not the steps but the runs: 54 trained runs in `make bench`'s claims suite, each
 start and an evaluation every round. `make bench` (the defaults: hidden 64, seq_len 128 x micro
 batch 4, 8 rounds x H=25 = 200 steps per worker, 3 seeds, the 9 compared rows on both corpora)
 plans ~36 min of quality within its 60 (perf ~8, chaos ~9: `python -m benchmarks.run --plan`);
-`make bench-long` (`--long`: hidden 128, micro batch 6, 24 rounds x H=25 = 600 steps per worker,
-the sweep and dipaco_4x4 too: 60 runs) plans ~207 min; `--quick` (every row, 2 seeds, tiny) ~8.
+`make bench-long` (`--long`: the same model and step, 24 rounds x H=25 = 600 steps per worker, plus
+the outer-lr sweep, plain averaging and dipaco_4x4 at seed 0: 62 runs) plans ~112 min; an
+interrupted run resumes from `quality.partial.json` when started again with the same sizes;
+`--quick` (every row, 2 seeds, tiny) ~8.
 """
 
 from __future__ import annotations

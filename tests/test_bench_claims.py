@@ -179,3 +179,26 @@ def test_the_report_renders_every_row_a_failed_one_and_the_targets():
     assert "| dense |" in text and "| diloco_m1 |" in text and "**failed**: wiki_pool_m4_s0: ConfigError" in text
     assert "| wiki | diloco_m1 <= dense (bits/byte) |" in text
     assert "crosses" not in text  # no extrapolation
+
+
+def test_an_interrupted_quality_run_keeps_only_measured_runs_of_the_same_sizes(tmp_path):
+    """bench-long takes about two hours: started again, it reuses what it measured, never a failed
+    run, nothing measured at other sizes, and nothing from a record that does not say its sizes."""
+    args = quality.QualityArgs(**{**quality.LONG, "out": str(tmp_path)})
+    partial = tmp_path / "quality.partial.json"
+    done = {"run": "wiki_dense_s0", "bits_per_byte": 2.4}
+    failed = {"run": "wiki_sync_m4_s0", "failed": "RuntimeError: killed"}
+    quality.write_partial(partial, args, [done, failed, {"run": "wiki_gone_s0", "bits_per_byte": 9.9}])
+    assert not list(tmp_path.glob("*.tmp"))
+    wanted = {"wiki_dense_s0", "wiki_sync_m4_s0"}
+
+    assert quality.finished_runs(partial, args, wanted) == [done]
+    more_lanes = quality.QualityArgs(**{**quality.LONG, "out": str(tmp_path), "lanes": 1})
+    assert quality.finished_runs(partial, more_lanes, wanted) == [done]  # lanes change the time only
+    bigger = quality.QualityArgs(**{**quality.LONG, "out": str(tmp_path), "hidden": 128})
+    assert quality.finished_runs(partial, bigger, wanted) == []
+    partial.write_text('[{"run": "wiki_dense_s0", "bits_per_byte": 2.4}]')  # the old format: no sizes
+    assert quality.finished_runs(partial, args, wanted) == []
+    partial.write_text('{"args": ')  # torn
+    assert quality.finished_runs(partial, args, wanted) == []
+    assert quality.finished_runs(tmp_path / "missing.json", args, wanted) == []
