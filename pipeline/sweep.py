@@ -10,12 +10,17 @@ predicted before it is trained (pipeline/scaling: the file, the fits, the plots,
       points/<point id>/          result.json (final bits per byte, perplexity, curve, timings), _SUCCESS:
                                   a committed point is never trained again
       holdout/<point id>/         --verify: the predicted point, trained, committed alike
+      queue/leases/point.r0.<id>/ each point's attempts: who trains it, how it ended (pipeline.scaling.point_queue)
       points.csv, fit.json, plots/*.png, mlflow.db, mlartifacts/, tracking.json, .lock
 
-Points run one after another, `lanes` at a time (threads, each calling stages.run, whose islands do
-the training): the sweep is a list of runs, not tasks on one set of islands. A crash or Ctrl-C loses
-at most the points in flight, which resume from their last committed round when the sweep runs again.
-The Airflow DAG dipaco_sweep calls the same functions (plan, start, prepare_data, run_point, finish).
+Points are leased tasks (pipeline.scaling.point_queue): `lanes` lanes (threads, each calling
+stages.run, whose islands do the training) claim them longest first, with the islands' leases, so
+whoever else trains points of this sweep (the DAG's mapped tasks, another host) never trains one
+twice, a holder that died is replaced once its lease expires, and a paused holder whose lease
+expired cannot commit over its successor. A crash or Ctrl-C loses at most the points in flight,
+which resume from their last committed round when the sweep runs again. The points are whole runs,
+each on its own islands, not tasks of one set of islands: a point's rounds are tasks there. The
+Airflow DAG dipaco_sweep calls the same functions (plan, start, prepare_data, train_point, finish).
 """
 
 from __future__ import annotations
@@ -29,15 +34,19 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline import preflight
+from pipeline.core.bounds import one_line
 from pipeline.core.config import Config
-from pipeline.core.errors import ConfigError, InputError
+from pipeline.core.errors import ConfigError, InputError, RunLockedError
+from pipeline.islands.task_queue import Lease
 from pipeline.run import Run
-from pipeline.scaling import laws, spec
+from pipeline.scaling import laws, point_queue, spec
+from pipeline.scaling.point_queue import PointQueue
 from pipeline.scaling.spec import Point, Sweep
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
@@ -124,9 +133,10 @@ def _link_or_copy(source: str, target: str) -> None:
 
 
 # -- one point ------------------------------------------------------------------------------------
-def run_point(sweep: Sweep, point: Point, kind: str = POINTS_DIR) -> dict:
+def run_point(sweep: Sweep, point: Point, kind: str = POINTS_DIR, lease: Lease | None = None) -> dict | None:
     """A point's run (stages.run on its own run root, from the shared data) and its committed
-    result; a committed point returns its result without training."""
+    result; a committed point returns its result without training. Under a `lease`, the lease is
+    re-checked right before committing: None when it was lost (another attempt owns the point)."""
     from pipeline import stages
 
     root, rel = RunRoot(sweep.sweep_root), f"{kind}/{point.id}"
@@ -148,6 +158,11 @@ def run_point(sweep: Sweep, point: Point, kind: str = POINTS_DIR) -> dict:
     started = time.time()
     summary = stages.run(run)
     result = point_result(point, summary, started, time.time())
+    if lease is not None and not lease.held():
+        log.warning("sweep: point %s: lost its lease while training; its successor commits it", point.id)
+        return None
+    if root.is_committed(rel):  # an attempt whose lease expired under it committed first: same run
+        return root.read_committed_json(rel, RESULT)
     root.write_json(f"{rel}/{RESULT}", result)
     root.commit(
         rel, info={"bits_per_byte": result["bits_per_byte"], "perplexity": result["perplexity"]}, files=[RESULT]
@@ -192,9 +207,55 @@ def committed_results(sweep: Sweep, points: list[Point]) -> list[dict]:
     ]
 
 
+def point_queue_of(sweep: Sweep, points: list[Point]) -> PointQueue:
+    """The sweep's point leases, timed by its first point's train.lease_seconds and max_attempts."""
+    return PointQueue(sweep.sweep_root, points[0].config, POINTS_DIR)
+
+
+def run_leased(sweep: Sweep, point: Point, lease: Lease) -> dict | None:
+    """A claimed point trained and committed, its lease ended with how it went: None when another
+    holder still runs it (its lease expired while it was paused) or took it over."""
+    try:
+        result = run_point(sweep, point, lease=lease)
+    except RunLockedError as exc:  # the earlier holder, paused past its lease, runs it still
+        lease.finish("released", reason=one_line(str(exc), 300))
+        log.warning("sweep: point %s: %s; waiting for it", point.id, one_line(str(exc), 300))
+        time.sleep(lease.queue.lease_seconds)
+        return None
+    except Exception as exc:
+        lease.finish("failed", error=one_line(f"{type(exc).__name__}: {exc}", 300))
+        raise
+    except BaseException:  # Ctrl-C: no failure, the next holder takes it at once
+        lease.finish("released", reason="interrupted")
+        raise
+    if result is None:
+        lease.finish("released", reason="lease lost before commit")
+        return None
+    lease.finish("done", seconds=round(result["seconds"], 3))
+    return result
+
+
+def train_point(sweep: Sweep, points: list[Point], point_id: str, island: str = "airflow") -> dict | None:
+    """One point under its lease (the DAG's mapped task): trained here, or the result another
+    holder committed while this one waited; None when it was given up (sweep.given_up says why)."""
+    queue, point = point_queue_of(sweep, points), next(p for p in points if p.id == point_id)
+    island_id = point_queue.new_island_id(island)
+    while True:
+        lease = point_queue.wait_for(queue, point.id, island, island_id)
+        if lease is None:
+            root = RunRoot(sweep.sweep_root)
+            rel = f"{POINTS_DIR}/{point.id}"
+            return root.read_committed_json(rel, RESULT) if root.is_committed(rel) else None
+        result = run_leased(sweep, point, lease)
+        if result is not None:
+            return result
+
+
 def train_points(sweep: Sweep, points: list[Point], tracker) -> dict:
-    """Every point not committed yet, `lanes` at a time; each logged as it commits."""
+    """Every point not committed yet, claimed under leases by `lanes` lanes; each logged as it commits."""
     root = RunRoot(sweep.sweep_root)
+    queue = point_queue_of(sweep, points)
+    ids = [p.id for p in points]
     todo = [p for p in points if not root.is_committed(f"{POINTS_DIR}/{p.id}")]
     lanes = _lanes(sweep, todo)
     log.info(
@@ -206,18 +267,52 @@ def train_points(sweep: Sweep, points: list[Point], tracker) -> dict:
     )
     if todo:
         prepare_data(sweep, todo)
+    by_id = {p.id: p for p in todo}
+    order = [p.id for p in sorted(todo, key=lambda p: -p.steps * p.N)]  # the longest first
+    logged = threading.Lock()
+    started = time.time()
+
+    def lane(index: int) -> int:
+        name, island_id = point_queue.island_name(index)
+        trained = 0
+        while True:
+            lease, waiting = queue.next_point(order, name, island_id)
+            if lease is None:
+                if not waiting:
+                    return trained
+                time.sleep(queue.poll_seconds())  # a holder elsewhere: it commits, or its lease expires
+                continue
+            point = by_id[lease.task.target]
+            result = run_leased(sweep, point, lease)
+            if result is not None:
+                trained += 1
+                with logged:
+                    tracker.log_point(point.summary(), result)
+
     if lanes == 1:
-        for point in todo:
-            tracker.log_point(point.summary(), run_point(sweep, point))
+        trained = lane(0)
     else:
         import torch
 
         torch.set_num_threads(1)  # this process's own evaluations beside the points' islands
         with ThreadPoolExecutor(max_workers=lanes) as pool:
-            futures = {pool.submit(run_point, sweep, p): p for p in sorted(todo, key=lambda p: -p.steps * p.N)}
-            for future in as_completed(futures):
-                tracker.log_point(futures[future].summary(), future.result())
-    return {"points": len(points), "trained": len(todo), "reused": len(points) - len(todo)}
+            trained = sum(f.result() for f in [pool.submit(lane, i) for i in range(lanes)])
+    given_up = queue.given_up_points(ids)
+    for entry in given_up:
+        log.warning(
+            "sweep: point %s given up after %d attempts (%s); to try it again: %s",
+            entry["point"],
+            entry["attempts"],
+            entry["error"],
+            entry["retry"],
+        )
+    return {
+        "points": len(points),
+        "trained": trained,
+        "reused": len(points) - len(todo),
+        "given_up": given_up,
+        "lanes": point_queue.lane_utilisation(queue, ids, lanes, started, time.time() - started) if todo else None,
+    }
 
 
 def _lanes(sweep: Sweep, todo: list[Point]) -> int:
@@ -480,6 +575,8 @@ def finish(
         "trained": counts.get("trained"),
         "reused": counts.get("reused", committed - (counts.get("trained") or 0)),
         "seconds": time.time() - counts["started_at"] if "started_at" in counts else None,
+        "given_up": counts.get("given_up") or [],
+        "lanes": counts.get("lanes"),
         "fit": fit,
         "fit_file": RunRoot(sweep.sweep_root).path(FIT_FILE),
     }

@@ -7,6 +7,8 @@ import dataclasses
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +19,8 @@ from pipeline import stages
 from pipeline import sweep as sweeps
 from pipeline.core.errors import ConfigError
 from pipeline.run import Run
-from pipeline.scaling import laws, spec
+from pipeline.scaling import laws, point_queue, spec
+from pipeline.scaling.report import format_report
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
@@ -236,6 +239,108 @@ def test_a_sweep_that_crashed_mid_point_resumes_without_retraining_committed_poi
     assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in runs if r is not parent)
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"points_table.json", "fit.json", "points.csv", "plots"} <= artifacts
+
+
+# -- points as leased tasks -------------------------------------------------------------------------
+def lease_records(sweep: spec.Sweep, point_id: str) -> list[dict]:
+    folder = RunRoot(sweep.sweep_root).local_path(f"queue/leases/point.r0.{point_id}")
+    return [
+        json.loads((folder / f"attempt-{n}.json").read_text()) for n in range(1, len(list(folder.glob("*.json"))) + 1)
+    ]
+
+
+def hand_made_attempt(sweep: spec.Sweep, point_id: str, number: int, **fields) -> None:
+    """An attempt another process wrote: a holder that died (running, beats that never change) or
+    one that failed."""
+    folder = RunRoot(sweep.sweep_root).local_path(f"queue/leases/point.r0.{point_id}")
+    folder.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    record = {"task": {"round": 0, "kind": "point", "target": point_id}, "island": "gone", "island_id": "gone-1"}
+    record |= {"claimed_at": now, "heartbeat": now, "beats": 0, "state": "running", **fields}
+    (folder / f"attempt-{number}.json").write_text(json.dumps(record))
+
+
+def test_a_dead_holders_point_is_taken_over_after_its_lease_and_a_live_one_is_waited_for(tmp_path):
+    path = sweep_file(tmp_path, {"algorithm": ["sync", "diloco"]}, set={**TINY, "train.lease_seconds": 1.0})
+    sweep, points = with_shards(path)
+    dead, live = points
+    hand_made_attempt(sweep, dead.id, 1)  # its holder was killed: the beats never change again
+    other = sweeps.point_queue_of(sweep, points)  # a second host training this sweep's points
+    held = other.claim(point_queue.point_task(live.id), "other-host")
+    assert held is not None
+    threading.Timer(3.0, held.finish, args=("released",), kwargs={"reason": "the other host stopped"}).start()
+
+    report = sweeps.command(path)
+    assert report["trained"] == 2
+    first, second = lease_records(sweep, dead.id)
+    assert (first["state"], first["beats"]) == ("running", 0) and second["state"] == "done"  # expired, then redone
+    assert second["island"] == "sweep-lane-0" and second["island_id"].startswith("sweep-lane-0-")
+    theirs, ours = lease_records(sweep, live.id)
+    assert theirs["state"] == "released" and theirs["beats"] >= 4  # it was alive: its beats went on
+    assert ours["state"] == "done" and ours["claimed_at"] >= theirs["finished_at"]  # never two holders at once
+    assert RunRoot(sweep.sweep_root).is_committed(f"points/{dead.id}")
+    lanes = report["lanes"]
+    assert lanes["lanes"] == 1 and lanes["busy_seconds"] == pytest.approx(second["seconds"] + ours["seconds"])
+    assert 0 < lanes["utilisation"] < 1  # it waited for the other host
+    assert "1 lane(s) busy" in format_report(report)
+
+
+def test_the_dags_train_point_waits_for_the_live_holder_and_returns_what_it_committed(tmp_path):
+    """A retried or duplicate DAG task for a point that another live process trains: it trains
+    nothing beside it, and returns the result that process commits."""
+    path = sweep_file(tmp_path, {"algorithm": ["diloco"]}, set={**TINY, "train.lease_seconds": 1.0})
+    sweep, points = with_shards(path)
+    (point,) = points
+    held = sweeps.point_queue_of(sweep, points).claim(point_queue.point_task(point.id), "cli-lane")
+    returned = []
+    waiter = threading.Thread(target=lambda: returned.append(sweeps.train_point(sweep, points, point.id)))
+    waiter.start()
+    result = sweeps.run_point(sweep, point, lease=held)  # the holder trains (this thread: in-process islands)
+    held.finish("done", seconds=result["seconds"])
+    waiter.join(timeout=30)
+    assert returned == [result]
+    assert [r["island"] for r in lease_records(sweep, point.id)] == ["cli-lane"]  # the waiter claimed nothing
+
+
+def test_a_holder_that_lost_its_lease_while_paused_commits_nothing_and_its_successor_does(tmp_path, monkeypatch):
+    settings = {**TINY, "train.lease_seconds": 1.0, "train.max_attempts": 5}
+    path = sweep_file(tmp_path, {"algorithm": ["diloco"]}, set=settings)
+    sweep, (point,) = with_shards(path)
+    real_run, calls = stages.run, []
+
+    def paused_past_its_lease(run, rounds=None):
+        summary = real_run(run, rounds)
+        calls.append(run.config.run_root)
+        if len(calls) == 1:  # while it "slept", a reader expired it and another host claimed attempt 2
+            hand_made_attempt(sweep, point.id, 2, island="successor")
+        return summary
+
+    monkeypatch.setattr(stages, "run", paused_past_its_lease)
+    report = sweeps.command(path)
+    records = lease_records(sweep, point.id)
+    assert [r["island"] for r in records] == ["sweep-lane-0", "successor", "sweep-lane-0"]
+    assert records[0]["state"] == "running" and records[2]["state"] == "done"  # the zombie wrote no outcome
+    assert len(calls) == 2 and report["trained"] == 1
+    committed = RunRoot(sweep.sweep_root).read_committed_json(f"points/{point.id}", "result.json")
+    assert committed["started_at"] >= records[2]["claimed_at"]  # the result is the successor's
+
+
+def test_a_point_given_up_is_named_the_fit_goes_on_and_clearing_its_leases_retries_it(tmp_path):
+    path = sweep_file(tmp_path, {"algorithm": ["sync", "diloco"]})
+    sweep, (broken, fine) = with_shards(path)
+    for n in (1, 2):  # train.max_attempts (2) failures elsewhere
+        hand_made_attempt(sweep, broken.id, n, state="failed", error="RuntimeError: out of memory")
+    report = sweeps.command(path)
+    root = RunRoot(sweep.sweep_root)
+    assert not root.is_committed(f"points/{broken.id}") and root.is_committed(f"points/{fine.id}")
+    (given_up,) = report["given_up"]
+    assert given_up["point"] == broken.id and given_up["error"] == "RuntimeError: out of memory"
+    assert report["fit"]["sweep"]["committed"] == 1
+    assert f"point {broken.id} given up after 2 attempts" in format_report(report)
+
+    subprocess.run(given_up["retry"], shell=True, check=True)  # the command the report prints
+    report = sweeps.command(path)
+    assert report["trained"] == 1 and report["given_up"] == [] and root.is_committed(f"points/{broken.id}")
 
 
 def test_predict_gives_an_interval_and_verify_records_the_holdout_error(tmp_path):

@@ -6,8 +6,10 @@ calls (pipeline.sweep), so a DAG run and `dipaco sweep` train, fit and log the s
 `plan` reads the sweep file (every point built and checked), writes sweep.json, starts the sweep's
 MLflow run and prepares the shared data once per data, router and tokenizer config. `train_point`
 is mapped over the point ids, each shown by its id: one normal run (stages.run, on its own islands)
-per task, committed under points/<id>/; a committed point returns its result without training, so
-clearing or rerunning the DAG resumes the sweep. `fit` fits the laws, writes fit.json, the plots and
+per task, claimed under the point's lease (pipeline.scaling.point_queue: a retry of a task whose
+first try still runs somewhere waits for it instead of training beside it) and committed under
+points/<id>/; a committed point returns its result without training, so clearing or rerunning the
+DAG resumes the sweep. `fit` fits the laws, writes fit.json, the plots and
 points.csv, logs it all to MLflow and returns the report `dipaco sweep` prints.
 
 The sweep file is the deployer's ($DIPACO_SWEEP, default configs/sweep.yaml), never a trigger's; a
@@ -52,7 +54,9 @@ def train_point(point_id: str, params: dict | None = None) -> dict:
     from pipeline import sweep
 
     spec, points = _plan(bool(params["quick"]))
-    result = sweep.run_point(spec, next(p for p in points if p.id == point_id))
+    result = sweep.train_point(spec, points, point_id)
+    if result is None:
+        raise RuntimeError(f"sweep point {point_id} was given up after train.max_attempts failed attempts")
     return {
         "id": result["id"],
         "N": result["N"],

@@ -12,8 +12,18 @@ def format_report(report: dict) -> str:
         else f", {fit['sweep']['committed']} committed"
     )
     took = f"; {report['seconds'] / 60:.1f} min" if report["seconds"] is not None else ""
+    lanes = report.get("lanes") or {}
+    busy = (
+        f"; {lanes['lanes']} lane(s) busy {lanes['utilisation']:.0%} of the time"
+        if lanes.get("utilisation") is not None
+        else ""
+    )
     lines = [
-        f"dipaco sweep: {report['sweep_root']}: {report['points']} point(s){trained}{took}",
+        f"dipaco sweep: {report['sweep_root']}: {report['points']} point(s){trained}{took}{busy}",
+        *(
+            f"point {g['point']} given up after {g['attempts']} attempts ({g['error']}); to try it again: {g['retry']}"
+            for g in report.get("given_up") or []
+        ),
         "held-out bits per byte of the last round against N (non-embedding parameters of a path), best point "
         "at each size; L(N) = A * N^-alpha + E, 95% bootstrap intervals:",
     ]
