@@ -269,13 +269,20 @@ def train_points(sweep: Sweep, points: list[Point], tracker) -> dict:
         prepare_data(sweep, todo)
     by_id = {p.id: p for p in todo}
     order = [p.id for p in sorted(todo, key=lambda p: -p.steps * p.N)]  # the longest first
-    logged = threading.Lock()
+    logged, stop = threading.Lock(), threading.Event()
     started = time.time()
 
     def lane(index: int) -> int:
+        try:
+            return claim_and_train(index)
+        except BaseException:
+            stop.set()  # a point failed, or Ctrl-C: no lane claims another; those in flight end
+            raise
+
+    def claim_and_train(index: int) -> int:
         name, island_id = point_queue.island_name(index)
         trained = 0
-        while True:
+        while not stop.is_set():
             lease, waiting = queue.next_point(order, name, island_id)
             if lease is None:
                 if not waiting:
@@ -288,6 +295,7 @@ def train_points(sweep: Sweep, points: list[Point], tracker) -> dict:
                 trained += 1
                 with logged:
                     tracker.log_point(point.summary(), result)
+        return trained
 
     if lanes == 1:
         trained = lane(0)
@@ -296,7 +304,12 @@ def train_points(sweep: Sweep, points: list[Point], tracker) -> dict:
 
         torch.set_num_threads(1)  # this process's own evaluations beside the points' islands
         with ThreadPoolExecutor(max_workers=lanes) as pool:
-            trained = sum(f.result() for f in [pool.submit(lane, i) for i in range(lanes)])
+            futures = [pool.submit(lane, i) for i in range(lanes)]
+            try:
+                trained = sum(f.result() for f in futures)
+            except BaseException:  # Ctrl-C reaches this thread only: the lanes stop claiming
+                stop.set()
+                raise
     given_up = queue.given_up_points(ids)
     for entry in given_up:
         log.warning(

@@ -325,6 +325,34 @@ def test_a_holder_that_lost_its_lease_while_paused_commits_nothing_and_its_succe
     assert committed["started_at"] >= records[2]["claimed_at"]  # the result is the successor's
 
 
+def test_when_a_point_fails_no_lane_claims_another(tmp_path, monkeypatch):
+    """Two lanes: the first point claimed fails; the lane beside it finishes its own point and
+    claims nothing more, so the error surfaces instead of the sweep running on. (stages.run is
+    replaced: this is the error path of the lanes, not training.)"""
+    settings = {**TINY, "train.launcher": "deepspeed"}  # not in-process: two lanes
+    path = sweep_file(tmp_path, {"model.hidden_size": [16, 24, 32]}, set=settings, lanes=2)
+    sweep, points = with_shards(path)
+    first_claimed = max(points, key=lambda p: p.steps * p.N)  # the lanes take the longest first
+
+    def failing_run(run, rounds=None):
+        if run.config.run_root == first_claimed.config.run_root:
+            time.sleep(0.5)  # the other lane has claimed its own point by now
+            raise RuntimeError("injected: out of memory")
+        time.sleep(2.0)  # the other lane's point, still running when the first fails, then done
+        return {"eval": {1: {"bits_per_byte": 3.0, "perplexity": 8.0}}}
+
+    monkeypatch.setattr(stages, "run", failing_run)
+    with pytest.raises(RuntimeError, match="injected"):
+        sweeps.command(path)
+    leases = RunRoot(sweep.sweep_root).local_path("queue/leases")
+    claimed = sorted(d.name.removeprefix("point.r0.") for d in leases.iterdir())
+    assert len(claimed) == 2 and first_claimed.id in claimed  # the third point was never claimed
+    (other,) = [c for c in claimed if c != first_claimed.id]
+    assert lease_records(sweep, other)[0]["state"] == "done"  # the point in flight ended as it should
+    (failed,) = lease_records(sweep, first_claimed.id)  # one attempt: not tried again beside the error
+    assert failed["state"] == "failed" and failed["error"] == "RuntimeError: injected: out of memory"
+
+
 def test_a_point_given_up_is_named_the_fit_goes_on_and_clearing_its_leases_retries_it(tmp_path):
     path = sweep_file(tmp_path, {"algorithm": ["sync", "diloco"]})
     sweep, (broken, fine) = with_shards(path)
