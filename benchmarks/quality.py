@@ -51,7 +51,8 @@ start and an evaluation every round. `make bench` (the defaults: hidden 64, seq_
 batch 4, 8 rounds x H=25 = 200 steps per worker, 3 seeds, the 9 compared rows on both corpora)
 plans ~36 min of quality within its 60 (perf ~8, chaos ~9: `python -m benchmarks.run --plan`);
 `make bench-long` (`--long`: the same model and step, 24 rounds x H=25 = 600 steps per worker, plus
-the outer-lr sweep, plain averaging and dipaco_4x4 at seed 0: 62 runs) plans ~112 min; an
+the outer-lr sweep, plain averaging and dipaco_4x4 at seed 0: 62 runs) plans ~112 min and took
+132 on 2026-11-26 (the model undercounts 24 evaluations a run); an
 interrupted run resumes from `quality.partial.json` when started again with the same sizes;
 `--quick` (every row, 2 seeds, tiny) ~8.
 """
