@@ -159,6 +159,9 @@ def malformed(record: dict) -> str | None:
 class TaskQueue:
     """Readiness from the layout, claims and leases from `queue/leases/`."""
 
+    # Kinds given up after train.max_attempts failed attempts; the others are tried until done.
+    limited_kinds: tuple[str, ...] = ("train",)
+
     def __init__(self, root: RunRoot, config: Config):
         self.root, self.config = root, config
         self.grid = config.model.grid
@@ -258,7 +261,7 @@ class TaskQueue:
         attempts = self.attempts(task)
         if any(a.live or a.state == "done" for a in attempts) or self.output_committed(task):
             return None
-        if task.kind == "train" and not self.allowed.may_try_again(self._failures(attempts)):
+        if task.kind in self.limited_kinds and not self.allowed.may_try_again(self._failures(attempts)):
             return None
         return self._create_attempt(task, attempts, island, island_id)
 

@@ -36,18 +36,14 @@ def point_task(point_id: str) -> Task:
 class PointQueue(TaskQueue):
     """The claims and leases of a sweep's points; readiness is simply "not committed"."""
 
+    limited_kinds = (KIND,)
+
     def __init__(self, sweep_root: str, config: Config, points_dir: str):
         super().__init__(RunRoot(sweep_root), config)
         self.points_dir = points_dir
 
     def output_committed(self, task: Task) -> bool:
         return task.kind == KIND and self.root.is_committed(f"{self.points_dir}/{task.target}")
-
-    def claim(self, task: Task, island: str, island_id: str | None = None) -> Lease | None:
-        """The next attempt of a point, or None when it is held, committed or given up."""
-        if task.kind == KIND and self.given_up(task):
-            return None
-        return super().claim(task, island, island_id)
 
     def held_elsewhere(self, task: Task) -> bool:
         """A live attempt that this process may wait for: it commits or its lease expires."""
@@ -59,9 +55,9 @@ class PointQueue(TaskQueue):
         waiting = False
         for point_id in point_ids:
             task = point_task(point_id)
-            if self.output_committed(task) or self.given_up(task):
+            if self.output_committed(task):
                 continue
-            lease = self.claim(task, island, island_id)
+            lease = self.claim(task, island, island_id)  # None when held, or given up
             if lease is not None:
                 return lease, True
             waiting = waiting or self.held_elsewhere(task)
@@ -98,12 +94,11 @@ def wait_for(queue: PointQueue, point_id: str, island: str, island_id: str) -> L
     """Claim one point, waiting while a live holder elsewhere has it: None once it is committed
     (by that holder) or given up. The dipaco_sweep DAG's mapped tasks train through this."""
     task = point_task(point_id)
-    while not queue.output_committed(task) and not queue.given_up(task):
-        lease = queue.claim(task, island, island_id)
-        if lease is not None:
-            return lease
+    while (lease := queue.claim(task, island, island_id)) is None:
+        if queue.output_committed(task) or queue.given_up(task):
+            return None
         time.sleep(queue.poll_seconds())
-    return None
+    return lease
 
 
 def lane_utilisation(queue: PointQueue, point_ids: list[str], lanes: int, since: float, seconds: float) -> dict:
