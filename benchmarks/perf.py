@@ -77,6 +77,7 @@ def trainer_throughput(
 ) -> dict:
     """Launch the worker exactly as a path job is launched (deepspeed launcher, OMP threads set)."""
     set_runtime_env()
+    OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / f"{name}.json"
     out.unlink(missing_ok=True)
     threads = max(1, (os.cpu_count() or 1) // args.procs)

@@ -92,19 +92,37 @@ def load_rows(data_glob: str, n_docs: int, seq_len: int) -> np.ndarray:
 TORCH_LINEAR = torch.nn.functional.linear
 
 
+def bench_device() -> torch.device:
+    """Where every mode trains: the CUDA device of this rank under DS_ACCELERATOR=cuda, else the CPU."""
+    if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device | None) -> None:
+    """Wait for the device's queued kernels: a CUDA block's time is its kernels' time, not its launches'.
+    (DeepSpeed's CPU accelerator may leave an engine's device None.)"""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class PlainLoop:
     """The reference: what a user writes in PyTorch, with the trainer's schedule and clipping."""
 
     linear = staticmethod(TORCH_LINEAR)
 
     def __init__(self, model: torch.nn.Module, config: Config, world: int):
-        self.model = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        self.device = bench_device()
+        model = model.to(self.device)
+        ddp_devices = [self.device.index] if self.device.type == "cuda" else None
+        self.model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ddp_devices) if world > 1 else model
         self.optimizer = adamw_for(model, config.train)
         self.config = config
 
     def run(self, stream: RowStream, round_index: int, rank: int, world: int) -> float:
         """`inner_steps` steps at the same global steps the trainer would take; returns seconds."""
         train = self.config.train
+        synchronize(self.device)
         start = time.perf_counter()
         for step in range(train.inner_steps):
             global_step = round_index * train.inner_steps + step
@@ -114,13 +132,14 @@ class PlainLoop:
             accum = train.gradient_accumulation_steps
             for micro in range(accum):
                 first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, accum, world)
-                inputs, labels = stream.micro_batch(first, train.micro_batch_size)  # (B, T)
+                inputs, labels = (t.to(self.device) for t in stream.micro_batch(first, train.micro_batch_size))
                 with autocast(train.precision):  # what DeepSpeed's torch_autocast block does around the forward
                     logits = self.model(input_ids=inputs).logits
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
                 (loss / accum).backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
             self.optimizer.step()
+        synchronize(self.device)
         return time.perf_counter() - start
 
 
@@ -137,8 +156,10 @@ class TrainerLoop:
 
     def run(self, stream: RowStream, round_index: int, rank: int, world: int) -> float:
         if not self.bare:
+            synchronize(self.engine.device)  # the loop synchronizes before it reads its own clock
             return run_inner_loop(self.engine, stream, self.config, round_index, rank, world)["seconds"]
         train = self.config.train
+        synchronize(self.engine.device)
         start = time.perf_counter()
         for step in range(train.inner_steps):  # the trainer's loop minus the per-step all_reduce/log
             global_step = round_index * train.inner_steps + step
@@ -147,30 +168,41 @@ class TrainerLoop:
             accum = train.gradient_accumulation_steps
             for micro in range(accum):
                 first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, accum, world)
-                inputs, labels = stream.micro_batch(first, train.micro_batch_size)
+                inputs, labels = (t.to(self.engine.device) for t in stream.micro_batch(first, train.micro_batch_size))
                 loss = F.cross_entropy(self.engine(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
                 self.engine.backward(loss)
                 self.engine.step()  # steps the optimizer at the accumulation boundary only
+        synchronize(self.engine.device)
         return time.perf_counter() - start
 
 
 def autocast(precision: str):
     """torch.autocast for bf16/fp16 (DeepSpeed's torch_autocast runs the engine's forward in one)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    device = "cuda" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") == "cuda" else "cpu"
-    return torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None)
+    return torch.autocast(bench_device().type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
-def matmul_flops(size: int = 1024, repeats: int = 20) -> float:
-    """fp32 FLOP/s of a square matmul on this process's threads: the MFU denominator."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+MATMUL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def matmul_flops(precision: str = "fp32", repeats: int = 20) -> float:
+    """FLOP/s of a square matmul where the modes train: the MFU denominator, measured, not a data
+    sheet's. On the CPU an fp32 1024² product on this process's threads (the CPU rows train fp32
+    matmuls, or bf16 ones where measured faster); on CUDA a 8192² product in the training precision
+    (bf16 on an H100: ~790 TFLOP/s), the tensor cores' rate the model's matmuls could reach."""
+    device = bench_device()
+    size = 8192 if device.type == "cuda" else 1024
+    dtype = MATMUL_DTYPES[precision] if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     for _ in range(3):
         a @ b
     best = float("inf")
     for _ in range(3):
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(repeats):
             a @ b
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 * repeats / best
 
@@ -217,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "plain"
             else TrainerLoop(model, config, int(mode[4]), world, bare=mode.endswith("bare"))
         )
-    peak = [matmul_flops()]
+    peak = [matmul_flops(args.precision)]
     seconds: dict[str, list[float]] = {mode: [] for mode in loops}
     order = list(loops)
     for rep in range(args.reps + 1):  # rep 0 is the warm-up block
@@ -231,13 +263,14 @@ def main(argv: list[str] | None = None) -> int:
             elapsed = loops[mode].run(stream, rep, rank, world)
             if rep:
                 seconds[mode].append(elapsed)
-    peak.append(matmul_flops())
+    peak.append(matmul_flops(args.precision))
     tokens = args.steps * args.accum * args.micro_batch * args.seq_len * world
     flops_token = model_flops_per_token(build_path_model(shape), shape)
     result = {
         "world_size": world,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "device": torch.cuda.get_device_name() if bench_device().type == "cuda" else "cpu",
         "tokens_per_block": tokens,
         "steps_per_block": args.steps,
         "reps": args.reps,

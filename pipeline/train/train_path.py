@@ -303,6 +303,8 @@ def run_inner_loop(
             )
         if checkpoint is not None and (step + 1) % train.checkpoint_every == 0 and step + 1 < train.inner_steps:
             checkpoint(step + 1, losses, lrs)  # collective
+    if losses.device.type == "cuda":  # kernels run behind the host: the loop's seconds are the kernels'
+        torch.cuda.synchronize(losses.device)
     seconds = time.perf_counter() - start
     dist.all_reduce(losses)  # the one sync point of the loop: the island's mean loss per step
     tokens = (
