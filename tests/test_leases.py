@@ -203,6 +203,43 @@ def test_a_stragglers_task_is_completed_by_a_backup_attempt(run_root):
     assert straggler.cancelled.wait(1.0)  # its next heartbeat saw the committed output
     straggler.finish("cancelled")
     assert not queue.given_up(straggler.task)
+    # the trainer heartbeats its steps into the lease (what the progress rule below reads)
+    assert queue.attempts(Task.of("train", 0, "p0"))[0].record["step"] == 3
+
+
+def test_a_backup_starts_as_soon_as_a_holders_reported_steps_show_it_is_a_straggler(run_root):
+    """LATE's rule: no waiting out backup_after x the median when the heartbeated steps already
+    project a late finish, and no backup of a holder whose steps keep its peers' pace."""
+    config = tiny_config(
+        run_root,
+        "model.grid=[2]",
+        "model.blocks_per_level=[1]",
+        "train.inner_steps=100",
+        "train.lease_seconds=0.4",
+        "train.backup_after=1.5",
+        "train.checkpoint_every=25",
+    )
+    root = stages.init_run(Run(config))
+    write_plan(root, 1)
+    queue = TaskQueue(root, config)
+    peer = queue.claim(Task.of("train", 0, "p0"), "peer")
+    peer.finish("done", seconds=10.0, inner_seconds=9.0)  # the round's median: 10 s, 0.09 s a step
+    holder = queue.claim(Task.of("train", 0, "p1"), "holder")
+
+    def reported(step: int, inner_s: float) -> None:
+        holder.report_step(step, 0, inner_s)
+        wait_for(lambda: queue.attempts(holder.task)[0].record.get("step") == step, 5, "a heartbeat")
+
+    reported(5, 0.5)  # a twentieth of the steps: too few to tell a rate from the first steps' warm-up
+    assert queue.claim_backup(holder.task, "idle") is None
+    reported(50, 4.5)  # its peers' pace: finishes in ~4.5 s
+    assert queue.claim_backup(holder.task, "idle") is None
+    reported(60, 24.0)  # 0.4 s a step: 16 s more, a backup from step 50 takes 1 + 50 x 0.09 = 5.5 s
+    backup = queue.claim_backup(holder.task, "idle")
+    assert backup is not None and backup.record["backup"] and backup.number == 2
+    assert queue.attempts(holder.task)[0].running_for < 1.5 * 10.0  # sooner than the elapsed-time rule
+    backup.finish("released")
+    holder.finish("released")
 
 
 @pytest.mark.slow  # ~15 s: a real trainer process killed mid-task, and two in-process runs

@@ -189,6 +189,7 @@ def run_task(
             attempt=f"attempt-{attempt}" if attempt else None,
             may_publish=lease.held if lease is not None else None,
             should_stop=stop,
+            on_step=lease.report_step if lease is not None else None,
         )
         return {
             "inner_started_at": metrics["started_at"],

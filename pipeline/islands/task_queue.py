@@ -23,8 +23,9 @@ expired attempts a train task is given up and its round merges without it, as be
 A lease record that is not what a holder writes (broken JSON, a heartbeat that is not a number)
 counts as a failed attempt, with one warning naming the file. `train.backup_after` lets an idle
 island start a backup attempt of a train task that has run that many times longer than the
-median finished train task of its round (MapReduce's backup tasks); the first to publish wins,
-the other is cancelled at its next heartbeat.
+median finished train task of its round (MapReduce's backup tasks), or sooner when the steps its
+holder heartbeats project a finish that late and a backup from the newest mid-task checkpoint would
+finish first (LATE); the first to publish wins, the other is cancelled at its next heartbeat.
 """
 
 from __future__ import annotations
@@ -156,6 +157,28 @@ def malformed(record: dict) -> str | None:
     return None
 
 
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def step_progress(record: dict) -> tuple[int, int, float] | None:
+    """(step, from_step, inner_s) as a holder heartbeats them (Lease.report_step), or None when the
+    record has none or they are not what a holder writes (then only the elapsed-time rule applies)."""
+    step, from_step, inner_s = record.get("step"), record.get("from_step", 0), record.get("inner_s")
+    if type(step) is not int or type(from_step) is not int or not _finite(inner_s):
+        return None
+    return step, from_step, float(inner_s)
+
+
+@dataclass(frozen=True)
+class TaskTimes:
+    """A round's finished train attempts (medians): what a backup started now would take."""
+
+    seconds: float  # a whole attempt, claim to finish
+    step_seconds: float  # one inner step
+    overhead: float  # the rest: engine build, loading, publishing
+
+
 class TaskQueue:
     """Readiness from the layout, claims and leases from `queue/leases/`."""
 
@@ -184,7 +207,7 @@ class TaskQueue:
         # rel -> (the holder's last beat token, monotonic time this reader first saw it, first seen running)
         self._seen: dict[str, tuple[tuple, float, float]] = {}
         self._warned: set[str] = set()
-        self._medians: dict[int, float | None] = {}
+        self._medians: dict[int, TaskTimes | None] = {}
         self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
         self._shards_ready: set[str] = set()
 
@@ -266,8 +289,14 @@ class TaskQueue:
         return self._create_attempt(task, attempts, island, island_id)
 
     def claim_backup(self, task: Task, island: str, island_id: str | None = None) -> "Lease | None":
-        """A backup attempt of a train task whose one live attempt has run `train.backup_after` times
-        longer than the median finished train task of its round (as this reader measured it)."""
+        """A backup attempt of a train task whose one live attempt is a straggler, judged against
+        the finished train tasks of its round (`backup_after`, a multiple of their median time):
+
+        - it has run `backup_after` x the median (MapReduce's rule: it needs no progress report);
+        - or, sooner, its heartbeated progress projects a finish beyond `backup_after` x the median,
+          and a backup started now, from the newest mid-task checkpoint at the peers' step rate, is
+          expected to finish first (LATE's rule, Zaharia et al. 2008): a quarter-speed island is
+          recognised at the first idle island's poll instead of 1.2 task-times later."""
         if self.backup_after is None or task.kind != "train" or self.output_committed(task):
             return None
         attempts = self.attempts(task)
@@ -275,37 +304,70 @@ class TaskQueue:
         if len(live) != 1 or live[0].backup or any(a.state == "done" for a in attempts):
             return None
         if task.round not in self._medians:  # once per next_claim: it reads every attempt of the round
-            self._medians[task.round] = self.median_task_seconds(task.round)
-        median = self._medians[task.round]
-        if median is None or live[0].running_for <= self.backup_after * median:
+            self._medians[task.round] = self.round_task_times(task.round)
+        peers = self._medians[task.round]
+        if peers is None:
+            return None
+        why = self._straggling(live[0], peers)
+        if why is None:
             return None
         lease = self._create_attempt(task, attempts, island, island_id, backup=True)
         if lease is not None:
-            log.info(
-                "%s: backup attempt %d beside attempt %d (running %.1f s, round median %.1f s)",
-                task.name,
-                lease.number,
-                live[0].number,
-                live[0].running_for,
-                median,
-            )
+            log.info("%s: backup attempt %d beside attempt %d (%s)", task.name, lease.number, live[0].number, why)
         return lease
+
+    def _straggling(self, attempt: Attempt, peers: "TaskTimes") -> str | None:
+        """Why `attempt` deserves a backup now (for the log), or None."""
+        limit = self.backup_after * peers.seconds
+        if attempt.running_for > limit:
+            return f"running {attempt.running_for:.1f} s, round median {peers.seconds:.1f} s"
+        progress = step_progress(attempt.record)
+        if progress is None:
+            return None
+        step, from_step, inner_s = progress
+        steps = self.config.train.inner_steps
+        # A rate from fewer than a tenth of the steps is mostly the first steps' warm-up.
+        if step - from_step < max(1, steps // 10) or step >= steps or inner_s <= 0:
+            return None
+        remaining = (steps - step) * inner_s / (step - from_step)  # at its own rate so far
+        every = self.config.train.checkpoint_every
+        resume_from = step - step % every if every else 0  # the newest checkpoint a backup could load
+        backup = peers.overhead + (steps - resume_from) * peers.step_seconds
+        if attempt.running_for + remaining <= limit or remaining <= backup:
+            return None
+        return (
+            f"at step {step}/{steps} after {attempt.running_for:.1f} s, projected to finish in {remaining:.1f} s; "
+            f"a backup from step {resume_from}: ~{backup:.1f} s (round median {peers.seconds:.1f} s)"
+        )
 
     def median_task_seconds(self, round_index: int) -> float | None:
         """Median seconds (each holder's own measure) of round r's finished train attempts that ran
         every step (one resumed from a mid-task checkpoint ran fewer, and would make peers look slow)."""
-        seconds = []
+        times = self.round_task_times(round_index)
+        return None if times is None else times.seconds
+
+    def round_task_times(self, round_index: int) -> "TaskTimes | None":
+        """What round r's finished train attempts that ran every step took (None: none yet)."""
+        seconds, step_seconds, overhead = [], [], []
+        steps = self.config.train.inner_steps
         for job in self.jobs_of(round_index):
             for attempt in self.attempts(Task.of("train", round_index, job)):
-                value = attempt.record.get("seconds")
-                if (
-                    attempt.state == "done"
-                    and not attempt.record.get("resumed_from_step")
-                    and isinstance(value, (int, float))
-                    and math.isfinite(value)
-                ):
-                    seconds.append(float(value))
-        return statistics.median(seconds) if seconds else None
+                record = attempt.record
+                total, inner = record.get("seconds"), record.get("inner_seconds")
+                if attempt.state != "done" or record.get("resumed_from_step") or not _finite(total):
+                    continue
+                seconds.append(float(total))
+                if _finite(inner) and 0 < inner <= total:
+                    step_seconds.append(float(inner) / steps)
+                    overhead.append(float(total) - float(inner))
+        if not seconds:
+            return None
+        median = statistics.median(seconds)
+        return TaskTimes(
+            seconds=median,
+            step_seconds=statistics.median(step_seconds) if step_seconds else median / steps,
+            overhead=statistics.median(overhead) if overhead else 0.0,
+        )
 
     def _create_attempt(
         self, task: Task, attempts: list[Attempt], island: str, island_id: str | None, backup: bool = False
@@ -498,7 +560,7 @@ class TaskQueue:
     def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
         """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler."""
         ready = self.ready(until_round)
-        self._medians: dict[int, float | None] = {}
+        self._medians: dict[int, TaskTimes | None] = {}
         for task in ready:
             lease = self.claim(task, island, island_id)
             if lease is not None:
@@ -523,6 +585,7 @@ class Lease:
         self.lost = threading.Event()
         self.cancelled = threading.Event()
         self._claimed = time.monotonic()
+        self._progress: dict = {}  # the trainer's last step report, written with the next beat
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._beat, daemon=True, name=f"lease-{task.name}")
@@ -543,6 +606,7 @@ class Lease:
                     beats=int(self.record.get("beats", 0)) + 1,
                     heartbeat=time.time() + self.queue.clock_offset,
                     running_s=round(time.monotonic() - self._claimed, 3),
+                    **self._progress,
                 )
                 delay, last_ok, failures = interval, time.monotonic(), 0
             except (DipacoError, StorageError, OSError) as exc:
@@ -560,6 +624,12 @@ class Lease:
                 # failures in a row cost under half a lease.
                 delay = min(interval, interval / 10 * 2 ** (failures - 1))
                 log.warning("heartbeat of %s failed (%s); retrying in %.2f s", self.task.name, exc, delay)
+
+    def report_step(self, step: int, from_step: int, inner_s: float) -> None:
+        """The trainer's progress (steps done, the step it resumed from, its inner loop's seconds
+        on its own monotonic clock), beaten into the record: a reader estimates from it when this
+        attempt will finish (TaskQueue.claim_backup). Called every step: a dict swap, no I/O."""
+        self._progress = {"step": step, "from_step": from_step, "inner_s": round(inner_s, 3)}
 
     def _superseded(self) -> bool:
         """A later attempt that is not a backup of this one exists: a reader expired this one."""
@@ -591,7 +661,7 @@ class Lease:
             try:
                 if self._superseded():
                     return
-                self._write(state=state, finished_at=time.time() + self.queue.clock_offset, **fields)
+                self._write(state=state, finished_at=time.time() + self.queue.clock_offset, **self._progress, **fields)
                 return
             except (DipacoError, StorageError, OSError) as exc:
                 log.warning("recording %s of %s failed (%s); retrying", state, self.task.name, exc)

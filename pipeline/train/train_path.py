@@ -94,6 +94,11 @@ def worker_documents(
     return [tokens for (_, tokens), label in zip(rows, labels) if label == worker]
 
 
+# (steps done, the step this attempt started from, seconds of its inner loop so far): what a lease
+# heartbeats so that an idle island can tell a straggler from a long task (TaskQueue.claim_backup).
+StepReport = Callable[[int, int, float], None]
+
+
 class AttemptCancelled(Exception):
     """This attempt stopped early: another attempt's output is committed, or its lease was lost."""
 
@@ -105,6 +110,7 @@ def train_path(
     attempt: str | None = None,
     may_publish: Callable[[], bool] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_step: StepReport | None = None,
 ) -> dict:
     """Run on every rank of the island; returns the job's metrics (committed by rank 0), with
     `published` (rank 0: whether this attempt's output is the one committed).
@@ -112,7 +118,8 @@ def train_path(
     `path_id` is a job id: the path, or `<path>.w<k>` for DiLoCo worker k of the path. `attempt`
     names this attempt's staging directory (an island's lease number; default: one per launch),
     `may_publish` re-checks on rank 0, right before publishing, that the lease is still held;
-    `should_stop` (given on every rank or none) ends the attempt early with AttemptCancelled."""
+    `should_stop` (given on every rank or none) ends the attempt early with AttemptCancelled;
+    `on_step` (rank 0's lease) hears of every step done, for the backup estimate."""
     root = RunRoot(config.run_root)
     workers = config.train.workers_per_path
     try:
@@ -163,6 +170,7 @@ def train_path(
             should_stop,
             progress,
             checkpoint if train.checkpoint_every else None,
+            on_step,
         )
         # What a task spends besides its inner loop (the island's lease adds the commit after it).
         metrics["setup_seconds"] = {"load": loaded - began, "engine": built - loaded}
@@ -255,6 +263,7 @@ def run_inner_loop(
     should_stop: Callable[[], bool] | None = None,
     progress: dict | None = None,
     checkpoint: Callable[[int, torch.Tensor, list[float]], None] | None = None,
+    on_step: StepReport | None = None,
 ) -> dict:
     """`inner_steps` optimizer steps (from a mid-task checkpoint's `progress` on); the order of work
     per step is fixed: (stop?) -> lr -> fwd/bwd -> step -> log -> (checkpoint every train.checkpoint_every)."""
@@ -292,6 +301,8 @@ def run_inner_loop(
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
             losses[step] += loss.detach() / train.gradient_accumulation_steps
         lrs.append(lr)
+        if on_step is not None:  # no sync: the step's kernels may still run, the estimate is coarse anyway
+            on_step(step + 1, done, time.perf_counter() - start)
         if rank == 0 and (step % log_every == 0 or step == train.inner_steps - 1):
             log.info(
                 "round %d step %d/%d loss %.4f (rank 0) lr %.2e",
