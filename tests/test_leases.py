@@ -209,10 +209,11 @@ def test_a_stragglers_task_is_completed_by_a_backup_attempt(run_root):
 
 def test_a_backup_starts_as_soon_as_a_holders_reported_steps_show_it_is_a_straggler(run_root):
     """LATE's rule: no waiting out backup_after x the median when the heartbeated steps already
-    project a late finish, and no backup of a holder whose steps keep its peers' pace."""
+    project a late finish, no backup of a holder whose steps keep its peers' pace, and one backup
+    of a round at a time (LATE's speculative cap)."""
     config = tiny_config(
         run_root,
-        "model.grid=[2]",
+        "model.grid=[3]",
         "model.blocks_per_level=[1]",
         "train.inner_steps=100",
         "train.lease_seconds=0.4",
@@ -220,26 +221,32 @@ def test_a_backup_starts_as_soon_as_a_holders_reported_steps_show_it_is_a_stragg
         "train.checkpoint_every=25",
     )
     root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
     write_plan(root, 1)
     queue = TaskQueue(root, config)
     peer = queue.claim(Task.of("train", 0, "p0"), "peer")
     peer.finish("done", seconds=10.0, inner_seconds=9.0)  # the round's median: 10 s, 0.09 s a step
-    holder = queue.claim(Task.of("train", 0, "p1"), "holder")
+    holder, other = (queue.claim(Task.of("train", 0, p), "holder") for p in ("p1", "p2"))
 
-    def reported(step: int, inner_s: float) -> None:
-        holder.report_step(step, 0, inner_s)
-        wait_for(lambda: queue.attempts(holder.task)[0].record.get("step") == step, 5, "a heartbeat")
+    def reported(lease, step: int, inner_s: float) -> None:
+        lease.report_step(step, 0, inner_s)
+        wait_for(lambda: queue.attempts(lease.task)[0].record.get("step") == step, 5, "a heartbeat")
 
-    reported(5, 0.5)  # a twentieth of the steps: too few to tell a rate from the first steps' warm-up
+    reported(holder, 5, 0.5)  # a twentieth of the steps: too few to tell a rate from the first steps' warm-up
     assert queue.claim_backup(holder.task, "idle") is None
-    reported(50, 4.5)  # its peers' pace: finishes in ~4.5 s
-    assert queue.claim_backup(holder.task, "idle") is None
-    reported(60, 24.0)  # 0.4 s a step: 16 s more, a backup from step 50 takes 1 + 50 x 0.09 = 5.5 s
-    backup = queue.claim_backup(holder.task, "idle")
-    assert backup is not None and backup.record["backup"] and backup.number == 2
+    reported(holder, 50, 4.5)  # its peers' pace: finishes in ~4.5 s
+    assert queue.next_claim("idle", 1) is None
+    reported(holder, 60, 24.0)  # now 1.95 s a step: 78 s more; a backup from step 50: 1 + 50 x 0.09 = 5.5 s
+    reported(other, 60, 24.0)
+    backup = queue.next_claim("idle", 1)
+    assert backup is not None and backup.task == holder.task and backup.record["backup"] and backup.number == 2
     assert queue.attempts(holder.task)[0].running_for < 1.5 * 10.0  # sooner than the elapsed-time rule
-    backup.finish("released")
-    holder.finish("released")
+    assert queue.next_claim("idle-2", 1) is None  # p2 straggles too, but one backup of the round runs
+    backup.finish("cancelled")
+    second = queue.next_claim("idle-2", 1)
+    assert second is not None and second.record["backup"]
+    for lease in (second, holder, other):
+        lease.finish("released")
 
 
 @pytest.mark.slow  # ~15 s: a real trainer process killed mid-task, and two in-process runs

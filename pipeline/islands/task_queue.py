@@ -40,6 +40,7 @@ import statistics
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 
 from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules, round_job_ids
@@ -329,11 +330,15 @@ class TaskQueue:
         # A rate from fewer than a tenth of the steps is mostly the first steps' warm-up.
         if step - from_step < max(1, steps // 10) or step >= steps or inner_s <= 0:
             return None
-        remaining = (steps - step) * inner_s / (step - from_step)  # at its own rate so far
+        step_s = attempt.record.get("step_s")  # its pace over the last beats, else since it started
+        pace = float(step_s) if _finite(step_s) and step_s > 0 else inner_s / (step - from_step)
+        remaining = (steps - step) * pace
         every = self.config.train.checkpoint_every
         resume_from = step - step % every if every else 0  # the newest checkpoint a backup could load
         backup = peers.overhead + (steps - resume_from) * peers.step_seconds
-        if attempt.running_for + remaining <= limit or remaining <= backup:
+        # Both estimates are rough (a rate measured while islands share cores, a median): the
+        # backup must be expected to beat the holder by backup_after too.
+        if attempt.running_for + remaining <= limit or remaining <= self.backup_after * backup:
             return None
         return (
             f"at step {step}/{steps} after {attempt.running_for:.1f} s, projected to finish in {remaining:.1f} s; "
@@ -565,7 +570,18 @@ class TaskQueue:
             lease = self.claim(task, island, island_id)
             if lease is not None:
                 return lease
+        if self.backup_after is None:
+            return None
+        # LATE's speculative cap: backups of a round at once, a tenth of its train tasks (at least
+        # one). Each backup takes a share of the machine; on islands that share cores, uncapped
+        # backups slow the tasks beside them, which then look like stragglers in turn.
+        running: dict[int, int] = {}
         for task in ready:
+            if task.kind == "train":
+                running[task.round] = running.get(task.round, 0) + sum(a.live and a.backup for a in self.attempts(task))
+        for task in ready:
+            if task.kind == "train" and running[task.round] >= max(1, len(self.jobs_of(task.round)) // 10):
+                continue
             lease = self.claim_backup(task, island, island_id)
             if lease is not None:
                 return lease
@@ -586,6 +602,7 @@ class Lease:
         self.cancelled = threading.Event()
         self._claimed = time.monotonic()
         self._progress: dict = {}  # the trainer's last step report, written with the next beat
+        self._recent: deque[tuple[float, int]] = deque()  # (inner seconds, step) of the last reports
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._beat, daemon=True, name=f"lease-{task.name}")
@@ -629,7 +646,16 @@ class Lease:
         """The trainer's progress (steps done, the step it resumed from, its inner loop's seconds
         on its own monotonic clock), beaten into the record: a reader estimates from it when this
         attempt will finish (TaskQueue.claim_backup). Called every step: a dict swap, no I/O."""
+        recent = self._recent
+        recent.append((inner_s, step))
+        # Its pace now, over the last two beats' interval of reports: a rate since the start would
+        # carry the speed of a minute ago (islands sharing cores run at half speed while all train).
+        while len(recent) > 2 and inner_s - recent[1][0] >= self.queue.lease_seconds / 2:
+            recent.popleft()
+        since_s, since_step = recent[0]
         self._progress = {"step": step, "from_step": from_step, "inner_s": round(inner_s, 3)}
+        if step > since_step and inner_s > since_s:
+            self._progress["step_s"] = round((inner_s - since_s) / (step - since_step), 6)
 
     def _superseded(self) -> bool:
         """A later attempt that is not a backup of this one exists: a reader expired this one."""
