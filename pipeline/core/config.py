@@ -141,8 +141,10 @@ class TrainConfig:
     #                          OMP threads per rank are the cores shared by the ranks running at once
     islands: int | None = None  # long-lived island launches `dipaco run` and the DAG start (default: parallel_paths)
     lease_seconds: float = 60.0  # an island's claim on a task expires when its beats stop this long (reader's clock)
-    backup_after: float | None = None  # backup attempt of a train task running this x its round's median; first to
-    #                                    publish wins (docs/design.md, faults and stragglers); null: off
+    backup_after: float | None = None  # backup attempt of a train task running this x its round's median, or
+    #                                    projected to by its heartbeated pace when a backup from its newest checkpoint
+    #                                    would beat it by this factor (LATE); first to publish wins
+    #                                    (docs/design.md, faults and stragglers); null: off
     checkpoint_every: int | None = None  # mid-task checkpoint every N inner steps (a new attempt resumes); null: off
     threads_per_proc: int | None = None  # OMP threads per rank; default: cores / busy ranks
     max_attempts: int = 2  # failed or expired attempts of a path's train task before its round merges without it
