@@ -174,6 +174,7 @@ class Throttle:
         self.islands, self.halt, self.thread = islands, threading.Event(), None
 
     def start(self) -> None:
+        self.halt = threading.Event()  # a fresh one: stop() set the last
         self.thread = threading.Thread(target=throttle, args=(self.islands, STRAGGLER, self.halt), daemon=True)
         self.thread.start()
 

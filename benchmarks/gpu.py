@@ -38,8 +38,10 @@ LARGE_SHAPE = {"hidden": 1024, "heads": 16, "blocks": 8, "seq_len": 1024, "micro
 
 
 def gpu_precision() -> str:
-    """What `train.precision: auto` resolves to on this GPU (pipeline.train.precision's rule)."""
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    """What `train.precision: auto` resolves to on this GPU (pipeline.train.precision's own rule)."""
+    from pipeline.train.precision import resolve_cuda
+
+    return resolve_cuda("auto").name
 
 
 def run_gpu_tests() -> dict:

@@ -39,6 +39,7 @@ from models.modular import ModelShape, build_path_model, eos_token_id, initial_l
 from pipeline.core.config import Config, config_from_dict
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import close_distributed, init_distributed
+from pipeline.train.precision import accelerator
 from pipeline.train.train_path import adamw_for, lr_at, run_inner_loop
 from pipeline.train.zero import load_ds_config, wrap_with_zero
 
@@ -94,7 +95,7 @@ TORCH_LINEAR = torch.nn.functional.linear
 
 def bench_device() -> torch.device:
     """Where every mode trains: the CUDA device of this rank under DS_ACCELERATOR=cuda, else the CPU."""
-    if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") == "cuda":
+    if accelerator() == "cuda":  # the launcher set DS_ACCELERATOR (pipeline.train.distributed)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -143,6 +143,11 @@ class Attempt:
         return self.record.get("backup") is True
 
 
+def _finite(value) -> bool:
+    """A JSON number a holder could have written: not a bool, not NaN or infinite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def malformed(record: dict) -> str | None:
     """Why a lease record is not one a holder writes, or None."""
     state = record.get("state")
@@ -150,16 +155,12 @@ def malformed(record: dict) -> str | None:
         return f"state must be one of {', '.join(STATES)}, got {shown(state)}"
     for key in ("heartbeat", "claimed_at"):
         value = record.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        if not _finite(value):
             return f"{key} must be a finite number, got {shown(value)}"
     beats = record.get("beats", 0)
     if type(beats) is not int or beats < 0:
         return f"beats must be a count, got {shown(beats)}"
     return None
-
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def step_progress(record: dict) -> tuple[int, int, float] | None:
@@ -256,11 +257,7 @@ class TaskQueue:
         # How long it has run: as this reader saw it, or as its holder measured it on its own
         # monotonic clock (a duration, never a wall time: skew cannot enter), whichever is longer.
         held = record.get("running_s")
-        held = (
-            float(held)
-            if isinstance(held, (int, float)) and not isinstance(held, bool) and math.isfinite(held)
-            else 0.0
-        )
+        held = float(held) if _finite(held) else 0.0
         return Attempt(
             number,
             record,
@@ -317,7 +314,7 @@ class TaskQueue:
             log.info("%s: backup attempt %d beside attempt %d (%s)", task.name, lease.number, live[0].number, why)
         return lease
 
-    def _straggling(self, attempt: Attempt, peers: "TaskTimes") -> str | None:
+    def _straggling(self, attempt: Attempt, peers: TaskTimes) -> str | None:
         """Why `attempt` deserves a backup now (for the log), or None."""
         limit = self.backup_after * peers.seconds
         if attempt.running_for > limit:
@@ -351,7 +348,7 @@ class TaskQueue:
         times = self.round_task_times(round_index)
         return None if times is None else times.seconds
 
-    def round_task_times(self, round_index: int) -> "TaskTimes | None":
+    def round_task_times(self, round_index: int) -> TaskTimes | None:
         """What round r's finished train attempts that ran every step took (None: none yet)."""
         seconds, step_seconds, overhead = [], [], []
         steps = self.config.train.inner_steps

@@ -86,7 +86,7 @@ def resolve(
     device = device or accelerator()
     wanted = train.precision
     if device == "cuda":
-        return _resolve_cuda(wanted)
+        return resolve_cuda(wanted)
     native, isa = native_bf16 if native_bf16 is not None else cpu_native_bf16()
     threads = threads or torch.get_num_threads()
     timings = lambda: cached_probe(train, shape, threads, probe, cache_dir)  # noqa: E731
@@ -116,7 +116,8 @@ def resolve(
     return Precision(wanted, f"train.precision: {wanted}", device)
 
 
-def _resolve_cuda(wanted: str) -> Precision:
+def resolve_cuda(wanted: str) -> Precision:
+    """On a CUDA device: the explicit precision, or auto's pick (bf16 where the GPU has it)."""
     if wanted != "auto":
         return Precision(wanted, f"train.precision: {wanted}", "cuda")
     if torch.cuda.is_bf16_supported():
