@@ -16,12 +16,13 @@ import yaml
 from conftest import REPO, dipaco_run, tiny_config, write_synthetic_shards
 from pipeline import stages
 from pipeline.core.config import REPO_ROOT, resolve_ds_config
+from pipeline.core.errors import ConfigError
 from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 from pipeline.train.distributed import rank_threads
 from pipeline.train.train_path import train_path
-from pipeline.train.zero import compile_forward
+from pipeline.train.zero import compile_choice, compile_forward
 
 
 def test_the_repository_root_is_the_repository(tmp_path, monkeypatch):
@@ -147,6 +148,31 @@ def test_the_makefile_leaves_the_accelerator_to_the_code():
     assert len(lines) == (0 if expected == "cuda" else 1)  # one line saying why not
     if expected == "cpu":
         assert lines[0].startswith("training on the CPU: ")
+
+
+def test_compile_auto_compiles_only_where_it_measured_faster(run_root):
+    """auto is decided by the hardware, not the file: inductor paid on AVX-512 CPUs and is taken on
+    CUDA, and measured no faster than eager on an AVX2-only EPYC (pipeline/train/zero.py); an
+    explicit value is honoured everywhere, and a typo is refused naming the key."""
+    auto = tiny_config(run_root / "auto", "train.compile=auto").train
+    assert compile_choice(auto, device="cpu", isa="AVX512")[0] is True
+    assert compile_choice(auto, device="cpu", isa="AVX512_BF16")[0] is True
+    compiled, reason = compile_choice(auto, device="cpu", isa="AVX2")
+    assert compiled is False and "AVX2" in reason
+    assert compile_choice(auto, device="cpu", isa="DEFAULT")[0] is False  # Arm, or no vector ISA
+    assert compile_choice(auto, device="cuda")[0] is True
+    for value in (True, False):
+        explicit = tiny_config(run_root / str(value), f"train.compile={str(value).lower()}").train
+        assert compile_choice(explicit, device="cpu", isa="AVX2")[0] is value
+        assert compile_choice(explicit, device="cpu", isa="AVX512")[0] is value
+    with pytest.raises(ConfigError, match="train.compile"):
+        tiny_config(run_root / "typo", "train.compile=always")
+    eager = torch.nn.Linear(2, 2)
+    forward = eager.forward
+    cpu_is_avx2 = not torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
+    if cpu_is_avx2 and not torch.cuda.is_available():  # this machine's own answer, end to end
+        assert compile_forward(eager, auto, {"zero_optimization": {"stage": 2}}) is False
+        assert eager.forward == forward
 
 
 @pytest.mark.slow  # ~20 s: inductor compiles the tiny path once (cold cache)

@@ -125,8 +125,9 @@ class TrainConfig:
     precision: str = "auto"  # DeepSpeed's precision blocks; auto: bf16 on a GPU that has it (else fp16 with loss
     #                          scaling), on a CPU fp32 unless it computes bfloat16 natively and a few timed steps find
     #                          bf16 faster (cached per host and shape in ~/.cache/dipaco; pipeline/train/precision.py)
-    compile: bool = False  # torch.compile the path model's forward (ZeRO-1/2): faster CPU steps after a one-off
-    #                        compile per host (docs/algorithm.md, inner loop); the demo turns it on
+    compile: bool | str = False  # torch.compile the path model's forward (ZeRO-1/2): faster steps after a one-off
+    #                              compile per host (docs/algorithm.md, inner loop); auto: where it measured faster,
+    #                              on CUDA and AVX-512 CPUs, not on AVX2 ones (pipeline/train/zero.py); the demo: auto
     procs_per_path: int = 1  # DeepSpeed ranks per node of an island (GPUs per node on GPU hosts)
     num_nodes: int = 1  # nodes per island; more than 1 needs a hostfile
     hostfile: str | None = None  # DeepSpeed hostfile ("host slots=N" lines) for multi-node islands
@@ -558,6 +559,7 @@ def validate(config: Config) -> None:
         section, name = key.split(".")
         value = getattr(getattr(config, section), name)
         need(value in allowed, key, f"must be one of {', '.join(allowed)}, got {shown(value)}")
+    need(t.compile in (True, False, "auto"), "train.compile", f"must be true, false or auto, got {shown(t.compile)}")
     need(bool(config.run_root.strip()), "run_root", "must not be empty")
     need(".." not in Path(config.run_root.split("://")[-1]).parts, "run_root", "must not contain '..'")
     check_run_root(config.run_root, src)

@@ -220,21 +220,49 @@ def _walk(node: Any, prefix: str = ""):
 # `train.compile`: torch.compile (inductor) of the path model's forward, where it pays.
 #
 # Measured on the demo's path (hidden 128, 4 blocks, vocab 4,096, 8 x 256 tokens), one rank, one
-# thread, ZeRO-2, median of 12 steps: bf16 autocast 0.295 -> 0.238 s per step (-19%), fp32 0.335 ->
-# 0.286 s (-15%). Compiling costs ~30 s the first time on a host and ~5 s in a later process (inductor
-# keeps its kernels on disk); a second path model in the same island process reused the compiled
-# code (first step 0.26 s). An island of the demo trains 4 tasks of 200 steps, so it gains ~45 s for
-# those 5-30 s. Fused or foreach AdamW gained nothing measurable (0.286-0.292 s against 0.292 s):
+# thread, ZeRO-2, median of 12 steps, on a Xeon with AVX-512 BF16: bf16 autocast 0.295 -> 0.238 s per
+# step (-19%), fp32 0.335 -> 0.286 s (-15%). On a 2-core AMD EPYC with AVX2 only, fp32 (what auto picks
+# there), medians of 24 steps: eager 0.454 s, compiled 0.461 s, i.e. nothing, while the first compile on
+# that host cost ~50 s of the demo. Compiling costs ~30 s the first time on a host and ~5 s in a later
+# process (inductor keeps its kernels on disk); a second path model in the same island process reused
+# the compiled code. Fused or foreach AdamW gained nothing measurable (0.286-0.292 s against 0.292 s):
 # ZeRO hands the optimizer one flat tensor per group, so there is no per-tensor loop to remove.
+#
+# `auto` therefore compiles where it measured faster: on a CPU whose vector ISA torch reports as
+# AVX-512, and on CUDA (a small path's step there is bound by kernel launches, which compiling fuses).
 #
 # Only the forward is replaced (`model.forward = torch.compile(model.forward)`), so parameter names,
 # the state dict and DeepSpeed's hooks stay those of the plain module.
 _log = logging.getLogger("dipaco.train")
+COMPILE_CHOICES = (True, False, "auto")
+
+
+def compile_choice(train, device: str | None = None, isa: str | None = None) -> tuple[bool, str]:
+    """(whether train.compile compiles on this machine, why); `device`/`isa` stand in for the
+    hardware in tests."""
+    wanted = train.compile
+    if wanted is not True and wanted is not False and wanted != "auto":
+        raise ConfigError(f"train.compile is {wanted!r}; use true, false or auto")
+    if wanted != "auto":
+        return bool(wanted), f"train.compile: {str(wanted).lower()}"
+    from pipeline.train.precision import accelerator
+
+    device = device or accelerator()
+    if device == "cuda":
+        return True, "auto: CUDA, where a small path's step is bound by kernel launches"
+    isa = isa or torch.backends.cpu.get_cpu_capability()
+    if isa.upper().startswith("AVX512"):
+        return True, f"auto: this CPU ({isa}) runs inductor's kernels 15-19% faster per step"
+    return False, f"auto: on this CPU ({isa}) inductor measured no faster than eager, and compiling costs ~50 s"
 
 
 def compile_forward(model: torch.nn.Module, train, ds_config: dict) -> bool:
-    """Compile `model.forward` in place when train.compile asks and it can work; True if it did."""
-    if not train.compile:
+    """Compile `model.forward` in place when train.compile asks (or auto finds it pays) and it can
+    work; True if it did."""
+    wanted, reason = compile_choice(train)
+    if not wanted:
+        if train.compile == "auto":
+            _log.info("train.compile: eager (%s)", reason)
         return False
     if ds_config.get("zero_optimization", {}).get("stage", 0) >= 3:
         # not measured under ZeRO-3, whose gather/release hooks on every block split the graph
@@ -245,6 +273,7 @@ def compile_forward(model: torch.nn.Module, train, ds_config: dict) -> bool:
         return False
     from torch import _dynamo
 
+    _log.info("train.compile: compiling the forward (%s)", reason)
     _dynamo.config.suppress_errors = True  # a backend failure falls back to eager, never fails a path
     model.forward = torch.compile(model.forward)
     return True
