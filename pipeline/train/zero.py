@@ -221,12 +221,15 @@ def _walk(node: Any, prefix: str = ""):
 #
 # Measured on the demo's path (hidden 128, 4 blocks, vocab 4,096, 8 x 256 tokens), one rank, one
 # thread, ZeRO-2, median of 12 steps, on a Xeon with AVX-512 BF16: bf16 autocast 0.295 -> 0.238 s per
-# step (-19%), fp32 0.335 -> 0.286 s (-15%). On a 2-core AMD EPYC with AVX2 only, fp32 (what auto picks
-# there), medians of 24 steps: eager 0.454 s, compiled 0.461 s, i.e. nothing, while the first compile on
-# that host cost ~50 s of the demo. Compiling costs ~30 s the first time on a host and ~5 s in a later
-# process (inductor keeps its kernels on disk); a second path model in the same island process reused
-# the compiled code. Fused or foreach AdamW gained nothing measurable (0.286-0.292 s against 0.292 s):
-# ZeRO hands the optimizer one flat tensor per group, so there is no per-tensor loop to remove.
+# step (-19%), fp32 0.335 -> 0.286 s (-15%). On a 2-core AMD EPYC with AVX2 only, in fp32 (what auto
+# picks there): one process, medians of 24 steps, eager 0.454 s and compiled 0.461 s; two at once, as the
+# demo's islands run, 0.41-0.43 s both; in the demo itself, 200-step tasks of rounds 1-3 took 100.2 s
+# compiled and 102.7 s eager (means of 6), within the run-to-run noise, while round 0 took 152 s compiled
+# (the first compile on that host) against 113 s eager. Compiling costs ~30 s the first time on a host
+# and ~5 s in a later process (inductor keeps its kernels on disk); a second path model in the same
+# island process reused the compiled code. Fused or foreach AdamW gained nothing measurable (0.286-0.292
+# s against 0.292 s): ZeRO hands the optimizer one flat tensor per group, so there is no per-tensor loop
+# to remove.
 #
 # `auto` therefore compiles where it measured faster: on a CPU whose vector ISA torch reports as
 # AVX-512, and on CUDA (a small path's step there is bound by kernel launches, which compiling fuses).
@@ -253,7 +256,7 @@ def compile_choice(train, device: str | None = None, isa: str | None = None) -> 
     isa = isa or torch.backends.cpu.get_cpu_capability()
     if isa.upper().startswith("AVX512"):
         return True, f"auto: this CPU ({isa}) runs inductor's kernels 15-19% faster per step"
-    return False, f"auto: on this CPU ({isa}) inductor measured no faster than eager, and compiling costs ~50 s"
+    return False, f"auto: on this CPU ({isa}) compiled steps measured no faster than eager; a first compile costs ~40 s"
 
 
 def compile_forward(model: torch.nn.Module, train, ds_config: dict) -> bool:
