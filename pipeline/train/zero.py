@@ -237,7 +237,7 @@ def _walk(node: Any, prefix: str = ""):
 # Only the forward is replaced (`model.forward = torch.compile(model.forward)`), so parameter names,
 # the state dict and DeepSpeed's hooks stay those of the plain module.
 _log = logging.getLogger("dipaco.train")
-COMPILE_CHOICES = (True, False, "auto")
+_TOLD: set[str] = set()  # the auto decisions this process has logged
 
 
 def compile_choice(train, device: str | None = None, isa: str | None = None) -> tuple[bool, str]:
@@ -264,7 +264,8 @@ def compile_forward(model: torch.nn.Module, train, ds_config: dict) -> bool:
     work; True if it did."""
     wanted, reason = compile_choice(train)
     if not wanted:
-        if train.compile == "auto":
+        if train.compile == "auto" and reason not in _TOLD:  # once per island process, not per task
+            _TOLD.add(reason)
             _log.info("train.compile: eager (%s)", reason)
         return False
     if ds_config.get("zero_optimization", {}).get("stage", 0) >= 3:
@@ -276,7 +277,9 @@ def compile_forward(model: torch.nn.Module, train, ds_config: dict) -> bool:
         return False
     from torch import _dynamo
 
-    _log.info("train.compile: compiling the forward (%s)", reason)
+    if reason not in _TOLD:
+        _TOLD.add(reason)
+        _log.info("train.compile: compiling the forward (%s)", reason)
     _dynamo.config.suppress_errors = True  # a backend failure falls back to eager, never fails a path
     model.forward = torch.compile(model.forward)
     return True
