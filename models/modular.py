@@ -73,6 +73,13 @@ class ModelShape:
         return self.hidden_size * max(self.vocab_size, self.intermediate_size, self.hidden_size)
 
     @property
+    def parameter_count(self) -> int:
+        """Elements of every trainable tensor of the path, counted on a meta-device model (no memory)."""
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.llama_config())
+        return sum(p.numel() for p in model.parameters())
+
+    @property
     def n_levels(self) -> int:
         """The grid's levels (shared modules); the last of them owns the final norm and head."""
         return len(self.blocks_per_level)
