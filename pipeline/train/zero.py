@@ -53,18 +53,21 @@ def fill_ds_config(
     zero = config.setdefault("zero_optimization", {"stage": 0})
     reduce_scatter = zero.get("reduce_scatter", True)  # DeepSpeed's default
     scatters = world_size > 1 if reduce_scatter == "auto" else reduce_scatter
+    one_bucket = world_size == 1 and zero.get("stage", 0) in (1, 2)
     zero_auto = {
-        # On one rank there is nothing to reduce, yet ZeRO-2 still flushes its gradient bucket each
-        # time it fills: with the HF integration's hidden² bucket that is ~50 flushes a step on the
-        # default path, each a pass of DeepSpeed's Python bookkeeping and a gloo call, +0.23 s a
-        # step against ZeRO-1's +0.08 on an AVX2 EPYC (benchmarks/RESULTS.md). One bucket the size
-        # of the whole path flushes once. With more ranks: hidden² (the HF integration's value)
-        # where ZeRO reduce-scatters; without the reduce-scatter, ZeRO-3 all-reduces only a bucket
-        # that holds its gradients, and a gradient larger than the bucket goes back to the
-        # reduce-scatter, so one bucket as large as the largest tensor (the embedding) keeps every
-        # gradient on the all-reduce. DeepSpeed's own default is 5e8.
+        # On one rank ZeRO-1/2 have nothing to reduce, yet they flush their gradient bucket (through
+        # DeepSpeed's bookkeeping and a gloo call) each time it fills: ~116 times a step on the
+        # demo's path with the HF integration's hidden² bucket. One bucket the size of the path
+        # flushes once. Measured on an AVX2 EPYC, one process, the default path, 12 interleaved
+        # steps against plain PyTorch: ZeRO-1 +33 ms a step instead of +127; ZeRO-2 within the
+        # noise of the hidden² bucket there, -23 ms on the demo's path (benchmarks/RESULTS.md).
+        # ZeRO-3 on one rank keeps a bucket as large as its largest tensor (+12 ms; the whole path,
+        # +111): without the reduce-scatter it all-reduces only a bucket that holds its gradients,
+        # and a gradient larger than the bucket goes back to the reduce-scatter. With more ranks:
+        # hidden² (the HF integration's value) where ZeRO reduce-scatters. DeepSpeed's own default
+        # is 5e8.
         "reduce_bucket_size": min(shape.parameter_count, int(5e8))
-        if world_size == 1
+        if one_bucket
         else hidden_size * hidden_size
         if scatters
         else max(hidden_size * hidden_size, shape.largest_parameter),
