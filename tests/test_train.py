@@ -174,6 +174,21 @@ def next_token_steps(engine, inputs: torch.Tensor, steps: int) -> list[float]:
     return losses
 
 
+def plain_pytorch_steps(shape: ModelShape, config, inputs: torch.Tensor, steps: int) -> list[float]:
+    """The reference for `next_token_steps`: the same path from the same seed, stepped by plain
+    PyTorch AdamW with the trainer's clipping; returns each step's loss."""
+    model = build_path_model(shape, seed=0)
+    optimizer, losses = adamw_for(model, config.train), []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), inputs.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero2_offload"])
 def test_written_parameters_survive_a_step_in_every_zero_stage(ds_config, run_root):
     """The trap: DeepSpeed restores its fp32 master copy at step(); our writer must persist."""
@@ -247,17 +262,7 @@ def test_one_rank_zero3_all_reduces_instead_of_scattering_and_steps_like_plain_p
     inputs = torch.randint(0, shape.vocab_size, (2, config.model.seq_len), generator=torch.Generator().manual_seed(0))
     ours = next_token_steps(engine, inputs, 3)
     assert scattered == []
-
-    model = build_path_model(shape, seed=0)
-    optimizer, reference = adamw_for(model, config.train), []
-    for _ in range(3):
-        loss = F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), inputs.flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
-        optimizer.step()
-        reference.append(loss.item())
-    assert ours == pytest.approx(reference, rel=1e-5)
+    assert ours == pytest.approx(plain_pytorch_steps(shape, config, inputs, 3), rel=1e-5)
     assert ours[2] < ours[0]
 
 
@@ -273,16 +278,7 @@ def test_one_rank_zero2_flushes_its_gradient_bucket_once_a_step(run_root, monkey
     inputs = torch.randint(0, shape.vocab_size, (2, config.model.seq_len), generator=torch.Generator().manual_seed(0))
     ours = next_token_steps(engine, inputs, 3)
     assert len(flushes) == 3
-    model = build_path_model(shape, seed=0)
-    optimizer, reference = adamw_for(model, config.train), []
-    for _ in range(3):
-        loss = F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), inputs.flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
-        optimizer.step()
-        reference.append(loss.item())
-    assert ours == pytest.approx(reference, rel=1e-5)
+    assert ours == pytest.approx(plain_pytorch_steps(shape, config, inputs, 3), rel=1e-5)
 
 
 def test_zero3_step_starts_no_processes(run_root, monkeypatch):

@@ -119,10 +119,10 @@ class TrainConfig:
     ds_config: str = "ds_configs/zero2.json"  # ZeRO only (zero1, zero2, zero3, zero2_offload or your own): the
     #                                           precision blocks come from train.precision, and its "auto" keys are
     #                                           filled per model and island (pipeline/train/zero.py): buckets from
-    #                                           the hidden size; on one rank one gradient bucket holds the whole
-    #                                           path (one flush a step), ZeRO-3 all-reduces it instead of
-    #                                           reduce-scattering and keeps torch's linear. Relative names are also
-    #                                           looked up in the repository
+    #                                           the hidden size; on one rank ZeRO-1/2 keep one gradient bucket as
+    #                                           large as the path (one flush a step), and ZeRO-3 all-reduces one as
+    #                                           large as the largest tensor instead of reduce-scattering and keeps
+    #                                           torch's linear. Relative names are also looked up in the repository
     precision: str = "auto"  # DeepSpeed's precision blocks; auto: bf16 on a GPU that has it (else fp16 with loss
     #                          scaling), on a CPU fp32 unless it computes bfloat16 natively and a few timed steps find
     #                          bf16 faster (cached per host and shape in ~/.cache/dipaco; pipeline/train/precision.py)
