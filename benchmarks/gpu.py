@@ -13,8 +13,9 @@ what a CPU machine cannot:
 MFU is the model's FLOPs per second (6N + attention per token) over an 8192² matmul's rate
 measured on the same GPU in the same precision, not a data sheet's peak.
 
-Writes `benchmarks/out/gpu/gpu.json` (or `--out`) and prints one table; RESULTS.md's `gpu`
-section is the committed copy of a run (written by hand: a GPU run is rare here).
+Writes `benchmarks/out/gpu/gpu.json` (or `--out`) after the tests and after each trainer row, and
+prints one table at the end; RESULTS.md's `gpu` section is the committed copy of a run (written by
+hand: a GPU run is rare here).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,12 +64,14 @@ def run_gpu_tests() -> dict:
     }
 
 
-def trainer_rows(reps: int) -> dict:
-    """The perf trainer benchmark, one launch per (shape, precision)."""
+def trainer_rows(reps: int, rows: dict, on_row: Callable[[], None] = lambda: None) -> dict:
+    """The perf trainer benchmark, one launch per (shape, precision), each into `rows` as it ends.
+
+    `on_row` runs after each: a device lent for minutes can be taken back mid-run, and the rows
+    already measured (each a minute or more of GPU time) must survive that."""
     from benchmarks.perf import default_path_shape, trainer_throughput
 
     args = argparse.Namespace(procs=1)
-    rows = {}
     for shape_name, shape, steps in (("default", default_path_shape(), 5), ("large", LARGE_SHAPE, 3)):
         for precision in dict.fromkeys((gpu_precision(), "fp32")):
             name = f"gpu_{shape_name}_{precision}"
@@ -78,6 +82,7 @@ def trainer_rows(reps: int) -> dict:
                 )
             except RuntimeError as error:  # one failed row does not hide the others
                 rows[name] = {"error": str(error)[-2000:]}
+            on_row()
     return rows
 
 
@@ -118,16 +123,19 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks.gpu: no CUDA device here (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     os.environ["DS_ACCELERATOR"] = "cuda"
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "auto": gpu_precision(),
-        "tests": run_gpu_tests(),
-        "trainer": trainer_rows(args.reps),
-    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=str))
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "auto": gpu_precision()}
+    result["tests"] = run_gpu_tests()
+    result["trainer"] = {}
+
+    def save() -> None:  # after the tests and after each row: what was measured outlives a lost device
+        partial = out.with_name(out.name + ".tmp")
+        partial.write_text(json.dumps(result, indent=2, default=str))
+        partial.replace(out)
+
+    save()
+    trainer_rows(args.reps, result["trainer"], on_row=save)
     print(table(result))
     return 0 if result["tests"]["returncode"] == 0 and not any("error" in r for r in result["trainer"].values()) else 1
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from models.modular import ModelShape, build_path_model, eos_token_id, initial_level_states
 from pipeline.core.config import Config, config_from_dict
+from pipeline.core.errors import InputError
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import close_distributed, init_distributed
 from pipeline.train.precision import accelerator
@@ -77,8 +78,11 @@ def load_rows(data_glob: str, n_docs: int, seq_len: int) -> np.ndarray:
     """Real sample text, tokenized and packed exactly as the trainer packs a shard."""
     from pipeline.routing.tokenizer import encode
 
+    files = sorted(Path().glob(data_glob))
+    if not files:  # an empty stream would fail deep in the packing (a division by zero) instead
+        raise InputError(f"--data {data_glob}: no file matches (relative to {Path.cwd()}); run `make sample`")
     texts: list[str] = []
-    for file in sorted(Path().glob(data_glob)):
+    for file in files:
         with gzip.open(file, "rt", encoding="utf-8") as handle:
             texts.extend(json.loads(line)["text"] for line, _ in zip(handle, range(n_docs - len(texts))))
         if len(texts) >= n_docs:

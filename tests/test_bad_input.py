@@ -165,3 +165,12 @@ def _shard_rows(root: RunRoot) -> dict[str, list]:
                 zip(table.column("doc_id").to_pylist(), table.column("input_ids").to_pylist())
             )
     return {k: sorted(v) for k, v in rows.items()}
+
+
+def test_the_trainer_benchmark_names_a_missing_sample(tmp_path, monkeypatch):
+    """Launched on a device without `make sample` run, the worker died in a division by zero."""
+    from benchmarks.perf_worker import load_rows
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match=r"--data data/sample/train/\*\.json\.gz: no file matches.*make sample"):
+        load_rows("data/sample/train/*.json.gz", 400, 256)
