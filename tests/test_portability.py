@@ -151,26 +151,30 @@ def test_the_makefile_leaves_the_accelerator_to_the_code():
 
 
 def test_compile_auto_compiles_only_where_it_measured_faster(run_root):
-    """auto is decided by the hardware, not the file: inductor paid on AVX-512 CPUs and is taken on
-    CUDA, and measured no faster than eager on an AVX2-only EPYC (pipeline/train/zero.py); an
-    explicit value is honoured everywhere, and a typo is refused naming the key."""
+    """auto is decided by the hardware, not the file: inductor paid on an AVX-512 CPU with AMX and is
+    taken on CUDA; it won back less than its first compile on an AVX-512 Zen 4 without AMX and
+    measured no faster than eager on an AVX2-only EPYC (pipeline/train/zero.py); an explicit value
+    is honoured everywhere, and a typo is refused naming the key."""
     auto = tiny_config(run_root / "auto", "train.compile=auto").train
-    assert compile_choice(auto, device="cpu", isa="AVX512")[0] is True
-    assert compile_choice(auto, device="cpu", isa="AVX512_BF16")[0] is True
-    compiled, reason = compile_choice(auto, device="cpu", isa="AVX2")
+    assert compile_choice(auto, device="cpu", isa="AVX512", amx=True)[0] is True
+    compiled, reason = compile_choice(auto, device="cpu", isa="AVX512", amx=False)
+    assert compiled is False and "no AMX" in reason
+    compiled, reason = compile_choice(auto, device="cpu", isa="AVX2", amx=False)
     assert compiled is False and "AVX2" in reason
-    assert compile_choice(auto, device="cpu", isa="DEFAULT")[0] is False  # Arm, or no vector ISA
+    assert compile_choice(auto, device="cpu", isa="DEFAULT", amx=False)[0] is False  # Arm, or no vector ISA
     assert compile_choice(auto, device="cuda")[0] is True
     for value in (True, False):
         explicit = tiny_config(run_root / str(value), f"train.compile={str(value).lower()}").train
         assert compile_choice(explicit, device="cpu", isa="AVX2")[0] is value
-        assert compile_choice(explicit, device="cpu", isa="AVX512")[0] is value
+        assert compile_choice(explicit, device="cpu", isa="AVX512", amx=True)[0] is value
     with pytest.raises(ConfigError, match="train.compile"):
         tiny_config(run_root / "typo", "train.compile=always")
     eager = torch.nn.Linear(2, 2)
     forward = eager.forward
-    cpu_is_avx2 = not torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
-    if cpu_is_avx2 and not torch.cuda.is_available():  # this machine's own answer, end to end
+    cpu_has_amx = torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") and (
+        torch.cpu._is_amx_tile_supported()
+    )
+    if not cpu_has_amx and not torch.cuda.is_available():  # this machine's own answer, end to end
         assert compile_forward(eager, auto, {"zero_optimization": {"stage": 2}}) is False
         assert eager.forward == forward
 

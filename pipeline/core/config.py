@@ -128,7 +128,7 @@ class TrainConfig:
     #                          bf16 faster (cached per host and shape in ~/.cache/dipaco; pipeline/train/precision.py)
     compile: bool | str = False  # torch.compile the path model's forward (ZeRO-1/2): faster steps after a one-off
     #                              compile per host (docs/algorithm.md, inner loop); auto: where it measured faster,
-    #                              on CUDA and AVX-512 CPUs, not on AVX2 ones (pipeline/train/zero.py); the demo: auto
+    #                              on CUDA and AVX-512 CPUs with AMX (pipeline/train/zero.py); the demo: auto
     procs_per_path: int = 1  # DeepSpeed ranks per node of an island (GPUs per node on GPU hosts)
     num_nodes: int = 1  # nodes per island; more than 1 needs a hostfile
     hostfile: str | None = None  # DeepSpeed hostfile ("host slots=N" lines) for multi-node islands

@@ -235,14 +235,21 @@ def _walk(node: Any, prefix: str = ""):
 # picks there): one process, medians of 24 steps, eager 0.454 s and compiled 0.461 s; two at once, as the
 # demo's islands run, 0.41-0.43 s both; in the demo itself, 200-step tasks of rounds 1-3 took 100.2 s
 # compiled and 102.7 s eager (means of 6), within the run-to-run noise, while round 0 took 152 s compiled
-# (the first compile on that host) against 113 s eager. Compiling costs ~30 s the first time on a host
+# (the first compile on that host) against 113 s eager. On a 2-core AMD EPYC Zen 4 (AVX-512 and
+# AVX-512 BF16, no AMX), in bf16 (what auto picks there), the demo's 200-step tasks of rounds 1-3 took
+# 51.5-52.9 s compiled and 53.9-57.9 s eager (-7%), while round 0 took 93 s compiled (the first compile)
+# against 58 s eager: the whole demo 6m08s compiled, 5m30s eager, so there 800 steps do not win back a
+# first compile. Compiling costs ~30 s the first time on a host
 # and ~5 s in a later process (inductor keeps its kernels on disk); a second path model in the same
 # island process reused the compiled code. Fused or foreach AdamW gained nothing measurable (0.286-0.292
 # s against 0.292 s): ZeRO hands the optimizer one flat tensor per group, so there is no per-tensor loop
 # to remove.
 #
-# `auto` therefore compiles where it measured faster: on a CPU whose vector ISA torch reports as
-# AVX-512, and on CUDA (a small path's step there is bound by kernel launches, which compiling fuses).
+# `auto` therefore compiles where it measured faster by more than a first compile costs: on a CPU
+# with AVX-512 and AMX (the Xeon: two 512-bit FMA units and AMX make the matmuls so fast that the
+# unfused elementwise work inductor removes is a large share of the step), and on CUDA (a small
+# path's step there is bound by kernel launches, which compiling fuses). An AVX-512 CPU without AMX
+# (AMD Zen 4, older Xeons) trains eagerly; `train.compile: true` compiles anywhere.
 #
 # Only the forward is replaced (`model.forward = torch.compile(model.forward)`), so parameter names,
 # the state dict and DeepSpeed's hooks stay those of the plain module.
@@ -250,9 +257,11 @@ _log = logging.getLogger("dipaco.train")
 _TOLD: set[str] = set()  # the auto decisions this process has logged
 
 
-def compile_choice(train, device: str | None = None, isa: str | None = None) -> tuple[bool, str]:
-    """(whether train.compile compiles on this machine, why); `device`/`isa` stand in for the
-    hardware in tests."""
+def compile_choice(
+    train, device: str | None = None, isa: str | None = None, amx: bool | None = None
+) -> tuple[bool, str]:
+    """(whether train.compile compiles on this machine, why); `device`/`isa`/`amx` stand in for
+    the hardware in tests."""
     wanted = train.compile
     if wanted is not True and wanted is not False and wanted != "auto":
         raise ConfigError(f"train.compile is {wanted!r}; use true, false or auto")
@@ -264,8 +273,14 @@ def compile_choice(train, device: str | None = None, isa: str | None = None) -> 
     if device == "cuda":
         return True, "auto: CUDA, where a small path's step is bound by kernel launches"
     isa = isa or torch.backends.cpu.get_cpu_capability()
+    amx = torch.cpu._is_amx_tile_supported() if amx is None else amx
+    if isa.upper().startswith("AVX512") and amx:
+        return True, f"auto: this CPU ({isa} with AMX) runs inductor's kernels 15-19% faster per step"
     if isa.upper().startswith("AVX512"):
-        return True, f"auto: this CPU ({isa}) runs inductor's kernels 15-19% faster per step"
+        return False, (
+            f"auto: on this CPU ({isa}, no AMX) compiled steps measured 7% faster, less than a first "
+            "compile's ~40 s wins back over a run"
+        )
     return False, f"auto: on this CPU ({isa}) compiled steps measured no faster than eager; a first compile costs ~40 s"
 
 
