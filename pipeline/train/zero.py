@@ -246,10 +246,11 @@ def _walk(node: Any, prefix: str = ""):
 # to remove.
 #
 # `auto` therefore compiles where it measured faster by more than a first compile costs: on a CPU
-# with AVX-512 and AMX (the Xeon: two 512-bit FMA units and AMX make the matmuls so fast that the
-# unfused elementwise work inductor removes is a large share of the step), and on CUDA (a small
-# path's step there is bound by kernel launches, which compiling fuses). An AVX-512 CPU without AMX
-# (AMD Zen 4, older Xeons) trains eagerly; `train.compile: true` compiles anywhere.
+# with AVX-512 and AMX (AMX is what tells the Xeon where it paid from the Zen 4 where it did not;
+# why it paid there, faster matmuls leaving the unfused elementwise work a larger share of the
+# step, is a guess), and on CUDA (a small path's step there is bound by kernel launches, which
+# compiling fuses). An AVX-512 CPU without AMX (AMD Zen 4; Xeons before AMX, not measured) trains
+# eagerly; `train.compile: true` compiles anywhere.
 #
 # Only the forward is replaced (`model.forward = torch.compile(model.forward)`), so parameter names,
 # the state dict and DeepSpeed's hooks stay those of the plain module.
@@ -273,7 +274,8 @@ def compile_choice(
     if device == "cuda":
         return True, "auto: CUDA, where a small path's step is bound by kernel launches"
     isa = isa or torch.backends.cpu.get_cpu_capability()
-    amx = torch.cpu._is_amx_tile_supported() if amx is None else amx
+    if amx is None:  # a private torch helper (2.13); a torch without it reports no AMX: eager, the safe side
+        amx = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
     if isa.upper().startswith("AVX512") and amx:
         return True, f"auto: this CPU ({isa} with AMX) runs inductor's kernels 15-19% faster per step"
     if isa.upper().startswith("AVX512"):
