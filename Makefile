@@ -34,7 +34,7 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
-# make bench: perf, the claims at a short length, chaos (`python -m benchmarks.run --plan`: ~53 of 60 min
+# make bench: perf, the claims at a short length, chaos (`python -m benchmarks.run --plan`: ~55 of 60 min
 # on 2 cores); make bench-long: the claims table at full length (~2.2 h measured; `--long --plan` says ~2).
 bench: sample
 	$(BIN)/python -m benchmarks.run

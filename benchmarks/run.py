@@ -32,7 +32,9 @@ from benchmarks.results import commit_block, table_head
 log = logging.getLogger("dipaco.bench")
 OUT = Path("benchmarks/out")
 TARGETS = {"trainer": 0.95, "prepare": 0.85, "merge": 1.5}
-PERF_MINUTES, CHAOS_MINUTES = 8, 9  # measured on 2 cores, 2026-11-25 (benchmarks/RESULTS.md): the rest of `make bench`
+# perf measured 8 minutes on 2 cores (2026-11-25, benchmarks/RESULTS.md) before its trainer rows took three
+# launches (+2 launch starts and +2 blocks per mode each: ~1.5 minutes a row, estimated); chaos 9 minutes.
+PERF_MINUTES, CHAOS_MINUTES = 10, 9  # the rest of `make bench`
 SHARED_FLAGS = (
     "--hidden",
     "--seq-len",
@@ -52,6 +54,16 @@ def machine() -> str:
 
 def ok(value: float, target: float, higher_is_better: bool = True) -> str:
     return "meets" if (value >= target if higher_is_better else value <= target) else "**misses**"
+
+
+def launches_verdict(ratios: list[float], target: float) -> str:
+    """A ratio measured over several launches meets its target only if every launch did, misses it
+    only if none did; otherwise the launches' spread straddles it and no verdict is honest."""
+    if min(ratios) >= target:
+        return "meets"
+    if max(ratios) < target:
+        return "**misses**"
+    return f"unresolved (launches {min(ratios):.3f}-{max(ratios):.3f})"
 
 
 def trainer_run_label(key: str, args: dict) -> tuple[str, int]:
@@ -114,8 +126,11 @@ def perf_table(p: dict) -> list[str]:
                 "ZeRO-2 engine without the trainer's loop" if mode == "zero2_bare" else f"path trainer, ZeRO-{mode[4]}"
             )
             extra_ms = 1000 * run["extra_seconds_per_step"][mode]
+            by_launch = run.get("ratio_by_launch", {}).get(mode, [ratio])
             verdict = (
-                f">= 0.95 | {ok(ratio, 0.95)}" if target == "target" else f"(diagnostic: {extra_ms:+.0f} ms/step) |"
+                f">= 0.95 | {launches_verdict(by_launch, 0.95)}"
+                if target == "target"
+                else f"(diagnostic: {extra_ms:+.0f} ms/step) |"
             )
             rows.append(
                 f"| {label}, {what} tokens/s | {run['tokens_per_s'][mode]:.0f} "
