@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as st_save
 
+from benchmarks.perf_worker import block_rates
 from models.grid import all_path_ids
 from models.modular import ModelShape, assemble_path_state
 from pipeline import stages
@@ -102,17 +103,21 @@ def merge_launches(runs: list[dict]) -> dict:
     result["launches"] = len(runs)
     modes = list(first["seconds"])
     result["seconds"] = {mode: [s for run in runs for s in run["seconds"][mode]] for mode in modes}
-    tokens = result["tokens_per_block"]
-    result["tokens_per_s"] = {mode: tokens / statistics.median(result["seconds"][mode]) for mode in modes}
+    result["matmul_flops"] = max(run["matmul_flops"] for run in runs)
+    result.update(
+        block_rates(
+            result["seconds"],
+            result["tokens_per_block"],
+            result["steps_per_block"],
+            result["model_flops_per_token"],
+            result["matmul_flops"],
+        )
+    )
     result["ratio_by_launch"] = {mode: [run["ratio_to_plain"][mode] for run in runs] for mode in modes}
     result["ratio_to_plain"] = {mode: statistics.median(r) for mode, r in result["ratio_by_launch"].items()}
     result["extra_seconds_per_step"] = {
         mode: statistics.median(run["extra_seconds_per_step"][mode] for run in runs) for mode in modes
     }
-    result["plain_seconds_per_step"] = statistics.median(result["seconds"]["plain"]) / result["steps_per_block"]
-    result["matmul_flops"] = max(run["matmul_flops"] for run in runs)
-    flops = result["model_flops_per_token"]
-    result["mfu"] = {mode: rate * flops / result["matmul_flops"] for mode, rate in result["tokens_per_s"].items()}
     result["launch_seconds"] = sum(run["launch_seconds"] for run in runs)
     return result
 

@@ -181,6 +181,19 @@ class TrainerLoop:
         return time.perf_counter() - start
 
 
+def block_rates(
+    seconds: dict[str, list[float]], tokens: int, steps: int, flops_per_token: float, matmul_flops: float
+) -> dict:
+    """Each mode's tokens/s (its median block), the plain step's seconds and each mode's MFU, from
+    timed blocks of `tokens` tokens and `steps` steps: one launch's, or several launches' pooled."""
+    tokens_per_s = {mode: tokens / statistics.median(blocks) for mode, blocks in seconds.items()}
+    return {
+        "tokens_per_s": tokens_per_s,
+        "plain_seconds_per_step": statistics.median(seconds["plain"]) / steps,
+        "mfu": {mode: rate * flops_per_token / matmul_flops for mode, rate in tokens_per_s.items()},
+    }
+
+
 def autocast(precision: str):
     """torch.autocast for bf16/fp16 (DeepSpeed's torch_autocast runs the engine's forward in one)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -280,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         "steps_per_block": args.steps,
         "reps": args.reps,
         "seconds": seconds,
-        "tokens_per_s": {m: tokens / statistics.median(s) for m, s in seconds.items()},
         # Each block against the plain block of the same rep (adjacent in time): drift cancels.
         "ratio_to_plain": {m: statistics.median(p / s for p, s in zip(seconds["plain"], seconds[m])) for m in seconds},
         # What a mode adds to each optimizer step, from the same paired blocks. ZeRO's extra work
@@ -289,12 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         "extra_seconds_per_step": {
             m: statistics.median((s - p) / args.steps for p, s in zip(seconds["plain"], seconds[m])) for m in seconds
         },
-        "plain_seconds_per_step": statistics.median(seconds["plain"]) / args.steps,
         "matmul_flops": max(peak),
         "model_flops_per_token": flops_token,
         "args": vars(args),
     }
-    result["mfu"] = {m: result["tokens_per_s"][m] * flops_token / result["matmul_flops"] for m in seconds}
+    result.update(block_rates(seconds, tokens, args.steps, flops_token, result["matmul_flops"]))
     if rank == 0:
         Path(args.out).write_text(json.dumps(result, indent=2))
     close_distributed()  # as a path job ends (pipeline.train.train_path.main)

@@ -47,9 +47,9 @@ def test_the_evaluation_noise_shrinks_with_more_documents():
 
 
 def test_the_trainer_figure_over_launches_keeps_each_launch_and_judges_only_where_they_agree():
-    """benchmarks.perf spreads the default path's blocks over three launches (one launch carries its
-    own memory layout; two launches minutes apart gave ZeRO-3 0.910 and 0.984): the ratio is the
-    median of the launches', every launch's is kept, and 0.95 is met or missed only if all agree."""
+    """benchmarks.perf spreads the default path's blocks over three launches (two launches minutes
+    apart gave ZeRO-3 0.910 and 0.984): the ratio is the median of the launches', every launch's is
+    kept, and 0.95 is met or missed only if all agree."""
     from benchmarks.perf import merge_launches
     from benchmarks.run import launches_verdict
 
