@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -196,3 +199,45 @@ def test_the_benchmark_measures_bf16_only_where_the_cpu_computes_it(monkeypatch,
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
     reason = bf16_skip_reason()
     assert (reason is None) if native else ("no native bfloat16" in reason and "fp32" in reason)
+
+
+# The caps a user sets to see what an AVX2-only CPU does on a newer x86 one: torch's own kernels,
+# oneDNN's and MKL's (docs/algorithm.md). torch and oneDNN then report AVX2 and no native bf16.
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+RESOLVE_IN_A_NEW_PROCESS = """
+import json, sys
+from pathlib import Path
+from conftest import tiny_config
+from models.modular import ModelShape
+from pipeline.train import precision as P
+config = tiny_config(Path(sys.argv[1]), "train.precision=auto")
+shape = ModelShape.from_config(config.model)
+chosen = P.resolve(config.train, shape, threads=1, device="cpu", cache_dir=Path(sys.argv[2]))
+print(json.dumps({"name": chosen.name, "reason": chosen.reason, "native": P.cpu_native_bf16()[0]}))
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="not an x86 CPU with AVX2")
+def test_auto_on_this_cpu_capped_to_avx2_trains_in_fp32_without_a_probe(run_root, tmp_path):
+    """The AVX2 branch on real hardware, not a stand-in: this CPU restricted to AVX2 kernels (on an
+    AVX2-only CPU the caps change nothing) has no native bfloat16 for torch, and auto picks fp32
+    from that capability alone, timing nothing (no probe cache is written)."""
+    from conftest import REPO
+
+    env = {**os.environ, **AVX2_CAPS, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    done = subprocess.run(
+        [sys.executable, "-c", RESOLVE_IN_A_NEW_PROCESS, str(run_root), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    chosen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert chosen == {
+        "name": "fp32",
+        "reason": "auto: this CPU (AVX2) has no native bfloat16, which would be emulated",
+        "native": False,
+    }
+    assert not (tmp_path / "cache" / P.CACHE_FILE).exists()
