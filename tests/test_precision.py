@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_config, write_synthetic_shards
+from conftest import REPO, run_script_json, tiny_config, write_synthetic_shards
 from models.modular import ModelShape, build_path_model
 from pipeline import stages
 from pipeline.core.errors import ConfigError
@@ -210,9 +208,10 @@ from pathlib import Path
 from conftest import tiny_config
 from models.modular import ModelShape
 from pipeline.train import precision as P
-config = tiny_config(Path(sys.argv[1]), "train.precision=auto")
+run_root, cache_dir = json.loads(sys.argv[1])
+config = tiny_config(Path(run_root), "train.precision=auto")
 shape = ModelShape.from_config(config.model)
-chosen = P.resolve(config.train, shape, threads=1, device="cpu", cache_dir=Path(sys.argv[2]))
+chosen = P.resolve(config.train, shape, threads=1, device="cpu", cache_dir=Path(cache_dir))
 print(json.dumps({"name": chosen.name, "reason": chosen.reason, "native": P.cpu_native_bf16()[0]}))
 """
 
@@ -222,19 +221,8 @@ def test_auto_on_this_cpu_capped_to_avx2_trains_in_fp32_without_a_probe(run_root
     """The AVX2 branch on real hardware, not a stand-in: this CPU restricted to AVX2 kernels (on an
     AVX2-only CPU the caps change nothing) has no native bfloat16 for torch, and auto picks fp32
     from that capability alone, timing nothing (no probe cache is written)."""
-    from conftest import REPO
-
     env = {**os.environ, **AVX2_CAPS, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    done = subprocess.run(
-        [sys.executable, "-c", RESOLVE_IN_A_NEW_PROCESS, str(run_root), str(tmp_path / "cache")],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    chosen = json.loads(done.stdout.strip().splitlines()[-1])
+    chosen = run_script_json(RESOLVE_IN_A_NEW_PROCESS, [str(run_root), str(tmp_path / "cache")], REPO, env)
     assert chosen == {
         "name": "fp32",
         "reason": "auto: this CPU (AVX2) has no native bfloat16, which would be emulated",
