@@ -23,6 +23,8 @@ from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 from pipeline.train.train_path import train_path
 
+pytestmark = pytest.mark.usefixtures("no_collector_pauses")  # lease timing: conftest says why
+
 
 def test_a_claim_is_exclusive_and_a_dead_holders_lease_expires(run_root):
     config = tiny_config(run_root, "train.lease_seconds=0.4")

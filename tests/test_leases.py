@@ -23,6 +23,8 @@ from pipeline.state import layout, storage
 from pipeline.state.storage import RunRoot
 from pipeline.train.train_path import train_path
 
+pytestmark = pytest.mark.usefixtures("no_collector_pauses")  # lease timing: conftest says why
+
 ONE_PATH = ("model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=1")
 
 

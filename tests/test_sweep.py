@@ -260,8 +260,10 @@ def hand_made_attempt(sweep: spec.Sweep, point_id: str, number: int, **fields) -
     (folder / f"attempt-{number}.json").write_text(json.dumps(record))
 
 
+@pytest.mark.usefixtures("no_collector_pauses")  # lease timing: conftest says why
 def test_a_dead_holders_point_is_taken_over_after_its_lease_and_a_live_one_is_waited_for(tmp_path):
-    path = sweep_file(tmp_path, {"algorithm": ["sync", "diloco"]}, set={**TINY, "train.lease_seconds": 1.0})
+    # 2 s: above the longest collector pause measured in this process (1.4 s; conftest's no_collector_pauses)
+    path = sweep_file(tmp_path, {"algorithm": ["sync", "diloco"]}, set={**TINY, "train.lease_seconds": 2.0})
     sweep, points = with_shards(path)
     dead, live = points
     hand_made_attempt(sweep, dead.id, 1)  # its holder was killed: the beats never change again
@@ -276,7 +278,7 @@ def test_a_dead_holders_point_is_taken_over_after_its_lease_and_a_live_one_is_wa
     assert (first["state"], first["beats"]) == ("running", 0) and second["state"] == "done"  # expired, then redone
     assert second["island"] == "sweep-lane-0" and second["island_id"].startswith("sweep-lane-0-")
     theirs, ours = lease_records(sweep, live.id)
-    assert theirs["state"] == "released" and theirs["beats"] >= 4  # it was alive: its beats went on
+    assert theirs["state"] == "released" and theirs["beats"] >= 3  # it was alive: its beats went on
     assert ours["state"] == "done" and ours["claimed_at"] >= theirs["finished_at"]  # never two holders at once
     assert RunRoot(sweep.sweep_root).is_committed(f"points/{dead.id}")
     lanes = report["lanes"]
@@ -285,10 +287,13 @@ def test_a_dead_holders_point_is_taken_over_after_its_lease_and_a_live_one_is_wa
     assert "1 lane(s) busy" in format_report(report)
 
 
+@pytest.mark.usefixtures("no_collector_pauses")  # lease timing: conftest says why
 def test_the_dags_train_point_waits_for_the_live_holder_and_returns_what_it_committed(tmp_path):
     """A retried or duplicate DAG task for a point that another live process trains: it trains
     nothing beside it, and returns the result that process commits."""
-    path = sweep_file(tmp_path, {"algorithm": ["diloco"]}, set={**TINY, "train.lease_seconds": 1.0})
+    # Nothing here may expire: a lease far longer than any pause of this process (conftest's
+    # no_collector_pauses), which would stall the holder's beats while the waiter's clock runs on.
+    path = sweep_file(tmp_path, {"algorithm": ["diloco"]}, set={**TINY, "train.lease_seconds": 10.0})
     sweep, points = with_shards(path)
     (point,) = points
     held = sweeps.point_queue_of(sweep, points).claim(point_queue.point_task(point.id), "cli-lane")
@@ -296,12 +301,14 @@ def test_the_dags_train_point_waits_for_the_live_holder_and_returns_what_it_comm
     waiter = threading.Thread(target=lambda: returned.append(sweeps.train_point(sweep, points, point.id)))
     waiter.start()
     result = sweeps.run_point(sweep, point, lease=held)  # the holder trains (this thread: in-process islands)
+    assert result is not None, "the holder lost its lease while training"
     held.finish("done", seconds=result["seconds"])
     waiter.join(timeout=30)
     assert returned == [result]
     assert [r["island"] for r in lease_records(sweep, point.id)] == ["cli-lane"]  # the waiter claimed nothing
 
 
+@pytest.mark.usefixtures("no_collector_pauses")  # lease timing: conftest says why
 def test_a_holder_that_lost_its_lease_while_paused_commits_nothing_and_its_successor_does(tmp_path, monkeypatch):
     settings = {**TINY, "train.lease_seconds": 1.0, "train.max_attempts": 5}
     path = sweep_file(tmp_path, {"algorithm": ["diloco"]}, set=settings)
@@ -310,7 +317,8 @@ def test_a_holder_that_lost_its_lease_while_paused_commits_nothing_and_its_succe
 
     def paused_past_its_lease(run, rounds=None):
         summary = real_run(run, rounds)
-        calls.append(run.config.run_root)
+        if run.config.run_root.startswith(str(tmp_path)):  # this sweep's runs only, whatever else runs
+            calls.append(run.config.run_root)
         if len(calls) == 1:  # while it "slept", a reader expired it and another host claimed attempt 2
             hand_made_attempt(sweep, point.id, 2, island="successor")
         return summary
