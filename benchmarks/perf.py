@@ -172,9 +172,10 @@ def prepare_throughput(n_docs: int) -> dict | None:
 
     The fit embeds its sample once more before routing embeds everything, so a sample as large
     as the corpus doubles the embedding work, a set-up no real run has (DESIGN: 20,000 sampled
-    documents of C4's 365M, 0.005%); 2% is still far above real proportions. The corpus is the
-    whole bundled source (10,000 documents), so the job's start-up (pipeline construction,
-    model load) weighs as little as the machine's time allows."""
+    documents of C4's 365M, 0.005%); 2% is still far above real proportions. The corpus is
+    `--prepare-docs` of the bundled source (3,000 by default, to fit `make bench`), over which the
+    job's start-up (pipeline construction, model load) still shows: on the AMX Xeon 0.82 of raw
+    MiniLM at 3,000 documents and 0.94 at all 10,000 (benchmarks/RESULTS.md)."""
     if importlib.util.find_spec("benchmarks.bench_prepare") is None:
         log.warning("benchmarks/bench_prepare.py is absent: no prepare figure")
         return None
