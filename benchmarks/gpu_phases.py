@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 SHAPES = {
     "large": {"hidden": 1024, "heads": 16, "blocks": 8, "seq_len": 1024, "micro_batch": 16},  # benchmarks.gpu's
@@ -33,33 +32,24 @@ SHAPES = {
 SYNCED_STEPS, WARMUP_STEPS, ASYNC_STEPS = 14, 4, 10
 
 
-def timed_step(kind: str, loop, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device) -> list[float]:
-    """One step with the device drained before each clock read: [forward + loss, backward, step]."""
-    from benchmarks.perf_worker import autocast, synchronize
+def drained(device: torch.device) -> float:
+    """The clock once the device has finished what was queued."""
+    from benchmarks.perf_worker import synchronize
 
-    marks = []
     synchronize(device)
-    marks.append(time.perf_counter())
-    if kind == "plain":
-        loop.optimizer.zero_grad(set_to_none=True)
-        with autocast(loop.config.train.precision):
-            logits = loop.model(input_ids=inputs).logits
-    else:
-        logits = loop.engine(input_ids=inputs).logits
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-    synchronize(device)
-    marks.append(time.perf_counter())
-    loop.engine.backward(loss) if kind != "plain" else loss.backward()
-    synchronize(device)
-    marks.append(time.perf_counter())
-    if kind == "plain":
-        if loop.config.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(loop.model.parameters(), loop.config.train.grad_clip)
-        loop.optimizer.step()
-    else:
-        loop.engine.step()
-    synchronize(device)
-    marks.append(time.perf_counter())
+    return time.perf_counter()
+
+
+def timed_step(loop, inputs: torch.Tensor, labels: torch.Tensor, device: torch.device) -> list[float]:
+    """One step of a perf-worker loop with the device drained before each clock read: [forward +
+    loss, backward, optimizer step]."""
+    marks = [drained(device)]
+    loss = loop.loss(inputs, labels)
+    marks.append(drained(device))
+    loop.backward(loss)
+    marks.append(drained(device))
+    loop.step()
+    marks.append(drained(device))
     return [b - a for a, b in zip(marks, marks[1:])]
 
 
@@ -89,7 +79,7 @@ def shape_phases(dims: dict[str, int], precision: str, rank: int, world: int) ->
             for step in range(SYNCED_STEPS):
                 batch = stream.micro_batch(step * dims["micro_batch"], dims["micro_batch"])
                 inputs, labels = (t.to(device) for t in batch)
-                times = timed_step(kind, loop, inputs, labels, device)
+                times = timed_step(loop, inputs, labels, device)
                 if step >= WARMUP_STEPS:
                     for name, seconds in zip(phases, times):
                         phases[name].append(seconds)

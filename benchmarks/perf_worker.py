@@ -124,6 +124,22 @@ class PlainLoop:
         self.optimizer = adamw_for(model, config.train)
         self.config = config
 
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with autocast(self.config.train.precision):  # what DeepSpeed's torch_autocast block does around the forward
+            logits = self.model(input_ids=inputs).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        """Clip (unless train.grad_clip is 0, as DeepSpeed's gradient_clipping 0 turns it off), step
+        the optimizer, drop the gradients."""
+        if self.config.train.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def run(self, stream: RowStream, round_index: int, rank: int, world: int) -> float:
         """`inner_steps` steps at the same global steps the trainer would take; returns seconds."""
         train = self.config.train
@@ -133,17 +149,12 @@ class PlainLoop:
             global_step = round_index * train.inner_steps + step
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(global_step, train.rounds * train.inner_steps, train)
-            self.optimizer.zero_grad(set_to_none=True)
             accum = train.gradient_accumulation_steps
             for micro in range(accum):
                 first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, accum, world)
                 inputs, labels = (t.to(self.device) for t in stream.micro_batch(first, train.micro_batch_size))
-                with autocast(train.precision):  # what DeepSpeed's torch_autocast block does around the forward
-                    logits = self.model(input_ids=inputs).logits
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-                (loss / accum).backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.grad_clip)
-            self.optimizer.step()
+                self.backward(self.loss(inputs, labels) / accum)
+            self.step()
         synchronize(self.device)
         return time.perf_counter() - start
 
@@ -158,6 +169,15 @@ class TrainerLoop:
         self.engine = wrap_with_zero(model, adamw_for(model, config.train), load_ds_config(config.train, shape, world))
         self.config, self.bare = config, bare
         self.linear = torch.nn.functional.linear if stage == 3 else TORCH_LINEAR
+
+    def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.engine(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
 
     def run(self, stream: RowStream, round_index: int, rank: int, world: int) -> float:
         if not self.bare:
@@ -174,9 +194,8 @@ class TrainerLoop:
             for micro in range(accum):
                 first = micro_batch_start(global_step, micro, rank, train.micro_batch_size, accum, world)
                 inputs, labels = (t.to(self.engine.device) for t in stream.micro_batch(first, train.micro_batch_size))
-                loss = F.cross_entropy(self.engine(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
-                self.engine.backward(loss)
-                self.engine.step()  # steps the optimizer at the accumulation boundary only
+                self.backward(self.loss(inputs, labels))
+                self.step()  # steps the optimizer at the accumulation boundary only
         synchronize(self.engine.device)
         return time.perf_counter() - start
 
