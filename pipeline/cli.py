@@ -214,6 +214,8 @@ def _version() -> str:
 
 def check(args: argparse.Namespace, config: Config) -> None:
     """Every refusal this command can know of before it writes (pipeline.preflight)."""
+    if args.command != "clean":
+        preflight.check_object_store(config)
     if args.command in ("prepare", "run"):
         preflight.check_data(config)
     if args.command == "train-path":

@@ -261,8 +261,7 @@ def early_stop(run: Run, round_index: int) -> dict:
 def run(run: Run, rounds: int | None = None) -> dict:
     """Every stage that has not committed: prepare, then rounds up to `train.rounds` (or `rounds`
     more, as a scheduled DAG run does) on islands, evaluation and registration after each merge."""
-    preflight.check_data(run.config)  # before the lock and init_run write anything
-    preflight.check_run_root(run.config)
+    preflight.before_a_run(run.config)  # before the lock and init_run write anything
     with run_lock(run.root):
         init_run(run)
         run.tracker.log_run_config()

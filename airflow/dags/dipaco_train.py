@@ -130,8 +130,7 @@ def configure(params: dict | None = None) -> dict:
         {k: params[k] for k in ("config", "overrides", "project_dir")}, trusted_dirs(), config_dirs()
     )
     run = _run(ref)
-    preflight.check_data(run.config)
-    preflight.check_run_root(run.config)
+    preflight.before_a_run(run.config)
     stages.init_run(run)
     run.tracker.log_run_config()
     return ref

@@ -368,6 +368,7 @@ class S3Store(Store):
 
     kind = "s3"
     MULTIPART_ABOVE = 64 << 20  # s3fs uploads larger files in parts; the object appears when they complete
+    PART_BYTES = 50 << 20  # s3fs's default part size (a file under two parts goes up in one PUT)
 
     def _split(self, path: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(path)
@@ -385,7 +386,7 @@ class S3Store(Store):
         return self.retrying(lambda: self._put(path, data), path)
 
     def upload(self, local: str, path: str) -> None:
-        self.retrying(lambda: self.fs.put_file(local, path), path)
+        self.retrying(lambda: self.fs.put_file(local, path, chunksize=self.PART_BYTES), path)
 
     def read(self, path: str, max_bytes: int | None = None) -> Versioned:
         bucket, key = self._split(path)
