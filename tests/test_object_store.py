@@ -304,3 +304,84 @@ def test_an_object_store_the_run_cannot_use_is_refused_in_seconds_with_one_line(
 def test_a_storage_option_the_store_does_not_know_is_refused_naming_it():
     with pytest.raises(ConfigError, match="storage.options.endpoint_urll is not an option of S3FileSystem"):
         configure("s3://bucket/run", {"endpoint_urll": "http://127.0.0.1:1"})
+
+
+# -- the whole pipeline ----------------------------------------------------------------------------
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """`mlflow server` on a free loopback port: a SQLite backend and served artifacts in tmp_path."""
+    from s3_endpoint import free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "mlartifacts"),
+            "--serve-artifacts",
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import urllib.request
+
+        wait_for(lambda: _answers(urllib.request, f"{url}/health"), 120, "the MLflow server")
+        yield url
+    finally:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:  # a worker that ignores SIGTERM
+            os.killpg(server.pid, 9)
+            server.wait(10)
+
+
+def _answers(request, url: str) -> bool:
+    try:
+        return request.urlopen(url, timeout=2).status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.slow  # ~2 min on 2 cores: the tiny pipeline twice (Beam prepare, 2 islands, 2 rounds)
+def test_the_tiny_pipeline_on_s3_with_an_mlflow_server_equals_the_local_run_bitwise(
+    s3_server, s3_root, mlflow_server, tmp_path
+):
+    """prepare -> islands -> merges -> eval -> register on s3://, tracked by an MLflow server: its
+    final modules and eval JSON are bitwise those of the same run on a local root."""
+    from mlflow import MlflowClient
+
+    from conftest import dipaco_run
+
+    url, storage_set = s3_root
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("FSSPEC_S3", None)  # the run's own storage.options, nothing inherited
+    tracked = ["mlflow.enabled=true", f"mlflow.tracking_uri={mlflow_server}", "mlflow.experiment=s3-vs-local"]
+    dipaco_run([f"run_root={url}", storage_set, *tracked, "mlflow.registered_model=dipaco-s3"], REPO, env)
+    dipaco_run([f"run_root={tmp_path / 'local'}", "mlflow.enabled=false"], REPO, env)
+    configure(url, {"endpoint_url": s3_server.endpoint})
+    s3, local = RunRoot(url), RunRoot(tmp_path / "local")
+    final = "rounds/round=2/modules"
+    names = local.marker(final)["files"]
+    assert names and sorted(s3.marker(final)["files"]) == sorted(names)
+    for name in names:
+        assert s3.read_committed(final, name) == local.read_committed(final, name), name
+    for r in (1, 2):
+        assert s3.read_bytes(f"eval/round={r}.json") == local.read_bytes(f"eval/round={r}.json")
+    versions = MlflowClient(mlflow_server).search_model_versions("name='dipaco-s3'")
+    assert versions, "the S3 run registered no model version"
+    assert not s3.exists(".lock") or b"released" in s3.read_bytes(".lock")
