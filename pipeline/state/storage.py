@@ -147,6 +147,7 @@ class RunRoot:
         self.fs, self.root = fsspec.core.url_to_fs(self.url)  # options: fsspec's config (store.configure)
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.store: Store = store_for(self.fs)
+        self._written: dict[str, tuple[str, dict[str, Any]]] = {}  # object stores: full path -> (version, record)
 
     def __repr__(self) -> str:
         return f"RunRoot({self.url!r})"
@@ -268,7 +269,8 @@ class RunRoot:
         if not self.is_local:
             buffer = io.BytesIO()
             fill(buffer)
-            return self._put_object(rel, lambda full: self.store.write(full, buffer.getvalue()))
+            data = buffer.getvalue()
+            return self._put_object(rel, lambda full: self._remember(full, self.store.write(full, data), data=data))
         return self._put(rel, make)
 
     def _put_object(self, rel: str, put: Callable[[str], Any], state: bool = True) -> str:
@@ -329,7 +331,7 @@ class RunRoot:
         """Upload (or copy) a local file into the root, atomically, streaming it in blocks (in parts
         to an object store, where the object appears only once every part is in)."""
         if not self.is_local:
-            self._put_object(rel, lambda full: self.store.upload(str(local), full))
+            self._put_object(rel, lambda full: self._remember(full, self.store.upload(str(local), full), local=local))
             return
         with open(local, "rb") as src:
             self._replace(rel, lambda handle: shutil.copyfileobj(src, handle, 1 << 22))
@@ -472,12 +474,22 @@ class RunRoot:
         for name in self.marker(rel)["files"]:
             self.read_committed(rel, name)
 
+    def _remember(self, full: str, version: str | None, data: bytes | None = None, local: Any = None) -> None:
+        """An object store: the record of what this process just wrote, with the version the store
+        gave it, so a commit need not download the file again to checksum it (see _file_record)."""
+        if version:
+            self._written[full] = (version, checksum_bytes(data) if data is not None else checksum_file(local))
+
     def _file_record(self, rel: str) -> dict[str, Any]:
         """From the bytes on disk, never from what this process believes it wrote: two writers of
         one directory (a paused island that lost its lease, and its successor) once committed a
         marker that matched neither file, and every later read of the directory failed."""
         if self.is_local:
             return checksum_file(self.path(rel))
+        full = self.path(rel)
+        written = self._written.pop(full, None)
+        if written is not None and self.store.version(full, metadata_only=True) == written[0]:
+            return written[1]  # the store still holds the very version we wrote: its bytes are the ones we summed
         return checksum_bytes(self.read_bytes(rel))
 
     # -- publishing ----------------------------------------------------------------------------

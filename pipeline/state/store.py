@@ -232,10 +232,10 @@ class Store(ABC):
     def write(self, path: str, data: bytes) -> str:
         """Replace the file atomically; returns its new version."""
 
-    def upload(self, local: str, path: str) -> None:
-        """A local file into the store, atomically (multipart on object stores)."""
+    def upload(self, local: str, path: str) -> str | None:
+        """A local file into the store, atomically (multipart on object stores); its version."""
         with open(local, "rb") as handle:
-            self.write(path, handle.read())
+            return self.write(path, handle.read())
 
     @abstractmethod
     def read(self, path: str, max_bytes: int | None = None) -> Versioned:
@@ -253,7 +253,9 @@ class Store(ABC):
     def delete_if(self, path: str, version: str) -> bool:
         """Delete the file only if it is still `version`."""
 
-    def version(self, path: str) -> str | None:
+    def version(self, path: str, metadata_only: bool = False) -> str | None:
+        """The file's current version, or None when absent; `metadata_only`: without its bytes
+        where the store can (a HEAD), at the cost of a listing-level view on stores that cannot."""
         try:
             return self.read(path).version
         except FileNotFoundError:
@@ -320,7 +322,7 @@ class LocalStore(Store):
             os.unlink(path)
             return True
 
-    def version(self, path: str) -> str | None:
+    def version(self, path: str, metadata_only: bool = False) -> str | None:
         return self._current(path)
 
     def _current(self, path: str) -> str | None:
@@ -385,8 +387,18 @@ class S3Store(Store):
             return ""
         return self.retrying(lambda: self._put(path, data), path)
 
-    def upload(self, local: str, path: str) -> None:
+    def upload(self, local: str, path: str) -> str | None:
         self.retrying(lambda: self.fs.put_file(local, path, chunksize=self.PART_BYTES), path)
+        return self.version(path, metadata_only=True)
+
+    def version(self, path: str, metadata_only: bool = False) -> str | None:
+        if not metadata_only:
+            return super().version(path)
+        bucket, key = self._split(path)
+        try:
+            return str(self.retrying(lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=key), path)["ETag"])
+        except FileNotFoundError:
+            return None
 
     def read(self, path: str, max_bytes: int | None = None) -> Versioned:
         bucket, key = self._split(path)
