@@ -301,9 +301,12 @@ def test_an_object_store_the_run_cannot_use_is_refused_in_seconds_with_one_line(
     assert _objects(s3_server, bucket) == []  # nothing written
 
 
-def test_a_storage_option_the_store_does_not_know_is_refused_naming_it():
+def test_a_storage_option_the_store_does_not_know_or_that_carries_a_secret_is_refused_naming_it():
     with pytest.raises(ConfigError, match="storage.options.endpoint_urll is not an option of S3FileSystem"):
         configure("s3://bucket/run", {"endpoint_urll": "http://127.0.0.1:1"})
+    with pytest.raises(ConfigError, match="storage.options.endpoint_url carries credentials") as refused:
+        configure("s3://bucket/run", {"endpoint_url": "http://minio:hunter2@127.0.0.1:9000"})
+    assert "hunter2" not in str(refused.value)
 
 
 # -- the whole pipeline ----------------------------------------------------------------------------
@@ -385,3 +388,24 @@ def test_the_tiny_pipeline_on_s3_with_an_mlflow_server_equals_the_local_run_bitw
     versions = MlflowClient(mlflow_server).search_model_versions("name='dipaco-s3'")
     assert versions, "the S3 run registered no model version"
     assert not s3.exists(".lock") or b"released" in s3.read_bytes(".lock")
+
+
+def test_pruning_an_old_round_on_s3_leaves_every_marker_naming_only_what_is_there(s3):
+    """train.keep_rounds on an object store: a round's modules go (marker first), a path keeps its
+    metrics.json under a rewritten marker, and what is left verifies."""
+    from pipeline.state import layout
+    from pipeline.state.retention import prune_round
+
+    modules, path = layout.modules_dir(0), layout.path_dir(0, "p0")
+    s3.write_bytes(f"{modules}/level=0/module=0.safetensors", b"m" * 1000)
+    s3.commit(modules)
+    s3.write_bytes(f"{path}/model.safetensors", b"w" * 2000)
+    s3.write_json(f"{path}/metrics.json", {"seconds": 1.0})
+    s3.write_bytes(f"{path}/outer_grad/level=0.safetensors", b"g" * 10)
+    s3.commit(path, info={"round": 0})
+    freed = prune_round(s3, 0, ["p0"])
+    assert freed >= 3000
+    assert not s3.exists(modules) and not s3.exists(f"{path}/model.safetensors")
+    assert not s3.exists(f"{path}/outer_grad/level=0.safetensors")
+    assert list(s3.marker(path)["files"]) == ["metrics.json"] and s3.marker(path)["pruned"] is True
+    s3.verify(path)

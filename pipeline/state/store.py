@@ -129,6 +129,12 @@ def check_options(proto: str, options: dict[str, Any], source: str) -> None:
                 f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, or the GCS default credentials), "
                 f"never in the config"
             )
+    for key, value in options.items():
+        if isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+            raise ConfigError(
+                f"{source}: storage.options.{key} carries credentials in its URL; give them in the environment, "
+                f"never in the config"
+            )
     if not options:
         return
     try:
