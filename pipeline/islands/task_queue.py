@@ -400,9 +400,11 @@ class TaskQueue:
         meanwhile is never overwritten back to running, nor this end by that beat."""
         try:
             current = self.root.read_versioned(rel)
-        except DipacoError:
+            record = json.loads(current.data)
+        except (DipacoError, ValueError):
             return False
-        return self.root.replace_if(rel, _record_bytes({**attempt.record, **fields}), current.version) is not None
+        record = record if isinstance(record, dict) else attempt.record
+        return self.root.replace_if(rel, _record_bytes({**record, **fields}), current.version) is not None
 
     def fail_running(self, island_id: str, reason: str) -> None:
         """Mark the running attempts of one island process (`island_id`, unique per process: a

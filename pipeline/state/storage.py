@@ -41,11 +41,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.core.bounds import MAX_STATE_JSON_BYTES, load_json
 from pipeline.core.errors import CorruptStateError, InputError, StorageError
+from pipeline.state.store import TMP_TAG as _TMP_TAG
 from pipeline.state.store import Store, Versioned, retrying, store_for
 
 SUCCESS = "_SUCCESS"
 T, R = TypeVar("T"), TypeVar("R")
-_TMP_TAG = ".tmp-"
 # Fault injection for the crash tests: the process kills itself (SIGKILL, like `kill -9`) right
 # before its N-th file write, so a test can crash a stage at an exact point. Unset: no effect.
 _KILL_BEFORE_WRITE = int(os.environ.get("DIPACO_FAULT_KILL_BEFORE_WRITE", "0"))
@@ -242,7 +242,9 @@ class RunRoot:
                 return []
 
         found = self._io(names, rel)
-        return sorted(n for n in found if _TMP_TAG not in n and n != posixpath.basename(full.rstrip("/")))
+        if not self.is_local:  # some stores list a "directory" placeholder object under its own name
+            found = [n for n in found if n != posixpath.basename(full.rstrip("/"))]
+        return sorted(n for n in found if _TMP_TAG not in n)
 
     def glob(self, pattern: str) -> list[str]:
         """Relative paths matching a glob under the root, sorted, temporaries excluded."""

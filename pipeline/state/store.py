@@ -57,7 +57,7 @@ log = logging.getLogger("dipaco.store")
 T = TypeVar("T")
 
 RETRY_S = 60.0  # how long a transient error is retried before it is a StorageError
-_TMP_TAG = ".tmp-"
+TMP_TAG = ".tmp-"  # a file being written (a disk only): never listed, never read
 # Object-store options a run may set: everything the filesystem's constructor takes, except what
 # belongs in the standard credential places (never in run.yaml, which is logged and shared).
 SECRET_OPTIONS = frozenset(
@@ -344,7 +344,7 @@ class LocalStore(Store):
     @staticmethod
     def _tmp(path: str) -> str:
         os.makedirs(posixpath.dirname(path), exist_ok=True)
-        return f"{path}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        return f"{path}{TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     @staticmethod
     def _fill(tmp: str, data: bytes) -> None:
