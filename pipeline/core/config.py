@@ -712,7 +712,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'train': {'lr': 1}} -> {'train.lr': 1}: the form MLflow params and --set keys take."""
     flat: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:  # an empty mapping (storage.options: {}) is a value of its own
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
