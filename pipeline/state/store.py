@@ -259,6 +259,19 @@ class Store(ABC):
     def delete_if(self, path: str, version: str) -> bool:
         """Delete the file only if it is still `version`."""
 
+    @staticmethod
+    def _unless_refused(op: Callable[[], T]) -> T | None:
+        """op()'s result, or None when the store refused its condition (the version changed, the
+        file exists already, or it is gone)."""
+        try:
+            return op()
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - a refused condition is an answer, anything else is raised
+            if _precondition_failed(exc) or error_code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise
+
     def version(self, path: str, metadata_only: bool = False) -> str | None:
         """The file's current version, or None when absent; `metadata_only`: without its bytes
         where the store can (a HEAD), at the cost of a listing-level view on stores that cannot."""
@@ -427,34 +440,19 @@ class S3Store(Store):
         return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
 
     def create(self, path: str, data: bytes) -> str | None:
-        try:
-            return self.retrying(lambda: self._put(path, data, IfNoneMatch="*"), path)
-        except Exception as exc:  # noqa: BLE001
-            if _precondition_failed(exc):
-                return None
-            raise
+        return self._unless_refused(lambda: self.retrying(lambda: self._put(path, data, IfNoneMatch="*"), path))
 
     def replace_if(self, path: str, data: bytes, version: str) -> str | None:
-        try:
-            return self.retrying(lambda: self._put(path, data, IfMatch=version), path)
-        except FileNotFoundError:
-            return None
-        except Exception as exc:  # noqa: BLE001
-            if _precondition_failed(exc) or error_code(exc) in ("NoSuchKey", "404"):
-                return None
-            raise
+        return self._unless_refused(lambda: self.retrying(lambda: self._put(path, data, IfMatch=version), path))
 
     def delete_if(self, path: str, version: str) -> bool:
         bucket, key = self._split(path)
-        try:
-            self.retrying(lambda: self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version), path)
+
+        def delete() -> bool:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
             return True
-        except FileNotFoundError:
-            return False
-        except Exception as exc:  # noqa: BLE001
-            if _precondition_failed(exc) or error_code(exc) in ("NoSuchKey", "404"):
-                return False
-            raise
+
+        return bool(self._unless_refused(lambda: self.retrying(delete, path)))
 
 
 class GCSStore(Store):
@@ -507,21 +505,11 @@ class GCSStore(Store):
 
         return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
 
-    def _conditional(self, op: Callable[[], T]) -> T | None:
-        try:
-            return op()
-        except FileNotFoundError:
-            return None
-        except Exception as exc:  # noqa: BLE001
-            if _precondition_failed(exc):
-                return None
-            raise
-
     def create(self, path: str, data: bytes) -> str | None:
-        return self._conditional(lambda: self._upload(path, data, "0"))
+        return self._unless_refused(lambda: self._upload(path, data, "0"))
 
     def replace_if(self, path: str, data: bytes, version: str) -> str | None:
-        return self._conditional(lambda: self._upload(path, data, version))
+        return self._unless_refused(lambda: self._upload(path, data, version))
 
     def delete_if(self, path: str, version: str) -> bool:
         bucket, key, _ = self.fs.split_path(path)
@@ -530,7 +518,7 @@ class GCSStore(Store):
             fsspec.asyn.sync(self.fs.loop, self.fs._call, "DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
             return True
 
-        return bool(self._conditional(lambda: self.retrying(delete, path)))
+        return bool(self._unless_refused(lambda: self.retrying(delete, path)))
 
 
 class MemoryStore(Store):
