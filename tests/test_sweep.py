@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -397,11 +398,12 @@ def test_predict_gives_an_interval_and_verify_records_the_holdout_error(tmp_path
 
 
 def quick_sweep_copy(tmp_path) -> str:
-    """configs/sweep.yaml as a new user copies it: its roots under tmp_path; MLflow off and the tests'
-    documents instead of the sample (the points below never train on them)."""
+    """configs/sweep.yaml as a new user copies it: its roots under tmp_path; MLflow off, 20 bootstrap
+    draws (not 200: the fits, not the points, would be most of the test) and the tests' documents
+    instead of the sample (the points below never train on them)."""
     doc = yaml.safe_load((REPO / "configs" / "sweep.yaml").read_text())
     doc["sweep_root"], doc["quick"]["sweep_root"] = str(tmp_path / "sweep"), str(tmp_path / "sweep-quick")
-    doc["mlflow"] = {"enabled": False}
+    doc["mlflow"], doc["quick"]["fit"] = {"enabled": False}, {"bootstrap": 20}
     doc["set"] |= {"data.train": "tests/data/c4/train/*.json", "data.eval": "tests/data/c4/validation/*.json"}
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -421,7 +423,7 @@ def fake_training(monkeypatch, sweep: spec.Sweep, points: list[spec.Point]) -> l
     def run(run, rounds=None):
         config = run.config
         handed.append(config)
-        loss = 40 * spec.non_embedding_params(config) ** -0.2 + 0.05 * abs(np.log(config.outer.lr / 0.6))
+        loss = 40 * spec.non_embedding_params(config) ** -0.2 + 0.05 * abs(math.log(config.outer.lr / 0.6))
         return {"eval": {config.train.rounds: {"bits_per_byte": loss, "perplexity": 2**loss}}}
 
     monkeypatch.setattr(stages, "run", run)
@@ -442,11 +444,13 @@ def test_the_quick_holdout_trains_at_the_swept_h_in_whole_rounds_of_it(tmp_path,
         trained = yaml.safe_load((tmp_path / "sweep-quick" / "runs" / holdout["point"] / "run.yaml").read_text())
         assert config.train.inner_steps == trained["train"]["inner_steps"] == swept_h == holdout["H"]
         assert holdout["steps"] == config.train.rounds * swept_h and config.train.rounds >= 1
-        assert holdout["values"]["train.inner_steps"] == swept_h and holdout["sources"]["train.inner_steps"] == "only value"
+        assert holdout["values"]["train.inner_steps"] == swept_h
+        assert holdout["sources"]["train.inner_steps"] == "only value"
         assert (holdout["M"], holdout["outer_lr"]) == (config.train.workers_per_path, config.outer.lr)
         assert holdout["tokens"] == holdout["steps"] * spec.tokens_per_step(config)
         unit = swept_h * 2 * spec.tokens_per_step(config)  # lcm(H) x lcm(M) worker steps: one unit of rounding
         assert abs(holdout["tokens"] - 2 * holdout["N"]) <= unit / 2  # the budget: 2 tokens per parameter
+        assert f"H {swept_h}, M {holdout['M']}" in format_report(report)
     assert sum("/holdout_" in c.run_root for c in handed) == 2 and len(handed) == len(points) + 2
 
 
