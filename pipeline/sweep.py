@@ -447,12 +447,13 @@ def predict(sweep: Sweep, fit: dict, assignments: dict) -> dict:
             if key in assignments:
                 continue
             value = laws.predict_optimum(optimum["trend"], n, optimum["integer"])
-            if value is not None:
+            fitted = value is not None
+            if fitted:
                 how = "power law" if optimum["trend"].get("trend") else "no trend: geometric mean of the optima"
             else:
                 value = best["hyper"].get(key) if best else None
                 how = f"no law: the value of the group's best point ({best['point'] if best else 'none'})"
-            entry["hyper"][key] = {"value": value, "how": how, "fitted": optimum["trend"].get("fitted", False)}
+            entry["hyper"][key] = {"value": value, "how": how, "fitted": fitted}
         groups[name] = entry
     if not groups:
         raise ConfigError(f"--predict: no group of the sweep matches {json.dumps(assignments)}")

@@ -467,6 +467,29 @@ def test_a_holdout_too_small_for_one_round_is_refused_before_anything_trains(tmp
     assert "tokens_per_param 2" in errors[0] and "less than one round of H = 16" in errors[0]  # the budget
 
 
+def test_a_holdout_axis_with_no_fitted_optimum_takes_the_value_of_the_groups_best_point(tmp_path):
+    """Seeds have no optimum to fit (not a positive grid): the holdout takes the best point's seed,
+    the one H the sweep has, and the fit's predicted lr; planned only, nothing trains."""
+    axes = {"model.hidden_size": [16, 24, 32], "train.seed": [0, 1], "train.lr": [0.005, 0.01]}
+    axes["train.inner_steps"] = [3]
+    sweep = spec.load_sweep(sweep_file(tmp_path, axes, {"steps": 7}))
+    results = [
+        {**p.summary(), "hyper": p.hyper(), "bits_per_byte": 9 * p.N**-0.1 + 0.01 * (p.values["train.seed"] == 0)}
+        for p in spec.expand(sweep)
+    ]
+    fit = laws.analyse(results, draws=10, seed=0)
+    prediction = sweeps.predict(sweep, fit, {"model.hidden_size": 40})
+    point, _, sources = sweeps.holdout_point(sweep, fit, prediction)
+    assert (point.values["train.seed"], point.values["train.inner_steps"]) == (1, 3)
+    assert sources == {
+        "model.hidden_size": "asked",
+        "train.seed": f"best point {min(results, key=lambda r: r['bits_per_byte'])['id']}",
+        "train.lr": "predicted optimum",
+        "train.inner_steps": "only value",
+    }
+    assert (point.config.train.inner_steps, point.config.train.rounds, point.steps) == (3, 2, 6)  # whole rounds
+
+
 # -- fits -----------------------------------------------------------------------------------------
 def test_the_fit_recovers_the_exponent_of_a_known_law_within_5_percent():
     rng = np.random.default_rng(0)
