@@ -1,0 +1,199 @@
+"""Hugging Face checkpoints in and out (models/hf.py, pipeline/init_from.py, pipeline/export.py).
+
+A tiny random Llama, Mistral and Qwen2, each written with save_pretrained here, start a [2, 2] run:
+at round 0 every path gives exactly the checkpoint's logits. A dense run is exported, a DiPaCo run
+starts from that export, trains, is exported again, and transformers loads and generates from it.
+Every bad checkpoint exits 2 with one line and leaves no run root behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_YAML, dipaco_run, set_args, tiny_config, write_synthetic_shards
+
+VOCAB = 320  # the model's; the tokenizer below has fewer ids (as Qwen2's padded vocabularies do)
+TEXTS = [
+    "The French Revolution was a period of political and societal change in France.",
+    "A recipe for bread: flour, water, salt and yeast, kneaded and left to rise overnight.",
+    "The match ended in a draw after the home side scored late in the second half.",
+] * 4
+
+
+def tiny_tokenizer():
+    """A byte-level BPE of ~300 ids with <|endoftext|> = 0, as a checkpoint ships it."""
+    from pipeline.routing.tokenizer import _wrap, train_bpe
+
+    return _wrap(train_bpe(TEXTS, 300))
+
+
+def write_checkpoint(directory: Path, family: str, layers: int = 2, tokenizer: bool = True) -> Path:
+    """A random checkpoint of the family with a few of its own traits: GQA, RoPE scaling, a tied
+    head, Qwen2's q/k/v biases, Mistral's sliding window."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers)
+    common.update(num_attention_heads=4, eos_token_id=0, bos_token_id=0, max_position_embeddings=128)
+    config = {
+        "llama": lambda: LlamaConfig(
+            **common,
+            num_key_value_heads=2,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+        "mistral": lambda: MistralConfig(**common, num_key_value_heads=1, sliding_window=8),
+        "qwen2": lambda: Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True),
+    }[family]()
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # biases are zero at init: make them count
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_()
+    model.save_pretrained(directory)
+    if tokenizer:
+        tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def hf_config(run_root: Path, checkpoint: Path, *overrides: str):
+    return tiny_config(run_root, f"model.init_from={checkpoint}", *overrides)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_round_0_paths_give_the_checkpoints_own_logits(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    from models.grid import all_path_ids
+    from pipeline import stages
+    from pipeline.routing.tokenizer import load_tokenizer
+    from pipeline.run import Run
+    from pipeline.state.module_store import load_path_model
+
+    checkpoint = write_checkpoint(tmp_path / family, family)
+    run = Run(hf_config(tmp_path / "run", checkpoint))
+    root = stages.init_run(run)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa").eval()
+    batch = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(batch).logits
+        for path_id in all_path_ids([2, 2]):
+            model = load_path_model(root, run.config, 0, path_id).eval()
+            assert type(model) is type(reference)
+            assert torch.equal(model(batch).logits, expected), path_id
+    # the checkpoint's tokenizer, not a trained one, and its EOS
+    assert run.config.model.tokenizer == "hf" and run.config.model.vocab_size == VOCAB
+    assert load_tokenizer(root, "hf").eos_token_id == 0
+    # a later process reads the shape from run.yaml, with no need of the source
+    again = Run(hf_config(tmp_path / "run", tmp_path / family))
+    assert again.config.model.init_config == run.config.model.init_config
+
+
+def _export(config_args: list[str], round_index: int, out: Path) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "export", *config_args, "--round", str(round_index), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_dense_export_starts_a_dipaco_run_whose_export_loads_in_transformers(tmp_path):
+    """dense run -> export -> init_from into a [2, 2] run -> train -> export -> from_pretrained, generate."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline import stages
+    from pipeline.routing.tokenizer import commit_bpe, train_bpe
+    from pipeline.run import Run
+    from pipeline.state.module_store import load_path_model
+
+    # A dense run of one round on synthetic shards, with a BPE tokenizer of its own.
+    dense_sets = ["model.grid=[1]", "model.blocks_per_level=[2]", "model.tokenizer=bpe", "model.vocab_size=512"]
+    dense = tiny_config(tmp_path / "dense", *dense_sets, "train.rounds=1", "train.workers_per_path=1")
+    root = stages.init_run(Run(dense))
+    commit_bpe(root, train_bpe(TEXTS, 512), len(TEXTS))
+    write_synthetic_shards(root, [1])
+    assert stages.train_path(Run(dense), 0, "p0") is not None
+    stages.merge(Run(dense), 0)
+    dense_args = ["--config", str(TINY_YAML), *set_args([f"run_root={tmp_path / 'dense'}", *dense_sets])]
+    first = _export(dense_args, 1, tmp_path / "dense-export")
+    assert first["paths"] == ["p0"] and (tmp_path / "dense-export/paths/p0/model.safetensors").is_file()
+
+    # A DiPaCo run started from that export, trained by `dipaco run` (real data, its tokenizer).
+    dipaco_sets = [
+        f"run_root={tmp_path / 'dipaco'}",
+        "model.tokenizer=gpt2",
+        "mlflow.enabled=false",
+        "train.launcher=inprocess",
+        f"model.init_from={tmp_path / 'dense-export/paths/p0'}",
+        "train.rounds=1",
+    ]
+    dipaco_run(dipaco_sets, REPO, None)
+    second = _export(["--config", str(TINY_YAML), *set_args(dipaco_sets)], 1, tmp_path / "dipaco-export")
+    assert second["paths"] == ["p0-0", "p0-1", "p1-0", "p1-1"]
+    assert (tmp_path / "dipaco-export/router/_SUCCESS").is_file() and "Routing" in (
+        tmp_path / "dipaco-export/README.md"
+    ).read_text()
+
+    path = tmp_path / "dipaco-export/paths/p1-0"
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = [tokenizer.eos_token_id] + tokenizer("The French Revolution", add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, pad_token_id=0)
+        run = Run(tiny_config(tmp_path / "dipaco", *dipaco_sets[1:]))
+        ours = load_path_model(run.root, run.config, 1, "p1-0").eval()
+        assert torch.equal(ours(torch.tensor([ids])).logits, model(torch.tensor([ids])).logits)
+    assert out.shape[1] > len(ids)
+
+
+def _refused(tmp_path: Path, checkpoint: str, *overrides: str) -> str:
+    """`dipaco prepare` from the checkpoint: exit 2, one line on stderr, no run root written."""
+    run_root = tmp_path / "refused"
+    args = ["--config", str(TINY_YAML), *set_args([f"run_root={run_root}", "model.tokenizer=gpt2"])]
+    args += set_args(["mlflow.enabled=false", f"model.init_from={checkpoint}", *overrides])
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "prepare", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not run_root.exists()
+    return done.stderr
+
+
+def test_bad_checkpoints_exit_2_with_one_line_and_load_nothing(tmp_path):
+    import safetensors.torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(gpt2)
+    assert "architecture 'GPT2LMHeadModel' is not supported" in _refused(tmp_path, str(gpt2))
+
+    llama = write_checkpoint(tmp_path / "llama3", "llama", layers=3)
+    assert "3 layers do not split as model.blocks_per_level [1, 1]" in _refused(tmp_path, str(llama))
+
+    bare = write_checkpoint(tmp_path / "bare", "llama", tokenizer=False)
+    assert "no tokenizer.json" in _refused(tmp_path, str(bare))
+
+    lying = write_checkpoint(tmp_path / "lying", "qwen2")
+    config = json.loads((lying / "config.json").read_text())
+    (lying / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    assert "mlp.gate_proj.weight has shape [64, 32], config.json gives [96, 32]" in _refused(tmp_path, str(lying))
+
+    pickled = write_checkpoint(tmp_path / "pickled", "llama")
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")  # never opened: the name is enough
+    stderr = _refused(tmp_path, str(pickled))
+    assert "pytorch_model.bin: pickle weights are never loaded" in stderr and "convert them to safetensors" in stderr
+
+    stderr = _refused(tmp_path, "models:/nobody@champion", f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db")
+    assert "models:/nobody@champion" in stderr and "does not resolve in the registry" in stderr
+    assert safetensors.torch  # the headers above were read without it loading a tensor
