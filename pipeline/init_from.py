@@ -94,6 +94,10 @@ def _download_version(config: Config, text: str, where: str) -> RunRoot:
         raise ConfigError(f"{where}: a registry source is models:/NAME@ALIAS or models:/NAME/VERSION")
     name, alias, number = match.groups()
     uri = tracking_uri(config)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        # MLflow would create an empty store there (and say so on stderr) only to find nothing in it
+        raise InputError(f"{where}: does not resolve in the registry at {redact(uri)} (no such store)")
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # its store's INFO lines are not the user's
     client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
     try:
         version = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, number)

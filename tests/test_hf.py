@@ -156,44 +156,49 @@ def test_dense_export_starts_a_dipaco_run_whose_export_loads_in_transformers(tmp
     assert out.shape[1] > len(ids)
 
 
-def _refused(tmp_path: Path, checkpoint: str, *overrides: str) -> str:
+def _refused(capsys, tmp_path: Path, checkpoint: str, *overrides: str) -> str:
     """`dipaco prepare` from the checkpoint: exit 2, one line on stderr, no run root written."""
+    from pipeline.cli import main
+
     run_root = tmp_path / "refused"
     args = ["--config", str(TINY_YAML), *set_args([f"run_root={run_root}", "model.tokenizer=gpt2"])]
     args += set_args(["mlflow.enabled=false", f"model.init_from={checkpoint}", *overrides])
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "prepare", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    capsys.readouterr()
+    status = main(["prepare", *args])
+    stderr = capsys.readouterr().err
+    assert status == 2, stderr[-2000:]
+    assert len(stderr.strip().splitlines()) == 1, stderr
     assert not run_root.exists()
-    return done.stderr
+    return stderr
 
 
-def test_bad_checkpoints_exit_2_with_one_line_and_load_nothing(tmp_path):
-    import safetensors.torch
+def test_bad_checkpoints_exit_2_with_one_line_and_load_nothing(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(gpt2)
-    assert "architecture 'GPT2LMHeadModel' is not supported" in _refused(tmp_path, str(gpt2))
+    assert "architecture 'GPT2LMHeadModel' is not supported" in _refused(capsys, tmp_path, str(gpt2))
 
     llama = write_checkpoint(tmp_path / "llama3", "llama", layers=3)
-    assert "3 layers do not split as model.blocks_per_level [1, 1]" in _refused(tmp_path, str(llama))
+    assert "3 layers do not split as model.blocks_per_level [1, 1]" in _refused(capsys, tmp_path, str(llama))
 
     bare = write_checkpoint(tmp_path / "bare", "llama", tokenizer=False)
-    assert "no tokenizer.json" in _refused(tmp_path, str(bare))
+    assert "no tokenizer.json" in _refused(capsys, tmp_path, str(bare))
 
     lying = write_checkpoint(tmp_path / "lying", "qwen2")
     config = json.loads((lying / "config.json").read_text())
     (lying / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    assert "mlp.gate_proj.weight has shape [64, 32], config.json gives [96, 32]" in _refused(tmp_path, str(lying))
+    assert "mlp.gate_proj.weight has shape [64, 32], config.json gives [96, 32]" in _refused(capsys, tmp_path, str(lying))
 
     pickled = write_checkpoint(tmp_path / "pickled", "llama")
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")  # never opened: the name is enough
-    stderr = _refused(tmp_path, str(pickled))
+    stderr = _refused(capsys, tmp_path, str(pickled))
     assert "pytorch_model.bin: pickle weights are never loaded" in stderr and "convert them to safetensors" in stderr
 
-    stderr = _refused(tmp_path, "models:/nobody@champion", f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db")
+    store = f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db"
+    stderr = _refused(capsys, tmp_path, "models:/nobody@champion", store)
     assert "models:/nobody@champion" in stderr and "does not resolve in the registry" in stderr
-    assert safetensors.torch  # the headers above were read without it loading a tensor
+    import mlflow
+
+    mlflow.MlflowClient(f"sqlite:///{tmp_path}/m.db").create_registered_model("somebody")  # a store, no version
+    assert "does not resolve in the registry" in _refused(capsys, tmp_path, "models:/somebody/3", store)
