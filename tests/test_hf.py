@@ -8,14 +8,12 @@ Every bad checkpoint exits 2 with one line and leaves no run root behind."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TINY_YAML, dipaco_run, set_args, tiny_config, write_synthetic_shards
+from conftest import TINY_YAML, set_args, tiny_config, write_synthetic_shards
 
 VOCAB = 320  # the model's; the tokenizer below has fewer ids (as Qwen2's padded vocabularies do)
 TEXTS = [
@@ -95,19 +93,18 @@ def test_round_0_paths_give_the_checkpoints_own_logits(tmp_path, family):
     assert again.config.model.init_config == run.config.model.init_config
 
 
-def _export(config_args: list[str], round_index: int, out: Path) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "export", *config_args, "--round", str(round_index), "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+def _dipaco(capsys, *args: str) -> str:
+    """`dipaco ARGS` in this process (a fresh one would spend longer importing than working); its stdout."""
+    from pipeline.cli import main
+
+    capsys.readouterr()
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    assert status == 0, err[-3000:]
+    return out
 
 
-def test_dense_export_starts_a_dipaco_run_whose_export_loads_in_transformers(tmp_path):
+def test_dense_export_starts_a_dipaco_run_whose_export_loads_in_transformers(tmp_path, capsys):
     """dense run -> export -> init_from into a [2, 2] run -> train -> export -> from_pretrained, generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -125,7 +122,7 @@ def test_dense_export_starts_a_dipaco_run_whose_export_loads_in_transformers(tmp
     assert stages.train_path(Run(dense), 0, "p0") is not None
     stages.merge(Run(dense), 0)
     dense_args = ["--config", str(TINY_YAML), *set_args([f"run_root={tmp_path / 'dense'}", *dense_sets])]
-    first = _export(dense_args, 1, tmp_path / "dense-export")
+    first = json.loads(_dipaco(capsys, "export", *dense_args, "--round", "1", "--out", str(tmp_path / "dense-export")))
     assert first["paths"] == ["p0"] and (tmp_path / "dense-export/paths/p0/model.safetensors").is_file()
 
     # A DiPaCo run started from that export, trained by `dipaco run` (real data, its tokenizer).
@@ -137,8 +134,10 @@ def test_dense_export_starts_a_dipaco_run_whose_export_loads_in_transformers(tmp
         f"model.init_from={tmp_path / 'dense-export/paths/p0'}",
         "train.rounds=1",
     ]
-    dipaco_run(dipaco_sets, REPO, None)
-    second = _export(["--config", str(TINY_YAML), *set_args(dipaco_sets)], 1, tmp_path / "dipaco-export")
+    dipaco_args = ["--config", str(TINY_YAML), *set_args(dipaco_sets)]
+    _dipaco(capsys, "run", *dipaco_args)
+    out = str(tmp_path / "dipaco-export")
+    second = json.loads(_dipaco(capsys, "export", *dipaco_args, "--round", "1", "--out", out))
     assert second["paths"] == ["p0-0", "p0-1", "p1-0", "p1-1"]
     assert (tmp_path / "dipaco-export/router/_SUCCESS").is_file() and "Routing" in (
         tmp_path / "dipaco-export/README.md"
@@ -188,7 +187,8 @@ def test_bad_checkpoints_exit_2_with_one_line_and_load_nothing(tmp_path, capsys)
     lying = write_checkpoint(tmp_path / "lying", "qwen2")
     config = json.loads((lying / "config.json").read_text())
     (lying / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
-    assert "mlp.gate_proj.weight has shape [64, 32], config.json gives [96, 32]" in _refused(capsys, tmp_path, str(lying))
+    stderr = _refused(capsys, tmp_path, str(lying))
+    assert "mlp.gate_proj.weight has shape [64, 32], config.json gives [96, 32]" in stderr
 
     pickled = write_checkpoint(tmp_path / "pickled", "llama")
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")  # never opened: the name is enough
