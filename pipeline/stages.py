@@ -139,6 +139,17 @@ def export(run: Run, round_index: int, out: str) -> dict:
     return {**info, "out": str(out), **({"attached_to": attached} if attached else {})}
 
 
+def export_final(run: Run) -> dict | str:
+    """The DAG's export after the last round: the modules the final merge wrote, under the run
+    root's `exports/round=<train.rounds>/` (stages.export); else a line saying why not (yet)."""
+    last = run.config.train.rounds
+    if layout.next_round(run.root) < last:
+        return f"round {last}'s modules are not committed yet (train.rounds={last})"
+    if not run.root.is_local:
+        return f"{run.root.url}: a remote run root; export it with `dipaco export --round {last} --out DIR`"
+    return export(run, last, run.root.path("exports", f"round={last}"))
+
+
 def register(run: Run, round_index: int, result: dict) -> str | None:
     return run.tracker.register(round_index, result)
 

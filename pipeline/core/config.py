@@ -94,7 +94,7 @@ class ModelConfig:
     seq_len: int = 256  # tokens a training row predicts (documents packed with EOS); more than router.prefix_tokens
     tokenizer: str = "gpt2"  # gpt2: GPT-2's 50,257-id BPE, shipped offline; bpe: a byte-level BPE of vocab_size ids
     #                          that prepare trains on the run's own text, since a small model learns more per second
-    #                          with a small LM head (docs/algorithm.md, tokenizer)
+    #                          with a small LM head (docs/algorithm.md, tokenizer); hf: init_from's checkpoint's own
     vocab_size: int = 50257  # GPT-2's; with bpe the size to train (>= 512; the demo: 4,096)
     tokenizer_sample_docs: int = 10000  # bpe: training documents (a seeded sample) it is trained on
     init_seed: int = 0  # round 0 modules: every path starts from the same shared weights
