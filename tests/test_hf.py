@@ -64,8 +64,12 @@ def hf_config(run_root: Path, checkpoint: Path, *overrides: str):
     return tiny_config(run_root, f"model.init_from={checkpoint}", *overrides)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_round_0_paths_give_the_checkpoints_own_logits(tmp_path, family):
+@pytest.mark.parametrize(
+    "family, layers, private",
+    [("llama", 2, 0), ("mistral", 2, 0), ("qwen2", 2, 0), ("llama", 3, 1)],
+    ids=["llama", "mistral", "qwen2", "llama-private-block"],
+)
+def test_round_0_paths_give_the_checkpoints_own_logits(tmp_path, family, layers, private):
     from transformers import AutoModelForCausalLM
 
     from models.grid import all_path_ids
@@ -74,8 +78,9 @@ def test_round_0_paths_give_the_checkpoints_own_logits(tmp_path, family):
     from pipeline.run import Run
     from pipeline.state.module_store import load_path_model
 
-    checkpoint = write_checkpoint(tmp_path / family, family)
-    run = Run(hf_config(tmp_path / "run", checkpoint))
+    checkpoint = write_checkpoint(tmp_path / family, family, layers)
+    sets = [f"model.path_specific_blocks={private}"] if private else []  # the last layer: each path's own
+    run = Run(hf_config(tmp_path / "run", checkpoint, *sets))
     root = stages.init_run(run)
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa").eval()
     batch = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -89,7 +94,7 @@ def test_round_0_paths_give_the_checkpoints_own_logits(tmp_path, family):
     assert run.config.model.tokenizer == "hf" and run.config.model.vocab_size == VOCAB
     assert load_tokenizer(root, "hf").eos_token_id == 0
     # a later process reads the shape from run.yaml, with no need of the source
-    again = Run(hf_config(tmp_path / "run", tmp_path / family))
+    again = Run(hf_config(tmp_path / "run", tmp_path / family, *sets))
     assert again.config.model.init_config == run.config.model.init_config
 
 
