@@ -101,8 +101,11 @@ def _download_version(config: Config, text: str, where: str) -> RunRoot:
     client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
     try:
         version = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, number)
+        # the version's own storage location: a `models:/` URI would be looked up in the process's
+        # default registry, not in this config's
+        location = client.get_model_version_download_uri(name, version.version)
         local = mlflow.artifacts.download_artifacts(
-            artifact_uri=f"models:/{name}/{version.version}", dst_path=str(_temp_dir("dipaco-init-")), tracking_uri=uri
+            artifact_uri=location, dst_path=str(_temp_dir("dipaco-init-")), tracking_uri=uri
         )
     except MlflowException as exc:
         raise InputError(
