@@ -46,9 +46,9 @@ def init_run(run: Run) -> RunRoot:
         init_from.check(run.config)  # refuses before run.yaml is written
         init_from.apply(model, init_from.resolve(run.config).config)
     run.root.write_text(layout.RUN_CONFIG, dump_yaml(run.config))
-    if model.init_from and init_from.init_modules(run.config, run.root):
-        return run.root
-    if init_modules(run.root, run.config.model, run.config.model.grid):
+    if model.init_from:
+        init_from.init_modules(run.config, run.root)
+    elif init_modules(run.root, run.config.model, run.config.model.grid):
         log.info("initialised round 0: %d modules for %d paths", sum(run.config.model.grid), run.config.n_paths)
     return run.root
 
