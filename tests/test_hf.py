@@ -90,6 +90,19 @@ def test_round_0_paths_give_the_checkpoints_own_logits(tmp_path, family, layers,
             model = load_path_model(root, run.config, 0, path_id).eval()
             assert type(model) is type(reference)
             assert torch.equal(model(batch).logits, expected), path_id
+    # the key map's way out gives the checkpoint back, tensor for tensor (a tied head as its own copy)
+    from safetensors.torch import load_file
+
+    from models.hf import path_to_hf
+    from models.modular import ModelShape
+    from pipeline.state.module_store import load_path_modules
+
+    shape = ModelShape.from_config(run.config.model)
+    state, config = path_to_hf(shape, load_path_modules(root, 0, (1, 0), shape, [2, 2]))
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    saved.setdefault("lm_head.weight", saved["model.embed_tokens.weight"])
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved)
+    assert config.architectures == [type(reference).__name__] and config.num_hidden_layers == layers
     # the checkpoint's tokenizer, not a trained one, and its EOS
     assert run.config.model.tokenizer == "hf" and run.config.model.vocab_size == VOCAB
     assert load_tokenizer(root, "hf").eos_token_id == 0

@@ -133,6 +133,8 @@ def configure(params: dict | None = None) -> dict:
     )
     run = _run(ref)
     preflight.check_data(run.config)
+    if run.config.model.init_from:  # the checkpoint refused before the run root is created
+        preflight.check_init_from(run.config)
     preflight.check_run_root(run.config)
     stages.init_run(run)
     run.tracker.log_run_config()
