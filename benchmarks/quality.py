@@ -58,7 +58,9 @@ batch 4, 8 rounds x H=25 = 200 steps per worker, 3 seeds, the 9 compared rows on
 plans ~36 min of quality within its 60 (perf ~8, chaos ~9: `python -m benchmarks.run --plan`);
 `make bench-long` (`--long`: the same model and step, 24 rounds x H=25 = 600 steps per worker, plus
 the outer-lr sweep, plain averaging and dipaco_4x4 at seed 0: 62 runs) plans ~112 min and took
-132 on 2026-11-26 (the model undercounts 24 evaluations a run); an
+132 on 2026-11-26 (the model undercounts 24 evaluations a run); the warm rows (`--warm 1`, in
+`--long` since issue 44: 18 runs and 6 warm starts) add ~29 planned minutes (~141 in all, not yet
+measured); an
 interrupted run resumes from `quality.partial.json` when started again with the same sizes;
 `--quick` (every row, 2 seeds, tiny) ~8.
 """
