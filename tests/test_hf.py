@@ -123,7 +123,7 @@ def _dipaco(capsys, *args: str) -> str:
 
 
 def test_dense_export_starts_a_dipaco_run_whose_export_loads_in_transformers(tmp_path, capsys):
-    """dense run -> export -> init_from into a [2, 2] run -> train -> export -> from_pretrained, generate."""
+    """dense run -> export -> init_from into a [2, 1] DiPaCo run -> train -> export -> from_pretrained, generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline import stages
@@ -133,7 +133,7 @@ def test_dense_export_starts_a_dipaco_run_whose_export_loads_in_transformers(tmp
 
     # A dense run of one round on synthetic shards, with a BPE tokenizer of its own.
     dense_sets = ["model.grid=[1]", "model.blocks_per_level=[2]", "model.tokenizer=bpe", "model.vocab_size=512"]
-    dense = tiny_config(tmp_path / "dense", *dense_sets, "train.rounds=1", "train.workers_per_path=1")
+    dense = tiny_config(tmp_path / "dense", *dense_sets, "train.rounds=1", "train.inner_steps=2")
     root = stages.init_run(Run(dense))
     commit_bpe(root, train_bpe(TEXTS, 512), len(TEXTS))
     write_synthetic_shards(root, [1])
@@ -151,12 +151,14 @@ def test_dense_export_starts_a_dipaco_run_whose_export_loads_in_transformers(tmp
         "train.launcher=inprocess",
         f"model.init_from={tmp_path / 'dense-export/paths/p0'}",
         "train.rounds=1",
+        "model.grid=[2, 1]",  # 2 paths: DiPaCo at half the training tasks of [2, 2]
+        "eval.max_docs=8",
     ]
     dipaco_args = ["--config", str(TINY_YAML), *set_args(dipaco_sets)]
     _dipaco(capsys, "run", *dipaco_args)
     out = str(tmp_path / "dipaco-export")
     second = json.loads(_dipaco(capsys, "export", *dipaco_args, "--round", "1", "--out", out))
-    assert second["paths"] == ["p0-0", "p0-1", "p1-0", "p1-1"]
+    assert second["paths"] == ["p0-0", "p1-0"]
     assert (tmp_path / "dipaco-export/router/_SUCCESS").is_file() and "Routing" in (
         tmp_path / "dipaco-export/README.md"
     ).read_text()
