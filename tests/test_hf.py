@@ -142,6 +142,14 @@ def test_dense_export_starts_a_dipaco_run_whose_export_loads_in_transformers(tmp
     dense_args = ["--config", str(TINY_YAML), *set_args([f"run_root={tmp_path / 'dense'}", *dense_sets])]
     first = json.loads(_dipaco(capsys, "export", *dense_args, "--round", "1", "--out", str(tmp_path / "dense-export")))
     assert first["paths"] == ["p0"] and (tmp_path / "dense-export/paths/p0/model.safetensors").is_file()
+    # the run root itself is a source too: its newest modules (round 1's), as the export holds them
+    from_root = Run(tiny_config(tmp_path / "from-root", f"model.init_from={tmp_path / 'dense'}"))
+    stages.init_run(from_root)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "dense-export/paths/p0").eval()
+    batch = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        started = load_path_model(from_root.root, from_root.config, 0, "p1-1").eval()
+        assert torch.equal(started(batch).logits, exported(batch).logits)
 
     # A DiPaCo run started from that export, trained by `dipaco run` (real data, its tokenizer).
     dipaco_sets = [
