@@ -104,8 +104,8 @@ class ModelConfig:
     #                               (Llama, Mistral, Qwen2; safetensors only), `models:/NAME@ALIAS` or
     #                               `models:/NAME/VERSION` (a version this project registered, in mlflow.tracking_uri's
     #                               registry) or a dense run root; every module of a level starts from its weights.
-    #                               Shape and tokenizer are the checkpoint's (docs/operations.md); its layers must split as
-    #                               blocks_per_level (+ path_specific_blocks) asks
+    #                               Shape and tokenizer are the checkpoint's (docs/operations.md); its layers must
+    #                               split as blocks_per_level (+ path_specific_blocks) asks
     init_round: int | None = None  # init_from a run root: the round whose modules start this run; null: its newest
     init_config: dict | None = field(default=None, compare=False)  # written by dipaco, never by hand: the
     #                                config.json init_from resolved to (run.yaml records it for every later stage)
