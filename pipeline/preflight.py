@@ -102,6 +102,16 @@ def require_trained_path(config: Config, round_index: int) -> None:
         )
 
 
+def check_init_from(config: Config) -> None:
+    """model.init_from resolves to a checkpoint whose architecture, layers, safetensors headers and
+    tokenizer fit (pipeline.init_from), unless the run root already started from it; no weight is read."""
+    if RunRoot(config.run_root).exists(layout.RUN_CONFIG):
+        return
+    from pipeline.init_from import check
+
+    check(config)
+
+
 def check_run_root(config: Config) -> None:
     """A local run root can be created and written: a probe file is created, written, renamed (as
     every commit renames) and removed. Without it an unwritable root (`/proc/x`, a path under a
@@ -149,7 +159,10 @@ def check_object_store(config: Config) -> None:
 
 def before_a_run(config: Config) -> None:
     """What `dipaco run`, `stages.run` and the DAG's configure task check before a run writes
-    anything, in order: the store (every later check reads it), the data, a local root's writability."""
+    anything, in order: the store (every later check reads it), the data, the checkpoint it starts
+    from (model.init_from), a local root's writability (last: it creates the root)."""
     check_object_store(config)
     check_data(config)
+    if config.model.init_from:
+        check_init_from(config)
     check_run_root(config)

@@ -94,12 +94,21 @@ class ModelConfig:
     seq_len: int = 256  # tokens a training row predicts (documents packed with EOS); more than router.prefix_tokens
     tokenizer: str = "gpt2"  # gpt2: GPT-2's 50,257-id BPE, shipped offline; bpe: a byte-level BPE of vocab_size ids
     #                          that prepare trains on the run's own text, since a small model learns more per second
-    #                          with a small LM head (docs/algorithm.md, tokenizer)
+    #                          with a small LM head (docs/algorithm.md, tokenizer); hf: init_from's checkpoint's own
     vocab_size: int = 50257  # GPT-2's; with bpe the size to train (>= 512; the demo: 4,096)
     tokenizer_sample_docs: int = 10000  # bpe: training documents (a seeded sample) it is trained on
     init_seed: int = 0  # round 0 modules: every path starts from the same shared weights
     path_specific_blocks: int = 0  # DiPaCo: N decoder blocks per path after the grid's, its own: trained on its shard
     #                                only, never averaged (needs train.workers_per_path 1)
+    init_from: str | None = None  # round 0 from a dense model instead of init_seed: a Hugging Face checkpoint directory
+    #                               (Llama, Mistral, Qwen2; safetensors only), `models:/NAME@ALIAS` or
+    #                               `models:/NAME/VERSION` (a version this project registered, in mlflow.tracking_uri's
+    #                               registry) or a dense run root; every module of a level starts from its weights.
+    #                               Shape and tokenizer are the checkpoint's (docs/operations.md); its layers must
+    #                               split as blocks_per_level (+ path_specific_blocks) asks
+    init_round: int | None = None  # init_from a run root: the round whose modules start this run; null: its newest
+    init_config: dict | None = field(default=None, compare=False)  # written by dipaco, never by hand: the
+    #                                config.json init_from resolved to (run.yaml records it for every later stage)
 
 
 @dataclass
@@ -282,7 +291,7 @@ def _is_file(path: str | Path) -> bool:
 
 ENUMS: dict[str, tuple[str, ...]] = {
     "router.embedder": ("minilm", "model", "tfidf"),
-    "model.tokenizer": ("gpt2", "bpe"),
+    "model.tokenizer": ("gpt2", "bpe", "hf"),  # hf: a checkpoint's own (model.init_from sets it)
     "outer.weighting": ("tokens", "uniform"),
     "outer.compression": ("none", "bf16", "int8", "int4"),  # pipeline/outer/compression.py KINDS
     "train.launcher": ("deepspeed", "inprocess"),
@@ -605,6 +614,10 @@ def validate(config: Config) -> None:
     need(m.hidden_size % m.num_heads == 0, "model.num_heads", f"must divide model.hidden_size ({m.hidden_size})")
     need(m.seq_len > config.router.prefix_tokens, "model.seq_len", "must exceed router.prefix_tokens")
     need(m.vocab_size > 0, "model.vocab_size", "must be positive")
+    need(m.tokenizer != "hf" or bool(m.init_from), "model.tokenizer", "hf is a checkpoint's own: set model.init_from")
+    need(m.init_config is None or bool(m.init_from), "model.init_config", "is written by dipaco for model.init_from")
+    need(m.init_from is None or bool(m.init_from.strip()), "model.init_from", "must not be empty")
+    need(m.init_round is None or m.init_round >= 0, "model.init_round", "must be >= 0 (or null: the newest round)")
     if m.tokenizer == "bpe":
         need(
             m.vocab_size >= 512,

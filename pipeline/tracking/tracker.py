@@ -55,6 +55,7 @@ PARENT_TAG = "mlflow.parentRunId"
 DESCRIPTION_TAG = "mlflow.note.content"  # the run page's description
 EVAL_SERIES = {"bytes": "eval_bytes"}  # eval result key -> metric name on the parent and round runs
 EARLY_STOPPED = "dipaco.early_stopped"  # on a version holding the early-stopped model (eval.early_stopping)
+EXPORT_TAG = "dipaco.export"  # on a version whose paths `dipaco export` wrote: where the export's artifacts are
 PATH_ROUNDS = "dipaco.path_rounds_sha"  # which rounds it assembles its paths from, hashed (a tag is short)
 _BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
 
@@ -126,6 +127,10 @@ class Tracker:
 
     def register(self, round_index: int, result: dict) -> str | None:
         """Register round_index's modules as a model version; returns the version or None."""
+        return None
+
+    def attach_export(self, round_index: int, out: str) -> str | None:
+        """`dipaco export`'s directory, as artifacts of round_index's registered version; its URI or None."""
         return None
 
     def log_early_stopping(self, round_index: int, best: dict) -> None:
@@ -374,6 +379,24 @@ class MlflowTracker(Tracker):
         self._end(self._round(round_index))
         log.info("MLflow: %s version %s holds round %d", name, version, round_index)
         return str(version)
+
+    def attach_export(self, round_index: int, out: str) -> str | None:
+        """The export (pipeline.export) logged under `export/` of the run that registered round r's
+        version, and the version tagged `dipaco.export` with its URI; once (a tagged version is left as is)."""
+        name = self.config.mlflow.registered_model
+        versions = [
+            v
+            for v in self._versions(name, {RUN_KEY: self.key, "dipaco.round": str(round_index)})
+            if v.tags.get(EARLY_STOPPED) != "true"
+        ]
+        if not versions:
+            return None
+        version = versions[0]
+        if EXPORT_TAG not in version.tags:
+            self.client.log_artifacts(version.run_id, out, "export")
+            self.client.set_model_version_tag(name, version.version, EXPORT_TAG, f"runs:/{version.run_id}/export")
+        log.info("MLflow: export of round %d attached to %s version %s", round_index, name, version.version)
+        return f"models:/{name}/{version.version} ({EXPORT_TAG})"
 
     def log_early_stopping(self, round_index: int, best: dict) -> None:
         """On the parent, by round: `early_stopped_perplexity`, `early_stopped_bits_per_byte` and
