@@ -92,12 +92,16 @@ def safe_relative(name: str, where: str) -> str:
 IO_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
-def map_io(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """[fn(item) for item in items] on IO_THREADS threads, in order; the first error is raised."""
+# An object store's requests wait on the network, not on a core: many at once.
+OBJECT_IO_THREADS = 16
+
+
+def map_io(fn: Callable[[T], R], items: Iterable[T], threads: int = IO_THREADS) -> list[R]:
+    """[fn(item) for item in items] on `threads` threads, in order; the first error is raised."""
     items = list(items)
-    if IO_THREADS == 1 or len(items) < 2:
+    if threads == 1 or len(items) < 2:
         return [fn(item) for item in items]
-    with ThreadPoolExecutor(min(IO_THREADS, len(items))) as pool:
+    with ThreadPoolExecutor(min(threads, len(items))) as pool:
         return list(pool.map(fn, items))
 
 
@@ -148,6 +152,7 @@ class RunRoot:
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.store: Store = store_for(self.fs)
         self._written: dict[str, tuple[str, dict[str, Any]]] = {}  # object stores: full path -> (version, record)
+        self.io_threads = IO_THREADS if self.is_local else OBJECT_IO_THREADS
 
     def __repr__(self) -> str:
         return f"RunRoot({self.url!r})"
@@ -339,9 +344,12 @@ class RunRoot:
             self._replace(rel, lambda handle: shutil.copyfileobj(src, handle, 1 << 22))
 
     def put_dir(self, local_dir: str | Path, rel: str) -> None:
-        for file in sorted(Path(local_dir).rglob("*")):
-            if file.is_file():
-                self.put_file(file, posixpath.join(rel, file.relative_to(local_dir).as_posix()))
+        files = [file for file in sorted(Path(local_dir).rglob("*")) if file.is_file()]
+        map_io(
+            lambda file: self.put_file(file, posixpath.join(rel, file.relative_to(local_dir).as_posix())),
+            files,
+            self.io_threads,
+        )
 
     def get_dir(self, rel: str, local_dir: str | Path) -> None:
         """Copy a committed directory to a local one: only the files its `_SUCCESS` lists, each
@@ -390,13 +398,19 @@ class RunRoot:
         (copy_committed's links): the same bytes on disk, so their records are taken, not read again."""
         names = self.files_under(rel) if files is None else sorted(files)
         linked = {n: r for n, r in (linked or {}).items() if r is not None}
-        records = {n: linked[n] if n in linked else self._file_record(posixpath.join(rel, n)) for n in names}
+        found = map_io(
+            lambda n: linked[n] if n in linked else self._file_record(posixpath.join(rel, n)), names, self.io_threads
+        )
+        records = dict(zip(names, found))
         record = {"committed_at": time.time(), "files": records, **(info or {})}
         self.write_json(posixpath.join(rel, SUCCESS), record)
         return record
 
     def is_committed(self, rel: str) -> bool:
-        return self.exists(posixpath.join(rel, SUCCESS))
+        marker = posixpath.join(rel, SUCCESS)
+        if self.is_local:
+            return self.exists(marker)
+        return self.store.version(self.path(marker), metadata_only=True) is not None  # one HEAD, no listing
 
     def marker(self, rel: str) -> dict[str, Any]:
         """The _SUCCESS record of a committed directory (refused when it is missing or malformed)."""
@@ -524,10 +538,14 @@ class RunRoot:
                 found = self._io(lambda: self.fs.find(self.path(source)), source)
                 names = [p[len(base) :] for p in found if p.startswith(base)]
                 names = sorted(n for n in names if n != SUCCESS and _TMP_TAG not in n)  # nested markers too
-                map_io(lambda name: self._copy(posixpath.join(source, name), posixpath.join(final, name)), names)
+                map_io(
+                    lambda name: self._copy(posixpath.join(source, name), posixpath.join(final, name)),
+                    names,
+                    self.io_threads,
+                )
                 self._copy(posixpath.join(source, SUCCESS), posixpath.join(final, SUCCESS))  # the marker last
         return won
 
     def _copy(self, src_rel: str, dst_rel: str) -> None:
         """A server-side copy on an object store (CopyObject: no byte passes through this host)."""
-        self._put_object(dst_rel, lambda full: retrying(lambda: self.fs.copy(self.path(src_rel), full), full))
+        self._put_object(dst_rel, lambda full: retrying(lambda: self.fs.cp_file(self.path(src_rel), full), full))
