@@ -16,7 +16,7 @@ an option in ENVIRONMENT_OPTIONS must come from the config file itself, never fr
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pipeline.core.bounds import shown
 from pipeline.core.errors import ConfigError
@@ -151,3 +151,42 @@ def check_trigger_run_root(run_root: str, prefix: str | None, source: str) -> No
             f"{source}: run_root {shown(run_root)} from a DAG trigger must lie under "
             f"airflow.trigger_run_roots {shown(base)}"
         )
+
+
+# The keys of a config that choose code, a command, an environment or a file outside the run root.
+# run.yaml is read back from the run root, which anyone who can write the bucket (or the shared
+# directory) can rewrite: a reader of it takes these from its own command line (`--config`,
+# `--ds-config`), or accepts only what nobody needs to trust (check_run_root_config).
+RUN_ROOT_CODE_KEYS = (
+    "beam.runner",
+    "beam.extra_runners",
+    "beam.options",
+    "train.launcher",
+    "train.hostfile",
+    "train.ds_config",
+)
+
+
+def check_run_root_config(config, source: str, shipped_ds_config: Callable[[str], bool]) -> None:
+    """Refuse a config read from a run root (run.yaml) that chooses code itself: a runner other than
+    Beam's own, any beam.extra_runners, an ENVIRONMENT_OPTIONS flag, a hostfile, or a ds_config
+    other than one the project ships (`shipped_ds_config`). One line naming the key."""
+
+    def refuse(key: str, value: object) -> None:
+        raise ConfigError(
+            f"{source}: {key} {shown(value)} chooses code, and a run root's run.yaml may not: "
+            f"give the island or rank the operator's config on its own command line (--config)"
+        )
+
+    beam, train = config.beam, config.train
+    if beam.extra_runners:
+        refuse("beam.extra_runners", beam.extra_runners)
+    if beam.runner not in (*BEAM_RUNNERS, *RUNNER_ALIASES):
+        refuse("beam.runner", beam.runner)
+    chosen = [flag for flag in beam.options if option_name(flag) in ENVIRONMENT_OPTIONS]
+    if chosen:
+        refuse("beam.options", chosen[0])
+    if train.hostfile is not None:
+        refuse("train.hostfile", train.hostfile)
+    if not shipped_ds_config(train.ds_config):
+        refuse("train.ds_config", train.ds_config)

@@ -256,11 +256,9 @@ def broadcast_json(message: dict | None, rank: int, world: int) -> dict:
     return json.loads(buffer.cpu().numpy().tobytes())
 
 
-def island_config(run_root: str, ds_config: str | None = None) -> Config:
+def island_config(run_root: str, ds_config: str | None = None, own: Config | None = None) -> Config:
     """The run's config (run.yaml), with this island's own ZeRO config when it has one: islands
-    may differ in ranks and ZeRO stage, never in the model they train."""
-    root = RunRoot(run_root)
-    config = layout.read_run_config(root)
-    if ds_config:
-        config.train.ds_config = ds_config
-    return config
+    may differ in ranks and ZeRO stage, never in the model they train. What chooses code (the
+    Beam runner and options of a reroute task, hostfile, ds_config) comes from the island's own
+    command line (`own`: its --config; `ds_config`), never from run.yaml (layout.read_run_config)."""
+    return layout.read_run_config(RunRoot(run_root), own, ds_config)

@@ -151,10 +151,39 @@ class RunRoot:
         return posixpath.join(self.root, *parts) if parts else self.root
 
     def local_path(self, *parts: str) -> Path:
-        """A path usable with plain open(); only for local roots (DeepSpeed, SQLite need one)."""
+        """A path usable with plain open(); only for local roots (DeepSpeed, SQLite need one). What
+        DeepSpeed or SQLite then write there follows links, so a path that resolves outside the
+        root (itself or a directory on the way a symbolic link) is refused (check_inside)."""
         if not self.is_local:
             raise InputError(f"{self.url}: this operation needs a local run root")
+        if parts:
+            self.check_inside(posixpath.join(*parts), follow_last=True)
         return Path(self.path(*parts))
+
+    def check_inside(self, rel: str, follow_last: bool = False) -> str:
+        """The full path of `rel`, refused (CorruptStateError naming it) on a local root when the
+        directory holding it resolves outside the root: no write or delete inside a run root
+        follows a symbolic link out of it (docs/security.md). The name itself is not followed (a
+        rename replaces a link, a removal unlinks it) unless `follow_last`. Object stores have no
+        links: the path is returned as is."""
+        full = self.path(rel)
+        if not self.is_local or not rel.strip("/"):
+            return full
+        top = os.path.normpath(self.root)
+        if not os.path.normpath(full).startswith(top + os.sep):
+            raise CorruptStateError(f"{full}: lies outside the run root {self.root}; refusing to write or remove it")
+        probe = os.path.normpath(full) if follow_last else os.path.dirname(os.path.normpath(full))
+        while probe.startswith(top + os.sep) and not os.path.lexists(probe):
+            probe = os.path.dirname(probe)  # a missing part holds no link; a dangling link exists
+        if not probe.startswith(top + os.sep):
+            return full  # nothing below the root on the way exists yet (or `rel` is the root)
+        base, real = os.path.realpath(top), os.path.realpath(probe)
+        if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
+            raise CorruptStateError(
+                f"{full}: resolves outside the run root {self.root} (through a symbolic link); "
+                f"refusing to write or remove it"
+            )
+        return full
 
     # -- reading -------------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
@@ -209,7 +238,7 @@ class RunRoot:
 
         def make(tmp: str) -> None:
             if self.is_local:
-                with open(tmp, "wb") as handle:
+                with open(tmp, "xb") as handle:  # a fresh file, never one a link points at
                     fill(handle)
                     handle.flush()
                     os.fsync(handle.fileno())
@@ -223,7 +252,7 @@ class RunRoot:
         """`make` a file at a temporary name, then rename it over `rel`; returns the full path.
         A failure leaves the old file (or none) and raises StorageError naming the file, never a
         half-written one. Only `state` writes are fault-injection points (see write_note)."""
-        final = self.path(rel)
+        final = self.check_inside(rel)
         if state:
             _fault_point(final)
         tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -280,8 +309,13 @@ class RunRoot:
             target.write_bytes(self.read_committed(rel, name))
 
     def remove(self, rel: str) -> None:
-        full = self.path(rel)
-        if self.fs.exists(full):
+        """Remove a file or a directory tree; on a local root only what is really inside it: a
+        path reached through a symbolic link is refused, a link itself is unlinked (its target
+        stays), and the tree's removal (shutil.rmtree) unlinks the links it meets."""
+        full = self.check_inside(rel)
+        if self.is_local and os.path.islink(full):
+            os.unlink(full)
+        elif self.fs.exists(full):
             self.fs.rm(full, recursive=True)
 
     def files_under(self, rel: str) -> list[str]:
@@ -371,6 +405,10 @@ class RunRoot:
                 pass
         self.write_bytes(rel, self.read_committed(rel_dir, name))
         return None
+
+    def refuse_link(self, rel: str) -> None:
+        """Refuse a file of a local root that is, or lies under, a symbolic link (run.yaml's read)."""
+        self._refuse_link("", rel)
 
     def _refuse_link(self, rel_dir: str, name: str) -> None:
         """Refuse a committed file reached through a symbolic link anywhere below the root: pipeline
