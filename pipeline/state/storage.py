@@ -406,6 +406,21 @@ class RunRoot:
         self.write_bytes(rel, self.read_committed(rel_dir, name))
         return None
 
+    def _clear_debris(self, final: str) -> bool:
+        """Local publish_dir: move aside what sits uncommitted at `final` (a crashed writer's leftovers,
+        which made every attempt's rename fail) and remove it; False when it turned out to be a
+        publisher's committed output after all (put back: the first publisher won)."""
+        aside = f"{final}.debris-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(self.check_inside(final), self.check_inside(aside))  # atomic: no publisher's rename interleaves
+        except FileNotFoundError:
+            return True
+        if not os.path.islink(self.path(aside)) and self.is_committed(aside):
+            os.rename(self.path(aside), self.path(final))
+            return False
+        self.remove(aside)
+        return True
+
     def refuse_link(self, rel: str) -> None:
         """Refuse a file of a local root that is, or lies under, a symbolic link (run.yaml's read)."""
         self._refuse_link("", rel)
@@ -453,15 +468,20 @@ class RunRoot:
         if not self.is_committed(staged):
             raise CorruptStateError(f"{self.path(staged)}: refusing to publish a directory that is not committed")
         if self.is_local:
-            target = self.local_path(final)
+            target = Path(self.check_inside(final))  # a link there is debris like any other: renamed, not followed
             target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.rename(self.local_path(staged), target)
-                return True
-            except OSError as exc:
-                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) or self.is_committed(final):
-                    return False
-                raise StorageError(f"{target}: cannot publish {self.path(staged)} ({exc.strerror})") from None
+            for _ in range(2):
+                try:
+                    os.rename(self.local_path(staged), target)
+                    return True
+                except OSError as exc:
+                    if self.is_committed(final):
+                        return False
+                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                        raise StorageError(f"{target}: cannot publish {self.path(staged)} ({exc.strerror})") from None
+                    if not self._clear_debris(final):
+                        return False
+            return False
         token = f"{final}.published"
         try:
             with self.fs.open(self.path(token), "xb") as handle:
