@@ -16,6 +16,7 @@ pipeline.core.bounds.SHOWN_CHARS characters, so every error is one short line na
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -36,6 +37,7 @@ from pipeline.core.trust import (
     check_runner,
     check_trigger_override,
     check_trigger_run_root,
+    check_trigger_sizes,
 )
 
 MAX_CONFIG_BYTES = 256 * 1024  # a real config is ~2 KB; PyYAML constructs ~250 KB/s
@@ -353,6 +355,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     beam_section = raw.get("beam")
     file_options = beam_section.get("options") if isinstance(beam_section, dict) else None
     file_options = [o for o in file_options if isinstance(o, str)] if isinstance(file_options, list) else []
+    file_raw = copy.deepcopy(raw) if not trusted else None
     keys = [_apply_override(raw, item, source, trusted) for item in overrides]
     config = _build(Config, raw, "", source)
     config.source = source
@@ -360,6 +363,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     check_beam_options(config.beam.options, file_options if path else BeamConfig().options, source)
     if not trusted and "run_root" in keys:
         check_trigger_run_root(config.run_root, config.airflow.trigger_run_roots, source)
+    if not trusted:
+        check_trigger_sizes(config, _build(Config, file_raw, "", source), keys, source)
     return config
 
 

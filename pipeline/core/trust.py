@@ -190,3 +190,51 @@ def check_run_root_config(config, source: str, shipped_ds_config: Callable[[str]
         refuse("train.hostfile", train.hostfile)
     if not shipped_ds_config(train.ds_config):
         refuse("train.ds_config", train.ds_config)
+
+
+# Upper bounds of the size keys a trigger may set (TRIGGER_KEYS holds them all): a trigger chooses
+# how long a run trains, never that it cannot fit the machine. The memory keys (a micro-batch, an
+# evaluation batch) may grow to TRIGGER_SCALE times the config file's own value, the value its
+# operator sized for the machine the file describes; every size key has an absolute cap.
+TRIGGER_SCALE = 4
+TRIGGER_SIZE_CAPS = {
+    "train.micro_batch_size": 1024,
+    "train.gradient_accumulation_steps": 1024,
+    "eval.batch_size": 4096,
+    "train.inner_steps": 1_000_000,
+    "train.rounds": 10_000,
+    "train.warmup_steps": 1_000_000,
+    "train.lr_decay_steps": 10_000_000,
+    "data.max_docs": 1_000_000_000,
+    "eval.max_docs": 1_000_000_000,
+    "eval.reroute_every": 1_000_000,
+    "airflow.rounds_per_run": 10_000,
+}
+TRIGGER_MEMORY_KEYS = ("train.micro_batch_size", "eval.batch_size")
+
+
+def _value(config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def check_trigger_sizes(config, file_config, keys: Iterable[str], source: str) -> None:
+    """Refuse a size key set by a trigger above its bound (TRIGGER_SIZE_CAPS, and TRIGGER_SCALE x the
+    config file's own value for TRIGGER_MEMORY_KEYS); a cap the file sets (data.max_docs: 1000)
+    may not be lifted to null (everything) by a trigger either."""
+    for key in keys:
+        if key not in TRIGGER_SIZE_CAPS:
+            continue
+        value, own = _value(config, key), _value(file_config, key)
+        limit = TRIGGER_SIZE_CAPS[key]
+        if key in TRIGGER_MEMORY_KEYS and isinstance(own, int):
+            limit = min(limit, TRIGGER_SCALE * own)
+        if value is None and own is not None:
+            raise ConfigError(
+                f"{source}: a DAG trigger may not lift {key} (the config file's {own}) to null; at most {limit:,}"
+            )
+        if isinstance(value, (int, float)) and value > limit:
+            raise ConfigError(
+                f"{source}: a DAG trigger may set {key} to at most {limit:,} "
+                f"(the config file sizes the run for its machine), got {shown(value)}"
+            )
