@@ -11,6 +11,9 @@ hyper-parameters, rounds, and a run root under the prefix the config file names
 
 Whoever sets it, a runner must be one of BEAM_RUNNERS (or listed in `beam.extra_runners`), and
 an option in ENVIRONMENT_OPTIONS must come from the config file itself, never from an override.
+A trigger's size keys are bounded (TRIGGER_SIZE_CAPS). And a config read back from a run root
+(run.yaml, which whoever can write the run root wrote) chooses no code: its RUN_ROOT_CODE_KEYS
+come from the reader's own command line, or must pass check_run_root_config (docs/security.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """An island: one `deepspeed` launch that lives for the whole run and pulls tasks from the queue.
 
     deepspeed [--hostfile H --num_nodes N] --num_gpus G --no_local_rank \
-        --module pipeline.island_rank --run-root URL --island NAME [--ds-config FILE]
+        --module pipeline.island_rank --run-root URL --island NAME [--ds-config FILE] [--config FILE --set K=V]
 
 Its ranks form one process group for their whole life, so the launch, the interpreter starts and
 DeepSpeed's first-start costs are paid once per run instead of once per (path, round). Rank 0
