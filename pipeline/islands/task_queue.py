@@ -412,8 +412,11 @@ class TaskQueue:
 
     def _create_exclusive(self, rel: str, record: dict) -> bool:
         data = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
-        full = self.root.path(rel)
-        self.root.fs.makedirs(os.path.dirname(full), exist_ok=True)
+        full = self.root.check_inside(rel)  # a local root: never through a link out of it
+        try:
+            self.root.fs.makedirs(os.path.dirname(full), exist_ok=True)
+        except OSError as exc:  # a file where the task's lease directory belongs
+            raise StorageError(f"{full}: cannot claim ({exc.strerror or exc})") from None
         if self.root.is_local:
             # Write it whole under a private name, then link it into place: link(2) fails when the
             # name exists, so the claim is exclusive and nobody ever reads half a record.
