@@ -410,11 +410,13 @@ class RunRoot:
         """Local publish_dir: move aside what sits uncommitted at `final` (a crashed writer's leftovers,
         which made every attempt's rename fail) and remove it; False when it turned out to be a
         publisher's committed output after all (put back: the first publisher won)."""
-        aside = f"{final}.debris-{uuid.uuid4().hex[:8]}"
+        aside = f"{final}{_TMP_TAG}debris-{uuid.uuid4().hex[:8]}"  # a temporary name: no listing shows it
         try:
             os.rename(self.check_inside(final), self.check_inside(aside))  # atomic: no publisher's rename interleaves
         except FileNotFoundError:
             return True
+        except OSError as exc:
+            raise StorageError(f"{self.path(final)}: cannot clear what is in the way ({exc.strerror})") from None
         if not os.path.islink(self.path(aside)) and self.is_committed(aside):
             os.rename(self.path(aside), self.path(final))
             return False
