@@ -57,7 +57,7 @@ def check_same_run(run: Run) -> None:
     """A config may change how a run trains, never what it trains: `model` and `router` must be
     those of the run root's run.yaml, if it has one."""
     if run.root.exists(layout.RUN_CONFIG):
-        previous = layout.read_run_config(run.root)
+        previous = layout.read_run_config(run.root, uses_code=False)  # model and router only
         for section in _FIXED:
             if getattr(previous, section) != getattr(run.config, section):
                 raise ConfigError(

@@ -16,6 +16,7 @@ pipeline.core.bounds.SHOWN_CHARS characters, so every error is one short line na
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -32,9 +33,11 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.trust import (
     check_beam_options,
     check_run_root,
+    check_run_root_config,
     check_runner,
     check_trigger_override,
     check_trigger_run_root,
+    check_trigger_sizes,
 )
 
 MAX_CONFIG_BYTES = 256 * 1024  # a real config is ~2 KB; PyYAML constructs ~250 KB/s
@@ -371,6 +374,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     beam_section = raw.get("beam")
     file_options = beam_section.get("options") if isinstance(beam_section, dict) else None
     file_options = [o for o in file_options if isinstance(o, str)] if isinstance(file_options, list) else []
+    file_raw = copy.deepcopy(raw) if not trusted else None
     keys = [_apply_override(raw, item, source, trusted) for item in overrides]
     config = _build(Config, raw, "", source)
     config.source = source
@@ -378,6 +382,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     check_beam_options(config.beam.options, file_options if path else BeamConfig().options, source)
     if not trusted and "run_root" in keys:
         check_trigger_run_root(config.run_root, config.airflow.trigger_run_roots, source)
+    if not trusted:
+        check_trigger_sizes(config, _build(Config, file_raw, "", source), keys, source)
     return config
 
 
@@ -397,6 +403,53 @@ def config_from_yaml(text: str | bytes, source: str) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
     return config_from_dict(raw, source)
+
+
+def shipped_ds_config(path: str) -> bool:
+    """A ds_config the project ships (ds_configs/*.json of this checkout), whatever the path says."""
+    shipped = (REPO_ROOT / "ds_configs").resolve()
+    try:
+        return resolve_ds_config(path).resolve().parent == shipped
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def add_own_config_args(parser) -> None:
+    """--config/--set of a launched rank (an island, a one-shot path trainer): the operator's config,
+    where its code-choosing keys come from (from_run_root), as the launcher passes them."""
+    parser.add_argument("--config", default=None, help="the operator's config file (Beam runner, options, ds_config)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+
+def own_config(args) -> Config | None:
+    """The config of a rank's own --config/--set (trusted: its command line), or None."""
+    return load_config(args.config, args.set) if args.config else None
+
+
+def from_run_root(config: Config, own: Config | None = None, ds_config: str | None = None, uses_code: bool = True):
+    """A config read back from a run root (run.yaml), made safe to use: whoever can write the run
+    root wrote it, so its code-choosing keys (trust.RUN_ROOT_CODE_KEYS) are taken from the reader's
+    own command line instead, `own` (its --config) and `ds_config` (its --ds-config); without
+    them they must be what nobody needs to trust (trust.check_run_root_config), else ConfigError
+    naming the key. A reader that runs none of them (`uses_code=False`: the router's embedder,
+    the check that a new config trains the same model) gets the defaults, never run.yaml's."""
+    if ds_config is not None:
+        config.train.ds_config = ds_config
+    if own is None and not uses_code:
+        own = Config()
+    if own is None:
+        check_run_root_config(config, config.source, shipped_ds_config)
+        return config
+    config.beam = dataclasses.replace(
+        config.beam,
+        runner=own.beam.runner,
+        extra_runners=list(own.beam.extra_runners),
+        options=list(own.beam.options),
+    )
+    config.train.launcher, config.train.hostfile = own.train.launcher, own.train.hostfile
+    if ds_config is None:
+        config.train.ds_config = own.train.ds_config
+    return config
 
 
 class _NoAliasDumper(yaml.SafeDumper):

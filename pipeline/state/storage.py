@@ -162,10 +162,39 @@ class RunRoot:
         return posixpath.join(self.root, *parts) if parts else self.root
 
     def local_path(self, *parts: str) -> Path:
-        """A path usable with plain open(); only for local roots (DeepSpeed, SQLite need one)."""
+        """A path usable with plain open(); only for local roots (DeepSpeed, SQLite need one). What
+        DeepSpeed or SQLite then write there follows links, so a path that resolves outside the
+        root (itself or a directory on the way a symbolic link) is refused (check_inside)."""
         if not self.is_local:
             raise InputError(f"{self.url}: this operation needs a local run root")
+        if parts:
+            self.check_inside(posixpath.join(*parts), follow_last=True)
         return Path(self.path(*parts))
+
+    def check_inside(self, rel: str, follow_last: bool = False) -> str:
+        """The full path of `rel`, refused (CorruptStateError naming it) on a local root when the
+        directory holding it resolves outside the root: no write or delete inside a run root
+        follows a symbolic link out of it (docs/security.md). The name itself is not followed (a
+        rename replaces a link, a removal unlinks it) unless `follow_last`. Object stores have no
+        links: the path is returned as is."""
+        full = self.path(rel)
+        if not self.is_local or not rel.strip("/"):
+            return full
+        top = os.path.normpath(self.root)
+        if not os.path.normpath(full).startswith(top + os.sep):
+            raise CorruptStateError(f"{full}: lies outside the run root {self.root}; refusing to write or remove it")
+        probe = os.path.normpath(full) if follow_last else os.path.dirname(os.path.normpath(full))
+        while probe.startswith(top + os.sep) and not os.path.lexists(probe):
+            probe = os.path.dirname(probe)  # a missing part holds no link; a dangling link exists
+        if not probe.startswith(top + os.sep):
+            return full  # nothing below the root on the way exists yet (or `rel` is the root)
+        base, real = os.path.realpath(top), os.path.realpath(probe)
+        if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
+            raise CorruptStateError(
+                f"{full}: resolves outside the run root {self.root} (through a symbolic link); "
+                f"refusing to write or remove it"
+            )
+        return full
 
     # -- reading -------------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
@@ -222,7 +251,7 @@ class RunRoot:
         return bool(self._conditional(rel, lambda path: self.store.delete_if(path, version)))
 
     def _conditional(self, rel: str, op: Callable[[str], R]) -> R:
-        full = self.path(rel)
+        full = self.check_inside(rel)  # a local root: never through a link out of it
         _fault_point(full)
         try:
             return op(full)
@@ -268,7 +297,7 @@ class RunRoot:
         An object store has no rename, and needs none: the filled bytes go up in one PUT."""
 
         def make(tmp: str) -> None:
-            with open(tmp, "wb") as handle:
+            with open(tmp, "xb") as handle:  # a fresh file, never one a link points at
                 fill(handle)
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -295,7 +324,7 @@ class RunRoot:
         """`make` a file at a temporary name, then rename it over `rel`; returns the full path.
         A failure leaves the old file (or none) and raises StorageError naming the file, never a
         half-written one. Only `state` writes are fault-injection points (see write_note)."""
-        final = self.path(rel)
+        final = self.check_inside(rel)
         if state:
             _fault_point(final)
         tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -362,7 +391,13 @@ class RunRoot:
             target.write_bytes(self.read_committed(rel, name))
 
     def remove(self, rel: str) -> None:
-        full = self.path(rel)
+        """Remove a file or a directory tree; on a local root only what is really inside it: a
+        path reached through a symbolic link is refused, a link itself is unlinked (its target
+        stays), and the tree's removal (shutil.rmtree) unlinks the links it meets."""
+        full = self.check_inside(rel)
+        if self.is_local and os.path.islink(full):
+            os.unlink(full)
+            return
 
         def rm() -> None:
             try:
@@ -467,6 +502,27 @@ class RunRoot:
         self.write_bytes(rel, self.read_committed(rel_dir, name))
         return None
 
+    def _clear_debris(self, final: str) -> bool:
+        """Local publish_dir: move aside what sits uncommitted at `final` (a crashed writer's leftovers,
+        which made every attempt's rename fail) and remove it; False when it turned out to be a
+        publisher's committed output after all (put back: the first publisher won)."""
+        aside = f"{final}{_TMP_TAG}debris-{uuid.uuid4().hex[:8]}"  # a temporary name: no listing shows it
+        try:
+            os.rename(self.check_inside(final), self.check_inside(aside))  # atomic: no publisher's rename interleaves
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            raise StorageError(f"{self.path(final)}: cannot clear what is in the way ({exc.strerror})") from None
+        if not os.path.islink(self.path(aside)) and self.is_committed(aside):
+            os.rename(self.path(aside), self.path(final))
+            return False
+        self.remove(aside)
+        return True
+
+    def refuse_link(self, rel: str) -> None:
+        """Refuse a file of a local root that is, or lies under, a symbolic link (run.yaml's read)."""
+        self._refuse_link("", rel)
+
     def _refuse_link(self, rel_dir: str, name: str) -> None:
         """Refuse a committed file reached through a symbolic link anywhere below the root: pipeline
         state is plain files, and a link would read (and ship) whatever it points at."""
@@ -520,15 +576,20 @@ class RunRoot:
         if not self.is_committed(staged):
             raise CorruptStateError(f"{self.path(staged)}: refusing to publish a directory that is not committed")
         if self.is_local:
-            target = self.local_path(final)
+            target = Path(self.check_inside(final))  # a link there is debris like any other: renamed, not followed
             target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.rename(self.local_path(staged), target)
-                return True
-            except OSError as exc:
-                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) or self.is_committed(final):
-                    return False
-                raise StorageError(f"{target}: cannot publish {self.path(staged)} ({exc.strerror})") from None
+            for _ in range(2):
+                try:
+                    os.rename(self.local_path(staged), target)
+                    return True
+                except OSError as exc:
+                    if self.is_committed(final):
+                        return False
+                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                        raise StorageError(f"{target}: cannot publish {self.path(staged)} ({exc.strerror})") from None
+                    if not self._clear_debris(final):
+                        return False
+            return False
         token = f"{final}.published"
         won = self.create(token, json.dumps({"staged": staged}).encode()) is not None
         if not self.is_committed(final):

@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.core.config import MAX_CONFIG_BYTES, Config, flatten, parse_yaml, resolve_ds_config
+from pipeline.core.config import Config, flatten, parse_yaml, resolve_ds_config
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 from pipeline.tracking.uris import CHAMPION, NEWEST, redact, redact_data, tracking_uri  # noqa: F401 (re-exported)
@@ -601,15 +601,10 @@ class MlflowTracker(Tracker):
             self.client.log_batch(run_id, metrics=metrics[start : start + 1000])
 
     def _run_yaml(self) -> str:
-        """run.yaml as committed (or the live config before init), credentials redacted."""
+        """run.yaml as committed (or the live config before init), credentials redacted; a run.yaml
+        that is a symbolic link is refused (layout.read_run_yaml), its target never logged or bundled."""
         if self.root.exists(layout.RUN_CONFIG):
-            data = (
-                parse_yaml(
-                    self.root.read_bytes(layout.RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES),
-                    self.root.path(layout.RUN_CONFIG),
-                )
-                or {}
-            )
+            data = parse_yaml(layout.read_run_yaml(self.root), self.root.path(layout.RUN_CONFIG)) or {}
         else:
             data = self.config.to_dict()
         return yaml.safe_dump(redact_data(data), sort_keys=False)
