@@ -400,7 +400,10 @@ def build(root: Path, outside: Path, entries) -> None:
         parent = root / place
         if parent.is_symlink() or (parent.exists() and not parent.is_dir()):
             continue
-        parent.mkdir(parents=True, exist_ok=True)
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError:  # a file or a link (dangling too) further up: this entry has no place to go
+            continue
         path = parent / name
         if path.exists() or path.is_symlink():
             continue
