@@ -260,15 +260,18 @@ class Store(ABC):
         """Delete the file only if it is still `version`."""
 
     @staticmethod
-    def _unless_refused(op: Callable[[], T]) -> T | None:
+    def _unless_refused(op: Callable[[], T], gone_refuses: bool = True) -> T | None:
         """op()'s result, or None when the store refused its condition (the version changed, the
-        file exists already, or it is gone)."""
+        file exists already, or, with `gone_refuses`, the file is gone). A missing bucket is never
+        a refusal: it is raised, and the preflight names it."""
         try:
             return op()
-        except FileNotFoundError:
-            return None
         except Exception as exc:  # noqa: BLE001 - a refused condition is an answer, anything else is raised
-            if _precondition_failed(exc) or error_code(exc) in ("NoSuchKey", "404"):
+            if error_code(exc) == "NoSuchBucket":
+                raise
+            if _precondition_failed(exc):
+                return None
+            if gone_refuses and (isinstance(exc, FileNotFoundError) or error_code(exc) in ("NoSuchKey", "404")):
                 return None
             raise
 
@@ -440,7 +443,9 @@ class S3Store(Store):
         return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
 
     def create(self, path: str, data: bytes) -> str | None:
-        return self._unless_refused(lambda: self.retrying(lambda: self._put(path, data, IfNoneMatch="*"), path))
+        return self._unless_refused(
+            lambda: self.retrying(lambda: self._put(path, data, IfNoneMatch="*"), path), gone_refuses=False
+        )
 
     def replace_if(self, path: str, data: bytes, version: str) -> str | None:
         return self._unless_refused(lambda: self.retrying(lambda: self._put(path, data, IfMatch=version), path))
@@ -506,7 +511,7 @@ class GCSStore(Store):
         return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
 
     def create(self, path: str, data: bytes) -> str | None:
-        return self._unless_refused(lambda: self._upload(path, data, "0"))
+        return self._unless_refused(lambda: self._upload(path, data, "0"), gone_refuses=False)
 
     def replace_if(self, path: str, data: bytes, version: str) -> str | None:
         return self._unless_refused(lambda: self._upload(path, data, version))
