@@ -571,8 +571,9 @@ def s3_ready(spec: Spec) -> str | None:
     return None
 
 
-def benchmark(spec: Spec, base: Path, faults: bool = True, reference: bool = True) -> dict:
-    """The runs of the module docstring in a lab under `base`; every figure."""
+def benchmark(spec: Spec, base: Path, runs: tuple[str, ...] = ("fault-free", "faults"), reference: bool = True) -> dict:
+    """The runs of the module docstring in a lab under `base` (`runs`: which of the two across the
+    hosts); every figure."""
     results = []
     if reference:
         results.append(run_one_host(spec, base, spec.hosts * spec.islands_per_host))
@@ -581,7 +582,7 @@ def benchmark(spec: Spec, base: Path, faults: bool = True, reference: bool = Tru
         if spec.store == "s3":
             store = Store(lab, spec)
             store.start()
-        for name, with_faults in [("fault-free", False)] + ([("faults", True)] if faults else []):
+        for name in runs:
             if spec.store == "s3":
                 overrides = [*base_overrides(spec), *s3_overrides(name, f"http://{STORE_IP}:{S3_PORT}")]
                 watch_overrides = [*base_overrides(spec), *s3_overrides(name, f"http://127.0.0.1:{MOTO_PORT}")]
@@ -589,7 +590,7 @@ def benchmark(spec: Spec, base: Path, faults: bool = True, reference: bool = Tru
                 root = base / "shared-root" / name
                 overrides = [*base_overrides(spec), f"run_root={root}", "mlflow.enabled=false"]
                 watch_overrides = overrides
-            run = HostRun(name, overrides, watch_overrides, with_faults)
+            run = HostRun(name, overrides, watch_overrides, faults=name == "faults")
             results.append(run_across_hosts(lab, store, spec, run))
         info = {
             "links": spec.shape.describe()
@@ -651,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     base = Path(tempfile.mkdtemp(prefix="dipaco-hosts-"))
     try:
-        found = benchmark(spec, base, faults=not args.no_faults)
+        found = benchmark(spec, base, runs=("fault-free",) if args.no_faults else ("fault-free", "faults"))
     except KeyboardInterrupt:
         print("benchmarks.hosts: interrupted; every namespace and process it made is gone", file=sys.stderr)
         return 130
