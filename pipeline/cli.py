@@ -24,6 +24,7 @@ from pipeline.core.config import Config, load_config
 from pipeline.core.errors import DipacoError, IslandError, StorageError
 from pipeline.islands import processes
 from pipeline.state import layout
+from pipeline.state.store import configure_storage
 from pipeline.tracking.report import format_summary
 
 ROUNDS = """\
@@ -233,6 +234,7 @@ def dispatch(args: argparse.Namespace) -> dict | None:
 
         return sweep.command(args.config, args.quick, args.predict, args.verify, args.overrides)
     config = load_config(args.config, args.overrides)
+    configure_storage(config)
     check(args, config)
     from pipeline import stages  # torch and DeepSpeed load here, once the arguments are known good
     from pipeline.run import Run

@@ -106,9 +106,10 @@ def check_run_root(config: Config) -> None:
     """A local run root can be created and written: a probe file is created, written, renamed (as
     every commit renames) and removed. Without it an unwritable root (`/proc/x`, a path under a
     file) failed 12 s later, inside the first stage, with a raw NotADirectoryError and exit 1.
-    Remote roots are left to their first write (a probe would need their credentials here)."""
+    An object store is probed instead (check_object_store)."""
     root = RunRoot(config.run_root)
     if not root.is_local:
+        check_object_store(config, root)
         return
     path = Path(root.path())
     probe = path / f".dipaco-probe-{os.getpid()}"
@@ -123,3 +124,21 @@ def check_run_root(config: Config) -> None:
             f"{config.source}: run_root {path}: cannot create and write files there ({why}); "
             f"choose a writable directory (--set run_root=...)"
         ) from None
+
+
+def check_object_store(config: Config, root: RunRoot) -> None:
+    """An object-store run root, before anything is written to it: a tracking server is named (the
+    embedded SQLite store needs a local file), the bucket exists, the credentials write, and the store
+    honours conditional writes (a probe object created twice: the second create must be refused),
+    each a one-line refusal within seconds (store.PROBE_TIMEOUT_S)."""
+    from pipeline.core.errors import StorageError
+    from pipeline.state.store import check_writable
+
+    if config.mlflow.enabled:
+        from pipeline.tracking.uris import tracking_uri
+
+        tracking_uri(config)  # ConfigError when none is set
+    try:
+        check_writable(root.url, root.root)
+    except StorageError as exc:
+        raise InputError(f"{config.source}: run_root {exc}") from None

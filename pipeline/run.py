@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pipeline.core.config import Config
 from pipeline.state.storage import RunRoot
+from pipeline.state.store import configure_storage
 from pipeline.tracking.tracker import Tracker, get_tracker
 
 
@@ -23,6 +24,7 @@ class Run:
     root: RunRoot = field(init=False)
 
     def __post_init__(self) -> None:
+        configure_storage(self.config)  # storage.options, for this process and those it starts
         self.root = RunRoot(self.config.run_root)
 
     @functools.cached_property

@@ -197,3 +197,30 @@ def no_collector_pauses():
 @pytest.fixture
 def run_root(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server for the session (tests/s3.py); skipped with one line where moto is missing."""
+    pytest.importorskip("moto.server", reason="moto[server] is not installed (make install brings it)")
+    from s3_endpoint import CREDENTIALS, start_moto
+
+    server = start_moto()
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)  # dummy credentials for this process, its islands and ranks
+    yield server
+    server.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def s3_root(s3_server):
+    """An `s3://` run root in a fresh bucket of the session's moto server, and the override that
+    points a config at the server (storage.options.endpoint_url); the bucket is removed after."""
+    bucket = s3_server.new_bucket()
+    yield f"s3://{bucket}/run", s3_server.storage_set()
+    s3_server.remove_bucket(bucket)

@@ -227,10 +227,20 @@ class BeamConfig:
 
 
 @dataclass
+class StorageConfig:
+    """How the run root's store is opened (docs/operations.md, Run across hosts): fsspec options, never credentials."""
+
+    options: dict[str, Any] = field(default_factory=dict)  # the store's fsspec options, e.g. s3: {endpoint_url: ...,
+    #                                  client_kwargs: {region_name: ...}}; a key the store does not take is refused.
+    #                                  Credentials come from AWS_* variables, ~/.aws or the GCS defaults, never here
+
+
+@dataclass
 class Config:
     """One YAML file: run_root at the top level, then one section per part of the pipeline."""
 
     run_root: str = "runs/demo"  # local path or fsspec URL (s3://, gs://, file://) holding all of the run's state
+    storage: StorageConfig = field(default_factory=StorageConfig)
     data: DataConfig = field(default_factory=DataConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -531,6 +541,8 @@ def _matches(value: Any, hint: Any) -> bool:
     if origin is list:
         (item,) = typing.get_args(hint)
         return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
@@ -545,6 +557,8 @@ def describe_type(hint: Any) -> str:
         return " or ".join(describe_type(arg) for arg in typing.get_args(hint))
     if origin is list:
         return f"a list of {describe_type(typing.get_args(hint)[0])}"
+    if origin is dict:
+        return "a mapping"
     return {type(None): "null"}.get(hint, getattr(hint, "__name__", str(hint)))
 
 

@@ -8,9 +8,11 @@ queue adds is its leases, one file per attempt:
     queue/plan.json                          {"until_round": R}: rounds < R are trained
     queue/leases/<task>/attempt-<n>.json     who holds attempt n of a task, and how it ended
 
-A claim is an exclusive create of the next attempt's file (a hard link on a local or shared
-filesystem, a `mode="xb"` conditional write on an object store), so two islands never hold the
-same attempt. The holder heartbeats into its file, counting its beats (`beats`); an attempt is
+A claim is an exclusive create of the next attempt's file (RunRoot.create: a hard link on a local
+or shared filesystem, `If-None-Match: *` on S3, `ifGenerationMatch=0` on GCS), so two islands never
+hold the same attempt. The holder heartbeats into its file, counting its beats (`beats`), each beat a
+compare-and-swap on the version it last wrote (`If-Match` on the ETag): when anyone else ended its
+record (fail_running, release_running), the store refuses the beat and the holder stops. An attempt is
 expired when a reader saw its count unchanged for `train.lease_seconds` on the reader's own
 monotonic clock, so no two hosts' wall clocks are ever compared and clock skew cannot expire a
 live holder. A holder that finds a later attempt than its own (a backup attempt aside) has lost
@@ -39,14 +41,13 @@ import socket
 import statistics
 import threading
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass
 
 from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules, round_job_ids
 from pipeline.core.bounds import shown
 from pipeline.core.config import Config
-from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, StorageError
+from pipeline.core.errors import CorruptStateError, DipacoError, StorageError
 from pipeline.islands.attempts import Attempts
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
@@ -389,40 +390,19 @@ class TaskQueue:
             **({"backup": True} if backup else {}),
         }
         rel = f"{LEASES}/{task.name}/attempt-{number}.json"
-        if not self._create_exclusive(rel, record):
+        version = self.root.create(rel, _record_bytes(record))
+        if version is None:
             return None  # another island took this attempt first
-        return Lease(self, task, number, record)
+        return Lease(self, task, number, record, version)
 
-    def _create_exclusive(self, rel: str, record: dict) -> bool:
-        data = (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
-        full = self.root.path(rel)
-        self.root.fs.makedirs(os.path.dirname(full), exist_ok=True)
-        if self.root.is_local:
-            # Write it whole under a private name, then link it into place: link(2) fails when the
-            # name exists, so the claim is exclusive and nobody ever reads half a record.
-            tmp = f"{full}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            try:
-                os.link(tmp, full)
-                return True
-            except FileExistsError:
-                return False
-            finally:
-                os.unlink(tmp)
+    def _end_record(self, rel: str, attempt: Attempt, fields: dict) -> bool:
+        """End another holder's record by compare-and-swap on the version read: a beat written
+        meanwhile is never overwritten back to running, nor this end by that beat."""
         try:
-            with self.root.fs.open(full, "xb") as handle:
-                handle.write(data)
-            return True
-        except FileExistsError:
+            current = self.root.read_versioned(rel)
+        except DipacoError:
             return False
-        except (NotImplementedError, ValueError) as exc:
-            raise ConfigError(
-                f"{self.root.url}: islands need a run root with exclusive create (a local or shared "
-                f"filesystem, or an object store with conditional writes): {exc}"
-            ) from None
+        return self.root.replace_if(rel, _record_bytes({**attempt.record, **fields}), current.version) is not None
 
     def fail_running(self, island_id: str, reason: str) -> None:
         """Mark the running attempts of one island process (`island_id`, unique per process: a
@@ -431,14 +411,10 @@ class TaskQueue:
         for name in self.root.listdir(LEASES):
             for attempt in self._attempts_in(f"{LEASES}/{name}"):
                 if attempt.record.get("island_id") == island_id and attempt.state == "running":
-                    self.root.write_json(
+                    self._end_record(
                         f"{LEASES}/{name}/attempt-{attempt.number}.json",
-                        {
-                            **attempt.record,
-                            "state": "failed",
-                            "error": reason,
-                            "finished_at": time.time() + self.clock_offset,
-                        },
+                        attempt,
+                        {"state": "failed", "error": reason, "finished_at": time.time() + self.clock_offset},
                     )
 
     def release_running(self, island_id: str, reason: str, since: float = float("inf")) -> list[str]:
@@ -453,16 +429,12 @@ class TaskQueue:
             if not last or last.record.get("island_id") != island_id:
                 continue
             if last.record.get("state") == "running":
-                self.root.write_json(
+                if self._end_record(
                     f"{LEASES}/{name}/attempt-{last.number}.json",
-                    {
-                        **last.record,
-                        "state": "released",
-                        "reason": reason,
-                        "finished_at": time.time() + self.clock_offset,
-                    },
-                )
-                released.append(name)
+                    last,
+                    {"state": "released", "reason": reason, "finished_at": time.time() + self.clock_offset},
+                ):
+                    released.append(name)
             elif last.record.get("state") == "released" and float(last.record.get("finished_at", 0)) >= since:
                 released.append(name)
         return released
@@ -585,6 +557,14 @@ class TaskQueue:
         return None
 
 
+def _record_bytes(record: dict) -> bytes:
+    return (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
+
+
+class LeaseLost(DipacoError):
+    """Our lease record was ended by someone else (the store refused our compare-and-swap)."""
+
+
 class Lease:
     """An island's hold on one attempt of a task, kept alive by a heartbeat thread.
 
@@ -592,8 +572,9 @@ class Lease:
     after `lease_seconds` without a successful beat, when readers may have expired it anyway.
     `cancelled` is set when another attempt's output of the task got committed first."""
 
-    def __init__(self, queue: TaskQueue, task: Task, number: int, record: dict):
+    def __init__(self, queue: TaskQueue, task: Task, number: int, record: dict, version: str):
         self.queue, self.task, self.number, self.record = queue, task, number, record
+        self.version = version  # of the record as this holder last wrote it: each write is a compare-and-swap
         self.rel = f"{LEASES}/{task.name}/attempt-{number}.json"
         self.lost = threading.Event()
         self.cancelled = threading.Event()
@@ -623,6 +604,9 @@ class Lease:
                     **self._progress,
                 )
                 delay, last_ok, failures = interval, time.monotonic(), 0
+            except LeaseLost as exc:  # the store says so: no clock involved
+                log.warning("lost the lease of %s (%s)", self.task.name, exc)
+                return
             except (DipacoError, StorageError, OSError) as exc:
                 failures += 1
                 if time.monotonic() - last_ok > self.queue.lease_seconds:
@@ -670,10 +654,14 @@ class Lease:
         return not self.lost.is_set() and self._still_mine()
 
     def _write(self, **fields) -> None:
+        """Replace our record if it is still the one we wrote; else someone ended it (a lost lease)."""
         with self._lock:
             record = {**self.record, **fields}
-            self.queue.root.write_json(self.rel, record)
-            self.record = record
+            version = self.queue.root.replace_if(self.rel, _record_bytes(record), self.version)
+            if version is None:
+                self.lost.set()
+                raise LeaseLost(f"{self.queue.root.path(self.rel)}: changed by another island since our last beat")
+            self.record, self.version = record, version
 
     def finish(self, state: str, **fields) -> None:
         """End the lease: `done`, `failed` (counts toward max_attempts), `released` or `cancelled`
@@ -685,6 +673,8 @@ class Lease:
                 if self._superseded():
                     return
                 self._write(state=state, finished_at=time.time() + self.queue.clock_offset, **self._progress, **fields)
+                return
+            except LeaseLost:  # someone else ended the record: theirs stands
                 return
             except (DipacoError, StorageError, OSError) as exc:
                 log.warning("recording %s of %s failed (%s); retrying", state, self.task.name, exc)

@@ -2,27 +2,33 @@
 
 Local roots use an advisory `flock` on `<run_root>/.lock`: the kernel drops it when the holder
 dies, even by `kill -9`, so a crash never leaves the run stuck. Object-store roots have no
-locks, so there the lock is a JSON record refreshed by a heartbeat and taken over once stale.
+locks, so there the lock is a JSON record made with a conditional create, renewed by
+compare-and-swap, and taken over once this reader saw it unchanged for STALE_AFTER_S.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from typing import Iterator
 
-from pipeline.core.bounds import SHOWN_CHARS, one_line, shown
-from pipeline.core.errors import CorruptStateError, RunLockedError
+from pipeline.core.bounds import SHOWN_CHARS, load_json, one_line, shown
+from pipeline.core.errors import CorruptStateError, InputError, RunLockedError, StorageError
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
-HEARTBEAT_S = 30.0
-STALE_AFTER_S = 300.0
+HEARTBEAT_S = 5.0  # an object-store lock's renewal: a second orchestrator sees a live holder beat within this
+STALE_AFTER_S = 4 * HEARTBEAT_S  # unchanged this long, as the reader's monotonic clock measures it: dead
+POLL_S = 1.0
+_TOKEN = uuid.uuid4().hex  # this process's locks
+log = logging.getLogger("dipaco.lock")
 
 
 def _holder() -> dict:
@@ -66,28 +72,74 @@ def _flock(root: RunRoot) -> Iterator[None]:
 
 @contextmanager
 def _heartbeat_lock(root: RunRoot) -> Iterator[None]:
-    if root.exists(layout.LOCK):
-        held = root.read_json(layout.LOCK)
-        heartbeat = held.get("heartbeat", 0)
-        if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool):
-            raise CorruptStateError(
-                f"{root.path(layout.LOCK)}: heartbeat must be a time, got {shown(heartbeat)}; "
-                f"remove the file if no dipaco run is live"
-            )
-        if time.time() - heartbeat < STALE_AFTER_S:
-            raise RunLockedError(f"{root.url}: another dipaco run holds this run root ({shown(held)})")
-    root.write_json(layout.LOCK, _holder())
+    """An object store's lock: a record created only if absent, renewed by compare-and-swap on the
+    version this holder last wrote, released by a compare-and-swap to "released" (so a release never
+    removes a lock someone else took over). A holder is judged dead only when this reader saw its
+    record unchanged for STALE_AFTER_S on its own monotonic clock: hosts' wall clocks are never
+    compared, so a live holder whose clock is behind is never taken over."""
+    version = _acquire(root)
+    lost = threading.Event()
     stop = threading.Event()
 
     def beat() -> None:
+        nonlocal version
         while not stop.wait(HEARTBEAT_S):
-            root.write_json(layout.LOCK, _holder())
+            try:
+                renewed = root.replace_if(layout.LOCK, _record(), version)
+            except StorageError as exc:  # a flaky store: the next beat tries again
+                log.warning("%s: renewing the run lock failed (%s)", root.path(layout.LOCK), exc)
+                continue
+            if renewed is None:
+                lost.set()
+                log.error("%s: the run lock was taken over by another dipaco run; stop this one", root.url)
+                return
+            version = renewed
 
-    thread = threading.Thread(target=beat, daemon=True)
+    thread = threading.Thread(target=beat, daemon=True, name="run-lock")
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join()
-        root.remove(layout.LOCK)
+        if not lost.is_set():
+            try:
+                root.replace_if(layout.LOCK, _record(state="released"), version)
+            except StorageError as exc:
+                log.warning("%s: releasing the run lock failed (%s); it expires by itself", root.url, exc)
+
+
+def _record(state: str = "held") -> bytes:
+    return json.dumps({**_holder(), "state": state, "token": _TOKEN}).encode()
+
+
+def _acquire(root: RunRoot) -> str:
+    """Create the lock, or take over a released or dead one; RunLockedError while it is live."""
+    seen, since = None, time.monotonic()
+    while True:
+        created = root.create(layout.LOCK, _record())
+        if created is not None:
+            return created
+        try:
+            held = root.read_versioned(layout.LOCK)
+        except InputError:  # released and removed meanwhile: create again
+            continue
+        try:
+            record = load_json(held.data, root.path(layout.LOCK), dict)
+        except CorruptStateError as exc:  # not what a holder writes: judged by whether it changes, like any
+            record = {"unreadable": str(exc)}
+        if record.get("state") == "released" or (seen == held.version and time.monotonic() - since >= STALE_AFTER_S):
+            taken = root.replace_if(layout.LOCK, _record(), held.version)
+            if taken is not None:
+                if record.get("state") != "released":
+                    log.warning(
+                        "%s: took over a run lock unchanged for %.0f s (%s)", root.url, STALE_AFTER_S, shown(record)
+                    )
+                return taken
+            continue  # someone else changed it first: look again
+        if seen is not None and held.version != seen:  # it beat while we watched: a live holder
+            raise RunLockedError(f"{root.url}: another dipaco run holds this run root ({shown(record)})")
+        if seen is None:
+            seen, since = held.version, time.monotonic()
+            log.info("%s: a run lock exists; watching it for up to %.0f s", root.url, STALE_AFTER_S)
+        time.sleep(min(POLL_S, max(0.05, since + STALE_AFTER_S - time.monotonic())))

@@ -13,13 +13,16 @@ rewrite the marker too; CRC-32 plus the length is what GCS, HDFS and Parquet use
 this, and it runs at ~3 GB/s where SHA-256 runs at ~1.2 GB/s on our CPUs, which decides whether a
 merge is bound by I/O or by hashing. Markers written with "sha256" records are still verified.
 
-The root is a local path or any fsspec URL (`file://`, `s3://`, `gs://`, `memory://`).
+The root is a local path or any fsspec URL (`file://`, `s3://`, `gs://`, `memory://`). What differs
+between a disk and an object store (no rename, conditional creates, compare-and-swap, reads of
+objects replaced meanwhile, retries) lives in pipeline.state.store; RunRoot asks it for operations.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import posixpath
@@ -38,6 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.core.bounds import MAX_STATE_JSON_BYTES, load_json
 from pipeline.core.errors import CorruptStateError, InputError, StorageError
+from pipeline.state.store import Store, Versioned, retrying, store_for
 
 SUCCESS = "_SUCCESS"
 T, R = TypeVar("T"), TypeVar("R")
@@ -140,8 +144,9 @@ class RunRoot:
 
     def __init__(self, url: str | Path):
         self.url = str(url)
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)  # options: fsspec's config (store.configure)
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.store: Store = store_for(self.fs)
 
     def __repr__(self) -> str:
         return f"RunRoot({self.url!r})"
@@ -158,7 +163,11 @@ class RunRoot:
 
     # -- reading -------------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
+        return self._io(lambda: self.fs.exists(self.path(rel)), rel)
+
+    def _io(self, op: Callable[[], T], rel: str) -> T:
+        """A filesystem call, retried through transient store errors (pipeline.state.store.retrying)."""
+        return op() if self.is_local else retrying(op, self.path(rel))
 
     def read_bytes(self, rel: str, writable: bool = False, max_bytes: int | None = None) -> bytes | bytearray:
         """A file's bytes; `writable` gives a bytearray that tensors can view without a copy
@@ -170,8 +179,11 @@ class RunRoot:
                     buffer = bytearray(os.fstat(handle.fileno()).st_size)
                     del buffer[handle.readinto(buffer) :]  # a file that shrank meanwhile fails its checksum
                     return buffer
-            with self.fs.open(self.path(rel), "rb") as handle:
-                data = handle.read() if max_bytes is None else handle.read(max_bytes + 1)
+            if self.is_local:
+                with self.fs.open(self.path(rel), "rb") as handle:
+                    data = handle.read() if max_bytes is None else handle.read(max_bytes + 1)
+            else:  # one GET, one whole version: never a read torn by a writer replacing the object
+                data = self.store.read(self.path(rel), max_bytes).data
         except FileNotFoundError:
             raise InputError(f"{self.path(rel)}: file not found") from None
         except IsADirectoryError:
@@ -179,6 +191,37 @@ class RunRoot:
         if max_bytes is not None and len(data) > max_bytes:
             raise CorruptStateError(f"{self.path(rel)}: larger than {max_bytes:,} bytes; refusing to read it")
         return bytearray(data) if writable else data
+
+    def read_versioned(self, rel: str, max_bytes: int = MAX_STATE_JSON_BYTES) -> Versioned:
+        """A small file's bytes and the version they are, for a later replace_if or delete_if."""
+        try:
+            found = self.store.read(self.path(rel), max_bytes)
+        except FileNotFoundError:
+            raise InputError(f"{self.path(rel)}: file not found") from None
+        except IsADirectoryError:
+            raise CorruptStateError(f"{self.path(rel)}: is a directory, expected a file") from None
+        if len(found.data) > max_bytes:
+            raise CorruptStateError(f"{self.path(rel)}: larger than {max_bytes:,} bytes; refusing to read it")
+        return found
+
+    def create(self, rel: str, data: bytes) -> str | None:
+        """Create a file only if nobody has (a claim, a token, a lock): its version, or None."""
+        return self._conditional(rel, lambda path: self.store.create(path, data))
+
+    def replace_if(self, rel: str, data: bytes, version: str) -> str | None:
+        """Replace a file only if it is still `version` (compare-and-swap): the new version, or None."""
+        return self._conditional(rel, lambda path: self.store.replace_if(path, data, version))
+
+    def delete_if(self, rel: str, version: str) -> bool:
+        return bool(self._conditional(rel, lambda path: self.store.delete_if(path, version)))
+
+    def _conditional(self, rel: str, op: Callable[[str], R]) -> R:
+        full = self.path(rel)
+        _fault_point(full)
+        try:
+            return op(full)
+        except OSError as exc:
+            raise StorageError(f"{full}: cannot write ({exc.strerror or exc}); the previous state is intact") from None
 
     def read_json(self, rel: str, expect: type | tuple[type, ...] | None = dict) -> Any:
         """A stored JSON file (its top level an `expect`), within pipeline.core.bounds' size and depth
@@ -188,15 +231,23 @@ class RunRoot:
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) in a directory, sorted; empty when it does not exist."""
         full = self.path(rel)
-        if not self.fs.isdir(full):
-            return []
-        names = [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(full, detail=False)]
-        return sorted(n for n in names if _TMP_TAG not in n)
+
+        def names() -> list[str]:
+            if self.is_local and not self.fs.isdir(full):
+                return []
+            try:
+                return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(full, detail=False)]
+            except (FileNotFoundError, NotADirectoryError):  # an object store has no empty directories
+                return []
+
+        found = self._io(names, rel)
+        return sorted(n for n in found if _TMP_TAG not in n and n != posixpath.basename(full.rstrip("/")))
 
     def glob(self, pattern: str) -> list[str]:
         """Relative paths matching a glob under the root, sorted, temporaries excluded."""
         base = self.root.rstrip("/") + "/"
-        found = [p[len(base) :] if p.startswith(base) else p for p in self.fs.glob(self.path(pattern))]
+        globbed = self._io(lambda: self.fs.glob(self.path(pattern)), pattern)
+        found = [p[len(base) :] if p.startswith(base) else p for p in globbed]
         return sorted(p for p in found if _TMP_TAG not in p)
 
     # -- writing -------------------------------------------------------------------------------
@@ -205,19 +256,31 @@ class RunRoot:
         self._replace(rel, lambda handle: handle.write(data))
 
     def _replace(self, rel: str, fill: Callable[[IO[bytes]], Any]) -> str:
-        """Fill a temporary file, make it durable and rename it over `rel`; returns the full path."""
+        """Fill a temporary file, make it durable and rename it over `rel`; returns the full path.
+        An object store has no rename, and needs none: the filled bytes go up in one PUT."""
 
         def make(tmp: str) -> None:
-            if self.is_local:
-                with open(tmp, "wb") as handle:
-                    fill(handle)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            else:
-                with self.fs.open(tmp, "wb") as handle:
-                    fill(handle)
+            with open(tmp, "wb") as handle:
+                fill(handle)
+                handle.flush()
+                os.fsync(handle.fileno())
 
+        if not self.is_local:
+            buffer = io.BytesIO()
+            fill(buffer)
+            return self._put_object(rel, lambda full: self.store.write(full, buffer.getvalue()))
         return self._put(rel, make)
+
+    def _put_object(self, rel: str, put: Callable[[str], Any], state: bool = True) -> str:
+        """An object store's atomic write (see _put, whose contract it keeps)."""
+        final = self.path(rel)
+        if state:
+            _fault_point(final)
+        try:
+            put(final)
+        except OSError as exc:
+            raise StorageError(f"{final}: cannot write ({exc.strerror or exc}); the previous state is intact") from None
+        return final
 
     def _put(self, rel: str, make: Callable[[str], Any], state: bool = True) -> str:
         """`make` a file at a temporary name, then rename it over `rel`; returns the full path.
@@ -251,6 +314,9 @@ class RunRoot:
         seconds: through a temporary name and a rename like every write, so a reader never sees
         half of one, but not made durable (no fsync) and not a fault-injection point, since the
         crash tests count state writes and these come and go with the clock."""
+        if not self.is_local:
+            self._put_object(rel, lambda full: self.store.write(full, data), state=False)
+            return
         self._put(rel, lambda tmp: self.fs.pipe_file(tmp, data), state=False)
 
     def write_json(self, rel: str, data: Any) -> None:
@@ -260,7 +326,11 @@ class RunRoot:
         self.write_bytes(rel, text.encode())
 
     def put_file(self, local: str | Path, rel: str) -> None:
-        """Upload (or copy) a local file into the root, atomically, streaming it in blocks."""
+        """Upload (or copy) a local file into the root, atomically, streaming it in blocks (in parts
+        to an object store, where the object appears only once every part is in)."""
+        if not self.is_local:
+            self._put_object(rel, lambda full: self.store.upload(str(local), full))
+            return
         with open(local, "rb") as src:
             self._replace(rel, lambda handle: shutil.copyfileobj(src, handle, 1 << 22))
 
@@ -281,16 +351,23 @@ class RunRoot:
 
     def remove(self, rel: str) -> None:
         full = self.path(rel)
-        if self.fs.exists(full):
-            self.fs.rm(full, recursive=True)
+
+        def rm() -> None:
+            try:
+                if self.fs.exists(full):
+                    self.fs.rm(full, recursive=True)
+            except FileNotFoundError:  # removed meanwhile by someone else: what we wanted
+                pass
+
+        self._io(rm, rel)
 
     def files_under(self, rel: str) -> list[str]:
         """Every file below a directory, relative to it, sorted; temporaries and marker excluded."""
         full = self.path(rel).rstrip("/")
-        if not self.fs.isdir(full):
+        if self.is_local and not self.fs.isdir(full):
             return []
         names = []
-        for path in self.fs.find(full):
+        for path in self._io(lambda: self.fs.find(full), rel):
             name = path[len(full) + 1 :] if path.startswith(full + "/") else posixpath.relpath(path, full)
             if _TMP_TAG not in name and posixpath.basename(name) != SUCCESS:
                 names.append(name)
@@ -425,18 +502,18 @@ class RunRoot:
                     return False
                 raise StorageError(f"{target}: cannot publish {self.path(staged)} ({exc.strerror})") from None
         token = f"{final}.published"
-        try:
-            with self.fs.open(self.path(token), "xb") as handle:
-                handle.write(json.dumps({"staged": staged}).encode())
-            won = True
-        except FileExistsError:
-            won = False
+        won = self.create(token, json.dumps({"staged": staged}).encode()) is not None
         if not self.is_committed(final):
             source = self.read_json(token).get("staged", staged)
             if self.is_committed(source):
                 base = self.path(source).rstrip("/") + "/"
-                names = [p[len(base) :] for p in self.fs.find(self.path(source)) if p.startswith(base)]
-                for name in sorted(n for n in names if n != SUCCESS and _TMP_TAG not in n):  # nested markers too
-                    self.write_bytes(posixpath.join(final, name), self.read_bytes(posixpath.join(source, name)))
-                self.write_bytes(posixpath.join(final, SUCCESS), self.read_bytes(posixpath.join(source, SUCCESS)))
+                found = self._io(lambda: self.fs.find(self.path(source)), source)
+                names = [p[len(base) :] for p in found if p.startswith(base)]
+                names = sorted(n for n in names if n != SUCCESS and _TMP_TAG not in n)  # nested markers too
+                map_io(lambda name: self._copy(posixpath.join(source, name), posixpath.join(final, name)), names)
+                self._copy(posixpath.join(source, SUCCESS), posixpath.join(final, SUCCESS))  # the marker last
         return won
+
+    def _copy(self, src_rel: str, dst_rel: str) -> None:
+        """A server-side copy on an object store (CopyObject: no byte passes through this host)."""
+        self._put_object(dst_rel, lambda full: retrying(lambda: self.fs.copy(self.path(src_rel), full), full))

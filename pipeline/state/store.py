@@ -1,0 +1,660 @@
+"""Where a disk and an object store differ, in one place: the few operations pipeline state needs
+from its storage, each implemented for a local filesystem, S3 (and S3-compatible stores: MinIO,
+Ceph RGW, R2), GCS, and fsspec's in-memory store for tests.
+
+Callers (RunRoot, and through it the leases, publishing, the run lock and retention) ask for an
+operation and never branch on the kind of store:
+
+- `write`: replace a file atomically. A disk writes a temporary name and renames it; an object
+  store has no rename (s3fs's `mv` is a copy and a delete, neither atomic nor cheap), but a PUT is
+  atomic by itself: a reader sees the old object or the new one. Large files go up multipart and
+  appear only when the upload completes.
+- `create`: create a file only if it is absent (a claim, a publish token, the run lock): link(2)
+  on a disk, `If-None-Match: *` on S3, `ifGenerationMatch=0` on GCS.
+- `read`: a file's bytes and the version they are, from one request. s3fs's file objects read in
+  ranges pinned to the ETag they first saw, so a lease rewritten while it was read failed with
+  "At least one of the pre-conditions you specified did not hold" (EINVAL) and killed an island;
+  one GET returns one whole version, and a read that still races is read again.
+- `replace_if` / `delete_if`: compare-and-swap on the version last read or written (`If-Match` on
+  the ETag, the GCS generation, or a lock on the directory and the inode on a disk). A lease
+  heartbeat is one: a holder whose record someone else ended learns it from the store.
+
+Transient errors (5xx, throttling, timeouts, dropped connections) are retried with exponential
+backoff for at most RETRY_S seconds; what still fails is a StorageError naming the file.
+
+Options (`storage.options`: endpoint_url, region, ...) reach the filesystems through fsspec's own
+config (`fsspec.config.conf`, and `FSSPEC_<PROTOCOL>` in the environment for child processes), so
+every RunRoot, island, rank and Beam worker of a process tree opens the store the same way.
+Credentials never go there: they come from the standard places (AWS_* variables, ~/.aws, the GCS
+application-default credentials).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import inspect
+import json
+import logging
+import os
+import posixpath
+import random
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from pipeline.core.errors import ConfigError, StorageError
+
+log = logging.getLogger("dipaco.store")
+T = TypeVar("T")
+
+RETRY_S = 60.0  # how long a transient error is retried before it is a StorageError
+_TMP_TAG = ".tmp-"
+# Object-store options a run may set: everything the filesystem's constructor takes, except what
+# belongs in the standard credential places (never in run.yaml, which is logged and shared).
+SECRET_OPTIONS = frozenset(
+    {"key", "secret", "token", "password", "username", "session", "credentials", "access_key", "secret_key"}
+)
+# fsspec defaults that object-store run roots need: a listing is always fresh (s3fs and gcsfs
+# cache directory listings for the life of a process, and an island lives for a whole run).
+OBJECT_DEFAULTS = {"use_listings_cache": False}
+# Codes of transient object-store errors (AWS, GCS and their S3-compatible peers).
+TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "ConditionalRequestConflict",  # S3: a conditional write raced another; try again
+        "500",
+        "502",
+        "503",
+        "504",
+        "429",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Versioned:
+    """A file's bytes and the version they are (an ETag, a GCS generation, an inode and mtime)."""
+
+    data: bytes
+    version: str
+
+
+def protocol_of(url: str) -> str:
+    """'s3', 'gs', 'memory', ... or 'file' for a local path."""
+    proto = url.split("://", 1)[0] if "://" in url else "file"
+    return {"gcs": "gs", "s3a": "s3", "local": "file"}.get(proto, proto)
+
+
+def configure(url: str, options: dict[str, Any] | None, source: str = "storage.options") -> None:
+    """Make `options` the defaults of `url`'s filesystem in this process and its children (fsspec's
+    config and its FSSPEC_<PROTOCOL> variable). Unknown and secret keys are refused here, naming
+    the key, so a typo never becomes a silently ignored keyword."""
+    proto = protocol_of(url)
+    options = dict(options or {})
+    check_options(proto, options, source)
+    defaults = {**(OBJECT_DEFAULTS if proto not in ("file", "memory") else {}), **options}
+    if not defaults:
+        return
+    fsspec.config.conf[proto] = {**fsspec.config.conf.get(proto, {}), **defaults}
+    os.environ[f"FSSPEC_{proto.upper()}"] = json.dumps(fsspec.config.conf[proto], sort_keys=True)
+
+
+def configure_storage(config) -> None:
+    """configure() for a run's config: its run root's store takes `storage.options`."""
+    configure(config.run_root, config.storage.options, f"{config.source}: storage.options")
+
+
+def check_options(proto: str, options: dict[str, Any], source: str) -> None:
+    """Refuse secrets and keys the store's filesystem does not take."""
+    for key in options:
+        if key.lower() in SECRET_OPTIONS or any(s in key.lower() for s in ("secret", "password", "token")):
+            raise ConfigError(
+                f"{source}: storage.options.{key} is a credential; give it in the environment "
+                f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, or the GCS default credentials), "
+                f"never in the config"
+            )
+    if not options:
+        return
+    try:
+        cls = fsspec.get_filesystem_class(proto)
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(f"{source}: no filesystem for {proto}:// ({exc})") from None
+    known = {
+        name
+        for klass in cls.__mro__
+        if "__init__" in vars(klass)
+        for name, p in inspect.signature(klass.__init__).parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    } - {"self", "args", "kwargs", "storage_options"}
+    for key in options:
+        if key not in known:
+            raise ConfigError(
+                f"{source}: storage.options.{key} is not an option of {cls.__name__} ({proto}://); "
+                f"known: {', '.join(sorted(k for k in known if not k.startswith('_')))}"
+            )
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def error_code(exc: BaseException) -> str | None:
+    """The store's error code behind an exception (botocore's, an HTTP status), or None."""
+    for err in (exc, exc.__cause__, exc.__context__):
+        response = getattr(err, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if code:
+                return str(code)
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status:
+                return str(status)
+        code = getattr(err, "code", None)  # gcsfs's HttpError
+        if isinstance(code, int):
+            return str(code)
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth another try: throttling, a 5xx, a timeout, a dropped connection."""
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
+        return False
+    if error_code(exc) in TRANSIENT_CODES:
+        return True
+    names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+    if names & {
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ConnectionClosedError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "ClientPayloadError",
+        "TimeoutError",
+        "FSTimeoutError",
+        "IncompleteRead",
+    }:
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EBUSY)
+
+
+def retrying(op: Callable[[], T], what: str, deadline_s: float = RETRY_S) -> T:
+    """op(), again after a transient error with backoff (0.1 s doubling to 4 s, jittered) until
+    `deadline_s` has passed; a permanent error is raised at once."""
+    start, tries = time.monotonic(), 0
+    while True:
+        try:
+            return op()
+        except Exception as exc:  # noqa: BLE001 - classified right below
+            tries += 1
+            if not is_transient(exc) or time.monotonic() - start > deadline_s:
+                raise
+            delay = min(4.0, 0.1 * 2 ** (tries - 1)) * (0.5 + random.random() / 2)
+            log.warning("%s: transient storage error (%s); retry %d in %.2f s", what, exc, tries, delay)
+            time.sleep(delay)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    return (
+        isinstance(exc, FileExistsError)
+        or error_code(exc) in ("PreconditionFailed", "412", "304")
+        or (isinstance(exc, OSError) and exc.errno == errno.EINVAL and "pre-condition" in str(exc))
+    )
+
+
+# -- stores ----------------------------------------------------------------------------------------
+class Store(ABC):
+    """The operations that differ between stores (module docstring). Paths are full fsspec paths."""
+
+    kind = "fsspec"
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, retry_s: float = RETRY_S):
+        self.fs = fs
+        self.retry_s = retry_s  # how long transient errors are retried (0: a preflight's one try)
+
+    def retrying(self, op: Callable[[], T], what: str) -> T:
+        return retrying(op, what, self.retry_s)
+
+    @abstractmethod
+    def write(self, path: str, data: bytes) -> str:
+        """Replace the file atomically; returns its new version."""
+
+    def upload(self, local: str, path: str) -> None:
+        """A local file into the store, atomically (multipart on object stores)."""
+        with open(local, "rb") as handle:
+            self.write(path, handle.read())
+
+    @abstractmethod
+    def read(self, path: str, max_bytes: int | None = None) -> Versioned:
+        """One whole version of the file (at most max_bytes + 1 bytes of it); FileNotFoundError if absent."""
+
+    @abstractmethod
+    def create(self, path: str, data: bytes) -> str | None:
+        """Create the file only if it is absent: its version, or None when it existed."""
+
+    @abstractmethod
+    def replace_if(self, path: str, data: bytes, version: str) -> str | None:
+        """Replace the file only if it is still `version`: the new version, or None."""
+
+    @abstractmethod
+    def delete_if(self, path: str, version: str) -> bool:
+        """Delete the file only if it is still `version`."""
+
+    def version(self, path: str) -> str | None:
+        try:
+            return self.read(path).version
+        except FileNotFoundError:
+            return None
+
+
+class LocalStore(Store):
+    """A disk: temporary name + fsync + rename; link(2) for exclusive creates; compare-and-swap
+    under an flock of the file's directory, the version being the inode, mtime and size (every
+    write renames a new inode into place, so a replaced file never keeps its version)."""
+
+    kind = "local"
+
+    def write(self, path: str, data: bytes) -> str:
+        tmp = self._tmp(path)
+        try:
+            self._fill(tmp, data)
+            os.replace(tmp, path)
+        finally:
+            _unlink(tmp)
+        return self._version_of(os.stat(path))
+
+    def upload(self, local: str, path: str) -> None:
+        import shutil
+
+        tmp = self._tmp(path)
+        try:
+            with open(local, "rb") as src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 22)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, path)
+        finally:
+            _unlink(tmp)
+
+    def read(self, path: str, max_bytes: int | None = None) -> Versioned:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as handle:
+            data = handle.read() if max_bytes is None else handle.read(max_bytes + 1)
+            return Versioned(data, self._version_of(os.fstat(handle.fileno())))
+
+    def create(self, path: str, data: bytes) -> str | None:
+        tmp = self._tmp(path)
+        try:
+            self._fill(tmp, data)
+            try:
+                os.link(tmp, path)  # fails when the name exists: the claim is exclusive
+            except FileExistsError:
+                return None
+        finally:
+            _unlink(tmp)
+        return self._version_of(os.stat(path))
+
+    def replace_if(self, path: str, data: bytes, version: str) -> str | None:
+        with self._dir_lock(path):
+            if self._current(path) != version:
+                return None
+            return self.write(path, data)
+
+    def delete_if(self, path: str, version: str) -> bool:
+        with self._dir_lock(path):
+            if self._current(path) != version:
+                return False
+            os.unlink(path)
+            return True
+
+    def version(self, path: str) -> str | None:
+        return self._current(path)
+
+    def _current(self, path: str) -> str | None:
+        try:
+            return self._version_of(os.stat(path, follow_symlinks=False))
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _version_of(st: os.stat_result) -> str:
+        return f"{st.st_ino}-{st.st_mtime_ns}-{st.st_size}"
+
+    @staticmethod
+    def _tmp(path: str) -> str:
+        os.makedirs(posixpath.dirname(path), exist_ok=True)
+        return f"{path}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    @staticmethod
+    def _fill(tmp: str, data: bytes) -> None:
+        with open(tmp, "xb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    @staticmethod
+    @contextmanager
+    def _dir_lock(path: str) -> Iterator[None]:
+        fd = os.open(posixpath.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+class S3Store(Store):
+    """S3 and S3-compatible stores through s3fs's client (its endpoint, region and credentials)."""
+
+    kind = "s3"
+    MULTIPART_ABOVE = 64 << 20  # s3fs uploads larger files in parts; the object appears when they complete
+
+    def _split(self, path: str) -> tuple[str, str]:
+        bucket, key, _ = self.fs.split_path(path)
+        return bucket, key
+
+    def _put(self, path: str, data: bytes, **condition: str) -> str:
+        bucket, key = self._split(path)
+        response = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        return str(response.get("ETag", ""))
+
+    def write(self, path: str, data: bytes) -> str:
+        if len(data) > self.MULTIPART_ABOVE:
+            self.fs.pipe_file(path, data)
+            return ""
+        return self.retrying(lambda: self._put(path, data), path)
+
+    def upload(self, local: str, path: str) -> None:
+        self.retrying(lambda: self.fs.put_file(local, path), path)
+
+    def read(self, path: str, max_bytes: int | None = None) -> Versioned:
+        bucket, key = self._split(path)
+
+        async def get() -> Versioned:
+            extra = {} if max_bytes is None else {"Range": f"bytes=0-{max_bytes}"}
+            try:
+                response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+            except OSError as exc:
+                if error_code(exc) != "InvalidRange":  # Range on an empty object: read it whole
+                    raise
+                response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+            body = response["Body"]
+            try:
+                data = await body.read()
+            finally:
+                body.close()
+            return Versioned(data, str(response.get("ETag", "")))
+
+        return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
+
+    def create(self, path: str, data: bytes) -> str | None:
+        try:
+            return self.retrying(lambda: self._put(path, data, IfNoneMatch="*"), path)
+        except Exception as exc:  # noqa: BLE001
+            if _precondition_failed(exc):
+                return None
+            raise
+
+    def replace_if(self, path: str, data: bytes, version: str) -> str | None:
+        try:
+            return self.retrying(lambda: self._put(path, data, IfMatch=version), path)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            if _precondition_failed(exc) or error_code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise
+
+    def delete_if(self, path: str, version: str) -> bool:
+        bucket, key = self._split(path)
+        try:
+            self.retrying(lambda: self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version), path)
+            return True
+        except FileNotFoundError:
+            return False
+        except Exception as exc:  # noqa: BLE001
+            if _precondition_failed(exc) or error_code(exc) in ("NoSuchKey", "404"):
+                return False
+            raise
+
+
+class GCSStore(Store):
+    """GCS through gcsfs's client: generations are the versions, `ifGenerationMatch` the condition
+    (0: only if absent). Written to the JSON API as gcsfs's own uploads are; not run against a live
+    GCS here (no emulator installs from the registries), unlike S3, which the tests run against."""
+
+    kind = "gcs"
+
+    def _upload(self, path: str, data: bytes, generation: str | None) -> str:
+        bucket, key, _ = self.fs.split_path(path)
+        condition = {} if generation is None else {"ifGenerationMatch": generation}
+
+        async def post() -> str:
+            from urllib.parse import quote
+
+            meta = json.dumps({"name": key})
+            body = (
+                (
+                    f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{meta}\n--==0==\n"
+                    "Content-Type: application/octet-stream\n\n"
+                ).encode()
+                + data
+                + b"\n--==0==--"
+            )
+            out = await self.fs._call(
+                "POST",
+                f"{self.fs._location}/upload/storage/v1/b/{quote(bucket)}/o",
+                uploadType="multipart",
+                headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+                data=body,
+                json_out=True,
+                **condition,
+            )
+            return str(out.get("generation", ""))
+
+        return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, post), path)
+
+    def write(self, path: str, data: bytes) -> str:
+        return self._upload(path, data, None)
+
+    def upload(self, local: str, path: str) -> None:
+        self.retrying(lambda: self.fs.put_file(local, path), path)
+
+    def read(self, path: str, max_bytes: int | None = None) -> Versioned:
+        async def get() -> Versioned:
+            headers = {} if max_bytes is None else {"Range": f"bytes=0-{max_bytes}"}
+            response_headers, data = await self.fs._call("GET", self.fs.url(path), headers=headers)
+            return Versioned(data, str(response_headers.get("x-goog-generation", "")))
+
+        return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
+
+    def _conditional(self, op: Callable[[], T]) -> T | None:
+        try:
+            return op()
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            if _precondition_failed(exc):
+                return None
+            raise
+
+    def create(self, path: str, data: bytes) -> str | None:
+        return self._conditional(lambda: self._upload(path, data, "0"))
+
+    def replace_if(self, path: str, data: bytes, version: str) -> str | None:
+        return self._conditional(lambda: self._upload(path, data, version))
+
+    def delete_if(self, path: str, version: str) -> bool:
+        bucket, key, _ = self.fs.split_path(path)
+
+        def delete() -> bool:
+            fsspec.asyn.sync(self.fs.loop, self.fs._call, "DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
+            return True
+
+        return bool(self._conditional(lambda: self.retrying(delete, path)))
+
+
+class MemoryStore(Store):
+    """fsspec's in-process store (tests): every conditional operation under one process-wide lock,
+    the version a digest of the bytes and a write counter."""
+
+    kind = "memory"
+    _lock = threading.Lock()
+    _counter = 0
+
+    def _version(self, data: bytes) -> str:
+        MemoryStore._counter += 1
+        return f"{hashlib.sha1(data).hexdigest()[:16]}-{MemoryStore._counter}"
+
+    def _versions(self) -> dict[str, str]:
+        store = getattr(self.fs, "_dipaco_versions", None)
+        if store is None:
+            store = self.fs._dipaco_versions = {}
+        return store
+
+    def write(self, path: str, data: bytes) -> str:
+        with self._lock:
+            self.fs.pipe_file(path, data)
+            version = self._versions()[path] = self._version(data)
+            return version
+
+    def read(self, path: str, max_bytes: int | None = None) -> Versioned:
+        with self._lock:
+            data = self.fs.cat_file(path)
+            version = self._versions().get(path) or self._versions().setdefault(path, self._version(data))
+        return Versioned(data if max_bytes is None else data[: max_bytes + 1], version)
+
+    def create(self, path: str, data: bytes) -> str | None:
+        with self._lock:
+            if self.fs.exists(path):
+                return None
+            self.fs.pipe_file(path, data)
+            version = self._versions()[path] = self._version(data)
+            return version
+
+    def replace_if(self, path: str, data: bytes, version: str) -> str | None:
+        with self._lock:
+            if not self.fs.exists(path) or self._versions().get(path) != version:
+                return None
+            self.fs.pipe_file(path, data)
+            new = self._versions()[path] = self._version(data)
+            return new
+
+    def delete_if(self, path: str, version: str) -> bool:
+        with self._lock:
+            if not self.fs.exists(path) or self._versions().get(path) != version:
+                return False
+            self.fs.rm(path)
+            self._versions().pop(path, None)
+            return True
+
+
+def store_for(fs: fsspec.AbstractFileSystem, retry_s: float = RETRY_S) -> Store:
+    """The Store of an fsspec filesystem, by its protocol."""
+    if isinstance(fs, LocalFileSystem):
+        return LocalStore(fs, retry_s)
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if "s3" in protocols or "s3a" in protocols:
+        return S3Store(fs, retry_s)
+    if "gs" in protocols or "gcs" in protocols:
+        return GCSStore(fs, retry_s)
+    if "memory" in protocols:
+        return MemoryStore(fs, retry_s)
+    raise ConfigError(
+        f"{protocols[0]}://: not a supported run root (a local path, file://, s3://, gs:// or memory://): "
+        f"a run root needs conditional writes"
+    )
+
+
+def probe_conditional_writes(store: Store, prefix: str) -> None:
+    """Create a probe object twice, then remove it: a store that lets the second create through does
+    not honour conditional writes, and two islands could then hold one lease (StorageError)."""
+    probe = posixpath.join(prefix, f".dipaco-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    first = store.create(probe, b"probe\n")
+    if first is None:
+        raise StorageError(f"{probe}: a fresh probe object already existed; the store's listing is not consistent")
+    try:
+        again = store.create(probe, b"probe again\n")
+        if again is not None:
+            raise StorageError(
+                f"{prefix}: the store ignores conditional writes (a second If-None-Match create of a probe "
+                f"object succeeded); islands need them to hold leases exclusively"
+            )
+    finally:
+        version = store.version(probe)
+        if version is not None:
+            store.delete_if(probe, version) or store.fs.rm(probe)
+
+
+# -- preflight -------------------------------------------------------------------------------------
+PROBE_TIMEOUT_S = 3.0  # a preflight's connect and read timeouts: an unreachable endpoint is named in seconds
+
+
+def probe_store(url: str) -> Store:
+    """The store of `url` opened for a preflight: this process's options, short timeouts, one try."""
+    proto = protocol_of(url)
+    options = dict(fsspec.config.conf.get(proto, {}))
+    if proto == "s3":
+        options["config_kwargs"] = {
+            **options.get("config_kwargs", {}),
+            "connect_timeout": PROBE_TIMEOUT_S,
+            "read_timeout": PROBE_TIMEOUT_S,
+            "retries": {"max_attempts": 1},
+        }
+    elif proto == "gs":
+        options["timeout"] = PROBE_TIMEOUT_S
+    fs, _ = fsspec.core.url_to_fs(url, skip_instance_cache=True, **options)
+    return store_for(fs, retry_s=0.0)
+
+
+def why_unusable(exc: BaseException, url: str) -> str:
+    """One line for what a failed probe of an object store means."""
+    code = error_code(exc)
+    names = {type(e).__name__ for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+    if code in ("NoSuchBucket", "404") or (isinstance(exc, FileNotFoundError) and "bucket" in str(exc).lower()):
+        return f"{url}: the bucket does not exist (create it first, or fix run_root)"
+    if names & {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"}:
+        return f"{url}: no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, ~/.aws, or GCS defaults)"
+    if code in ("AccessDenied", "403", "401", "InvalidAccessKeyId", "SignatureDoesNotMatch") or isinstance(
+        exc, PermissionError
+    ):
+        return f"{url}: the credentials cannot write there ({code or type(exc).__name__})"
+    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionRefusedError"} or (
+        isinstance(exc, (ConnectionError, TimeoutError))
+    ):
+        return (
+            f"{url}: the store's endpoint cannot be reached ({type(exc).__name__}); check storage.options.endpoint_url"
+        )
+    return f"{url}: cannot write to the store ({type(exc).__name__}: {str(exc)[:200]})"
+
+
+def check_writable(url: str, root: str) -> None:
+    """Before a run writes anything to an object store: the bucket exists, the credentials write,
+    and conditional writes are honoured. A StorageError with one line naming what is wrong."""
+    store = probe_store(url)
+    try:
+        probe_conditional_writes(store, root)
+    except StorageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure of the probe becomes one line
+        raise StorageError(why_unusable(exc, url)) from None

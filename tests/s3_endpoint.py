@@ -1,0 +1,88 @@
+"""An S3 endpoint for the tests: moto's server (the endpoint s3fs's own tests run against) in a
+process of its own on a free loopback port, started once per session like the PostgreSQL fixtures'
+databases, with a fresh bucket per test that the test removes.
+
+Islands and ranks are processes of their own: they reach the bucket through the same environment
+(AWS_* dummy credentials, and FSSPEC_S3 with the endpoint, as `storage.options` sets it)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class MotoServer:
+    endpoint: str
+    process: subprocess.Popen
+
+    def storage_set(self) -> str:
+        """The --set override that points a run at this endpoint."""
+        return f"storage.options={{endpoint_url: {self.endpoint}}}"
+
+    def new_bucket(self) -> str:
+        import boto3
+
+        name = f"dipaco-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=self.endpoint, **_boto_credentials()).create_bucket(Bucket=name)
+        return name
+
+    def remove_bucket(self, name: str) -> None:
+        import boto3
+
+        bucket = boto3.resource("s3", endpoint_url=self.endpoint, **_boto_credentials()).Bucket(name)
+        bucket.objects.all().delete()
+        bucket.delete()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def _boto_credentials() -> dict:
+    return {
+        "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        "region_name": CREDENTIALS["AWS_DEFAULT_REGION"],
+    }
+
+
+def start_moto(timeout_s: float = 30.0) -> MotoServer:
+    """moto's server on a free loopback port, once it answers; raises if it does not within timeout_s."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **CREDENTIALS},
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"moto's server exited with status {process.returncode}")
+        try:
+            urllib.request.urlopen(endpoint, timeout=1).read()
+            return MotoServer(endpoint, process)
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"moto's server did not answer on {endpoint} within {timeout_s:.0f} s")
