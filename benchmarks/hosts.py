@@ -59,7 +59,7 @@ S3_PORT, MOTO_PORT, MLFLOW_PORT = 9000, 9001, 5000  # the proxy hosts use, moto 
 BUCKET = "dipaco-hosts"
 # moto's documented dummy credentials: the benchmark's store is moto, nothing else ever sees them
 DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-POLL_S = 0.5
+POLL_S = 1.0  # how often the watcher looks at the store and the counters are read
 MAX_RESTARTS = 6  # a host's island process started again at most this many times in a run
 
 
@@ -366,7 +366,7 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
             if faults is not None:
                 faults.step(line, now)
             restart_failed(lab, procs, run, faults)
-            if len(run.samples) % 10 == 0:
+            if len(run.samples) % 5 == 0:
                 run.violations += isolation_violations(lab)
             if line.get("finished") and finished is None:
                 finished = time.monotonic() - started
@@ -394,6 +394,7 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
         "restarts": run.restarts,
         "violations": sorted(set(run.violations)),
         "killed": sorted(faults.killed) if faults else [],
+        "faults_not_reached": list(faults.steps) if faults else [],
     }
 
 
@@ -546,6 +547,8 @@ def render(spec: Spec, results: list[dict], lab_info: dict) -> str:
             )
         if res.get("events"):
             lines += ["", "Faults: " + "; ".join(f"{e['fault']} at {e['at_s']} s" for e in res["events"]) + "."]
+        if res.get("faults_not_reached"):
+            lines += ["", f"Not reached before the run ended: {', '.join(res['faults_not_reached'])}."]
     return "\n".join(lines)
 
 

@@ -26,33 +26,46 @@ from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
 
-def held(root: RunRoot) -> dict[str, list[str]]:
-    """Island name -> the train tasks it holds a running attempt of."""
+def held(root: RunRoot, committed_rounds: set[int]) -> dict[str, list[str]]:
+    """Island name -> the train tasks it holds a running attempt of. Only the newest attempt of
+    each train task of a round not yet committed is read: a handful of requests a look, so the
+    watcher's load on the store (and on a small machine's CPU) stays small."""
     found: dict[str, list[str]] = {}
     for task in root.listdir(LEASES):
-        if not task.startswith("train."):
+        parts = task.split(".")
+        if parts[0] != "train" or int(parts[1].lstrip("r")) in committed_rounds:
             continue
-        for attempt in root.listdir(f"{LEASES}/{task}"):
-            try:
-                record = root.read_json(f"{LEASES}/{task}/{attempt}")
-            except Exception:  # rewritten while listed: the next look sees it
-                continue
-            if record.get("state") == "running":
-                found.setdefault(str(record.get("island")), []).append(task)
+        attempts = sorted((a for a in root.listdir(f"{LEASES}/{task}") if a.endswith(".json")), key=attempt_number)
+        if not attempts:
+            continue
+        try:
+            record = root.read_json(f"{LEASES}/{task}/{attempts[-1]}")
+        except Exception:  # rewritten while listed: the next look sees it
+            continue
+        if record.get("state") == "running":
+            found.setdefault(str(record.get("island")), []).append(task)
     return found
 
 
-def snapshot(root: RunRoot, rounds: int) -> dict:
-    committed = {}
-    for r in range(rounds):
-        if root.is_committed(layout.round_dir(r)):
-            committed[r] = float(root.marker(layout.round_dir(r))["committed_at"])
+def attempt_number(name: str) -> int:
+    digits = "".join(c for c in name if c.isdigit())
+    return int(digits or 0)
+
+
+def snapshot(root: RunRoot, rounds: int, committed: dict[int, float]) -> dict:
+    """What the store holds now; `committed` (round -> commit time) is kept between looks."""
+    for r in range(len(committed), rounds):  # rounds commit in order
+        if not root.is_committed(layout.round_dir(r)):
+            break
+        committed[r] = float(root.marker(layout.round_dir(r))["committed_at"])
+    prepared = root.is_committed("shards")
+    planned = prepared and root.exists(PLAN)
     return {
         "t": time.time(),
-        "prepared": root.is_committed("shards"),
-        "planned": root.exists(PLAN),
-        "rounds": committed,
-        "held": held(root) if root.exists(LEASES) else {},
+        "prepared": prepared,
+        "planned": planned,
+        "rounds": dict(committed),
+        "held": held(root, set(committed)) if planned else {},
     }
 
 
@@ -105,18 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hosts_watch", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--summary-only", action="store_true", help="print the summary of a finished run and exit")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
     root = Run(config).root
     deadline = time.monotonic() + args.timeout
-    queue = TaskQueue(root, config)
+    queue, committed = TaskQueue(root, config), {}
     while not args.summary_only and time.monotonic() < deadline:
         try:
-            line = snapshot(root, config.train.rounds)
-            done = line["planned"] and queue.finished(read_plan(root) or config.train.rounds)
+            line = snapshot(root, config.train.rounds, committed)
+            done = len(committed) == config.train.rounds and queue.finished(read_plan(root) or config.train.rounds)
         except Exception as exc:  # the store restarting, a listing mid-write: say so, look again
             line, done = {"t": time.time(), "error": f"{type(exc).__name__}: {exc}"[:300]}, False
         print(json.dumps(line | {"finished": done}), flush=True)
