@@ -78,6 +78,7 @@ class Spec:
     throttle_s: float = 10.0
     timeout_s: float = 1200.0
     store_python: str = sys.executable  # moto's interpreter (it need not be the pipeline's)
+    mlflow: bool = True  # an MLflow server in the store namespace, which host 0's `dipaco run` reports to
 
 
 # -- the configs ------------------------------------------------------------------------------------
@@ -95,13 +96,13 @@ def base_overrides(spec: Spec) -> list[str]:
     ]
 
 
-def s3_overrides(run: str, endpoint: str) -> list[str]:
+def s3_overrides(run: str, endpoint: str, mlflow: bool = True) -> list[str]:
+    tracking = [f"mlflow.tracking_uri=http://{STORE_IP}:{MLFLOW_PORT}", f"mlflow.experiment=hosts-{run}"]
     return [
         f"run_root=s3://{BUCKET}/{run}",
         f"storage.options.endpoint_url={endpoint}",
-        "mlflow.enabled=true",
-        f"mlflow.tracking_uri=http://{STORE_IP}:{MLFLOW_PORT}",
-        f"mlflow.experiment=hosts-{run}",
+        f"mlflow.enabled={str(mlflow).lower()}",
+        *(tracking if mlflow else []),
     ]
 
 
@@ -162,13 +163,19 @@ class Store:
             env=env,
             cwd=self.dir,
         )
+        self.wait_http(f"http://127.0.0.1:{MOTO_PORT}/", "moto")
+        self.make_bucket()
+        if not self.spec.mlflow:
+            return
         mlflow = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "0.0.0.0", "--port"]
         mlflow += [str(MLFLOW_PORT), "--workers", "1", "--backend-store-uri", f"sqlite:///{self.dir}/mlflow.db"]
         mlflow += ["--serve-artifacts", "--artifacts-destination", str(self.dir / "mlartifacts")]
         mlflow += ["--allowed-hosts", f"{STORE_IP}:{MLFLOW_PORT},{STORE_IP},localhost:{MLFLOW_PORT}"]
         lab.spawn(lab.store, mlflow, self.dir / "mlflow.log", env=env | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-        self.wait_http(f"http://127.0.0.1:{MOTO_PORT}/", "moto")
         self.wait_http(f"http://127.0.0.1:{MLFLOW_PORT}/health", "MLflow", timeout_s=120)
+
+    def make_bucket(self) -> None:
+        lab = self.lab
         done = lab.run_in(lab.store, ["curl", "-sf", "-X", "PUT", f"http://127.0.0.1:{MOTO_PORT}/{BUCKET}"], timeout=30)
         if done.returncode != 0:
             raise RuntimeError(f"cannot create bucket {BUCKET} on moto: {done.stderr.strip()}")
@@ -442,7 +449,7 @@ def run_one_host(spec: Spec, base: Path, islands: int) -> dict:
     """The same config on this machine with a local root and `islands` islands: the reference."""
     root = base / "one-host" / "root"
     overrides = [*base_overrides(spec), f"run_root={root}", f"train.islands={islands}"]
-    overrides.append(f"mlflow.enabled={str(spec.store == 's3').lower()}")
+    overrides.append(f"mlflow.enabled={str(spec.store == 's3' and spec.mlflow).lower()}")
     home = base / "one-host" / "home"
     env = host_env(home)
     log_path = base / "logs" / "one-host.log"
@@ -512,7 +519,57 @@ def per_round(result: dict, n_hosts: int) -> list[dict]:
     return rows
 
 
-def render(spec: Spec, results: list[dict], lab_info: dict) -> str:
+def predicted_bytes(summary: dict, grid: list[int], n_hosts: int) -> dict[int, list[dict[str, int]]]:
+    """Round -> each host's payload bytes (up, down) that the objects its islands' finished tasks
+    read and wrote predict, from their sizes in the store: a train task reads its path's modules,
+    the path's inner state of the round before (its DeepSpeed checkpoint) and its shard, and
+    writes its path directory (weights, checkpoint, metrics); a merge reads the trained weights of
+    every path through its module, the module and its momentum, and writes the merged pair; the
+    round's commit reads the merged pairs and writes (and reads back) modules/ and outer_state/;
+    an evaluation reads its path's modules and validation shard. Attempts that did not finish
+    moved bytes no record tells: they count on the measured side only."""
+    from models.grid import ModuleKey, parse_path_id, path_id, path_modules, paths_through
+
+    sizes = summary["sizes"]
+
+    def under(prefix: str, suffix: str = "") -> int:
+        return sum(v for k, v in sizes.items() if k.startswith(prefix) and k.endswith(suffix) and "_SUCCESS" not in k)
+
+    def modules(r: int, path: str) -> int:
+        keys = path_modules(parse_path_id(path, grid))
+        return sum(sizes.get(f"rounds/round={r}/modules/{k}.safetensors", 0) for k in keys)
+
+    out: dict[int, list[dict[str, int]]] = {}
+    for a in summary["attempts"]:
+        if a.get("state") != "done":
+            continue
+        kind, rnd, *rest = a["task"].split(".", 2)
+        r, target = int(rnd.lstrip("r")), rest[0] if rest else ""
+        row = out.setdefault(r, [{"up": 0, "down": 0} for _ in range(n_hosts)])[island_host(str(a["island"]))]
+        if kind == "train":
+            path = target.split(".w")[0]
+            row["down"] += modules(r, path) + under(f"shards/path={path}/")
+            row["down"] += under(f"rounds/round={r - 1}/paths/path={target}/ds_checkpoint/", ".pt") if r else 0
+            row["up"] += under(f"rounds/round={r}/paths/path={target}/")
+        elif kind == "merge":
+            level, index = (int(x) for x in target.lstrip("l").split("m"))
+            key = ModuleKey(level, index)
+            through = [path_id(p) for p in paths_through(key, grid)]
+            row["down"] += sum(sizes.get(f"rounds/round={r}/paths/path={p}/model.safetensors", 0) for p in through)
+            row["down"] += sizes.get(f"rounds/round={r}/modules/{key}.safetensors", 0)
+            row["down"] += sizes.get(f"rounds/round={r}/outer_state/{key}.safetensors", 0)
+            row["up"] += under(f"rounds/round={r + 1}/merged/{key}/")
+        elif kind == "commit":
+            merged = under(f"rounds/round={r + 1}/merged/")
+            published = under(f"rounds/round={r + 1}/modules/") + under(f"rounds/round={r + 1}/outer_state/")
+            row["down"] += merged + published
+            row["up"] += published
+        elif kind == "eval":
+            row["down"] += modules(r, target) + under(f"shards/validation/path={target}/")
+    return out
+
+
+def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> str:
     ref = results[0]
     mb = 1e6
     lines = [
@@ -545,6 +602,23 @@ def render(spec: Spec, results: list[dict], lab_info: dict) -> str:
                 f"| {row['round']} | {row['wall_s']:.1f} | {cells} | {fmt(row['inner_s'])} | {fmt(row['load_s'])} | "
                 f"{fmt(row['engine_s'])} | {fmt(row['commit_s'])} | {fmt(row['utilisation'])} |"
             )
+        predicted = predicted_bytes(res["summary"], grid, spec.hosts)
+        measured = [
+            sum(row["hosts"][i][d] for row in per_round(res, spec.hosts))
+            for i in range(spec.hosts)
+            for d in ("up", "down")
+        ]
+        expected = [sum(p[i][d] for p in predicted.values()) for i in range(spec.hosts) for d in ("up", "down")]
+        lines += [
+            "",
+            "Whole run, measured on the link / predicted from the objects each host's finished tasks read and wrote: "
+            + "; ".join(
+                f"h{i} up {measured[2 * i] / mb:.2f} / {expected[2 * i] / mb:.2f} MB, "
+                f"down {measured[2 * i + 1] / mb:.2f} / {expected[2 * i + 1] / mb:.2f} MB"
+                for i in range(spec.hosts)
+            )
+            + ".",
+        ]
         if res.get("events"):
             lines += ["", "Faults: " + "; ".join(f"{e['fault']} at {e['at_s']} s" for e in res["events"]) + "."]
         if res.get("faults_not_reached"):
@@ -587,8 +661,8 @@ def benchmark(spec: Spec, base: Path, runs: tuple[str, ...] = ("fault-free", "fa
             store.start()
         for name in runs:
             if spec.store == "s3":
-                overrides = [*base_overrides(spec), *s3_overrides(name, f"http://{STORE_IP}:{S3_PORT}")]
-                watch_overrides = [*base_overrides(spec), *s3_overrides(name, f"http://127.0.0.1:{MOTO_PORT}")]
+                overrides = [*base_overrides(spec), *s3_overrides(name, f"http://{STORE_IP}:{S3_PORT}", spec.mlflow)]
+                watch_overrides = [*base_overrides(spec), *s3_overrides(name, f"http://127.0.0.1:{MOTO_PORT}", False)]
             else:
                 root = base / "shared-root" / name
                 overrides = [*base_overrides(spec), f"run_root={root}", "mlflow.enabled=false"]
@@ -617,6 +691,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
     parser.add_argument("--partition-leases", type=float, default=3.0, help="the partition lasts this many leases")
     parser.add_argument("--throttle-s", type=float, default=10.0, help="seconds of 503 SlowDown (0: none)")
     parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--no-mlflow", action="store_true", help="no MLflow server; host 0 tracks nothing")
     parser.add_argument("--timeout", type=float, default=1200.0, help="each run's limit, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the lab's directories (logs) after the run")
     parser.add_argument("--commit", action="store_true", help="put the table into benchmarks/RESULTS.md")
@@ -634,6 +709,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
         throttle_s=args.throttle_s,
         timeout_s=args.timeout,
         store_python=args.store_python,
+        mlflow=not args.no_mlflow,
     )
     return args, spec
 
@@ -666,7 +742,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"benchmarks.hosts: kept {base}", file=sys.stderr)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "results.json").write_text(json.dumps(found, indent=2) + "\n")
-    table = render(spec, found["results"], found["lab"])
+    from pipeline.core.config import load_config
+
+    grid = load_config(REPO / spec.config, base_overrides(spec)).model.grid
+    table = render(spec, found["results"], found["lab"], grid)
     (OUT / "results.md").write_text(table + "\n")
     print(table)
     if args.commit:

@@ -111,7 +111,19 @@ def summary(config: Config, root: RunRoot) -> dict:
         for name in root.files_under(rel):
             if name.endswith(".safetensors"):
                 digests[f"{rel}/{name}"] = hashlib.sha256(bytes(root.read_bytes(f"{rel}/{name}"))).hexdigest()
-    return {"rounds": per_round, "attempts": attempts, "tokens": tokens, "modules": digests}
+    return {"rounds": per_round, "attempts": attempts, "tokens": tokens, "modules": digests, "sizes": sizes(root)}
+
+
+def sizes(root: RunRoot) -> dict[str, int]:
+    """Every object under rounds/ and shards/ and its size: what the bytes on the links are
+    predicted from (benchmarks.hosts.predicted_bytes)."""
+    found = {}
+    prefix = root.fs._strip_protocol(root.path()).rstrip("/") + "/"
+    for top in ("rounds", "shards"):
+        for path, info in root.fs.find(root.path(top), detail=True).items():
+            if path.startswith(prefix):
+                found[path[len(prefix) :]] = int(info.get("size") or 0)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
