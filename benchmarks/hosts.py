@@ -602,23 +602,27 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
                 f"| {row['round']} | {row['wall_s']:.1f} | {cells} | {fmt(row['inner_s'])} | {fmt(row['load_s'])} | "
                 f"{fmt(row['engine_s'])} | {fmt(row['commit_s'])} | {fmt(row['utilisation'])} |"
             )
-        predicted = predicted_bytes(res["summary"], grid, spec.hosts)
+        predicted = predicted_bytes(res["summary"], grid, spec.hosts) if "sizes" in res["summary"] else {}
         measured = [
             sum(row["hosts"][i][d] for row in per_round(res, spec.hosts))
             for i in range(spec.hosts)
             for d in ("up", "down")
         ]
         expected = [sum(p[i][d] for p in predicted.values()) for i in range(spec.hosts) for d in ("up", "down")]
-        lines += [
-            "",
-            "Whole run, measured on the link / predicted from the objects each host's finished tasks read and wrote: "
-            + "; ".join(
-                f"h{i} up {measured[2 * i] / mb:.2f} / {expected[2 * i] / mb:.2f} MB, "
-                f"down {measured[2 * i + 1] / mb:.2f} / {expected[2 * i + 1] / mb:.2f} MB"
-                for i in range(spec.hosts)
-            )
-            + ".",
-        ]
+        lines += (
+            []
+            if not predicted
+            else [
+                "",
+                "Whole run, measured on the link / predicted from what each host's finished tasks read and wrote: "
+                + "; ".join(
+                    f"h{i} up {measured[2 * i] / mb:.2f} / {expected[2 * i] / mb:.2f} MB, "
+                    f"down {measured[2 * i + 1] / mb:.2f} / {expected[2 * i + 1] / mb:.2f} MB"
+                    for i in range(spec.hosts)
+                )
+                + ".",
+            ]
+        )
         if res.get("events"):
             lines += ["", "Faults: " + "; ".join(f"{e['fault']} at {e['at_s']} s" for e in res["events"]) + "."]
         if res.get("faults_not_reached"):
@@ -695,6 +699,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
     parser.add_argument("--timeout", type=float, default=1200.0, help="each run's limit, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the lab's directories (logs) after the run")
     parser.add_argument("--commit", action="store_true", help="put the table into benchmarks/RESULTS.md")
+    parser.add_argument("--render-only", action="store_true", help="the tables again from out/hosts/results.json")
     args = parser.parse_args(argv)
     shape = LinkShape(None, None) if args.unshaped else LinkShape(args.rate_mbit or None, args.rtt_ms or None)
     spec = Spec(
@@ -716,6 +721,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
 
 def main(argv: list[str] | None = None) -> int:
     args, spec = parse(argv)
+    if args.render_only:
+        return report(args, spec, json.loads((OUT / "results.json").read_text()))
     why = netns.can_make_namespaces()
     if why:
         print(f"benchmarks.hosts: {why}", file=sys.stderr)
@@ -742,6 +749,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"benchmarks.hosts: kept {base}", file=sys.stderr)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "results.json").write_text(json.dumps(found, indent=2) + "\n")
+    return report(args, spec, found)
+
+
+def report(args: argparse.Namespace, spec: Spec, found: dict) -> int:
+    """Print (and with --commit, put in RESULTS.md) the tables; 0 when every run's final modules
+    are the one-host run's."""
     from pipeline.core.config import load_config
 
     grid = load_config(REPO / spec.config, base_overrides(spec)).model.grid
