@@ -42,6 +42,7 @@ def test_two_hosts_survive_a_partition_with_bitwise_equal_modules(tmp_path):
         shape=netns.LinkShape(None, None),
         lease_seconds=4.0,
         partition_leases=2.5,
+        throttle_s=0,  # one fault: the partition
         timeout_s=600.0,
         overrides=["train.rounds=3"],
         mlflow=False,  # the benchmark's MLflow server costs a 2-core machine half a minute; the run is the same
