@@ -455,18 +455,22 @@ def run_one_host(spec: Spec, base: Path, islands: int) -> dict:
     log_path = base / "logs" / "one-host.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with open(log_path, "wb") as out:
-        done = subprocess.run(
+    with open(log_path, "wb") as out:  # its own session: an interrupt here stops its islands too
+        proc = subprocess.Popen(
             dipaco("run", spec, overrides),
             cwd=home,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
-            timeout=spec.timeout_s,
+            start_new_session=True,
         )
+    try:
+        code = proc.wait(timeout=spec.timeout_s)
+    finally:
+        stop_process(proc, grace_s=30.0)  # SIGTERM: `dipaco run` stops the islands it started
     wall = time.monotonic() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"one-host run: `dipaco run` exited {done.returncode} (log: {log_path})")
+    if code != 0:
+        raise RuntimeError(f"one-host run: `dipaco run` exited {code} (log: {log_path})")
     argv = [sys.executable, "-m", "benchmarks.hosts_watch", "--config", str(REPO / spec.config), *set_args(overrides)]
     out = subprocess.run([*argv, "--summary-only"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     summary = json.loads(out.stdout.strip().splitlines()[-1])["summary"]
