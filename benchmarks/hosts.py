@@ -60,6 +60,7 @@ BUCKET = "dipaco-hosts"
 # moto's documented dummy credentials: the benchmark's store is moto, nothing else ever sees them
 DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 POLL_S = 1.0  # how often the watcher looks at the store and the counters are read
+PARTITION_MAX_S = 180.0  # a partition ends by then even when no island was free to take the host's tasks over
 MAX_RESTARTS = 6  # a host's island process started again at most this many times in a run
 
 
@@ -238,7 +239,7 @@ class Faults:
             if self.spec.store == "local":  # a shared directory is no network: freeze the host too
                 self._signal_host(1, signal.SIGSTOP)
                 self.frozen.add(1)
-        elif what == "reconnect" and waited >= self.spec.partition_leases * lease:
+        elif what == "reconnect" and waited >= self.spec.partition_leases * lease and self.taken_over(1, line):
             self.lab.reconnect(1)
             if 1 in self.frozen:
                 self._signal_host(1, signal.SIGCONT)
@@ -258,6 +259,17 @@ class Faults:
         self.since = time.monotonic()
         self.run.events.append({"fault": what, "at_s": round(elapsed, 1), "held": line.get("held", {})})
         log.info("%s: t=%.0f s: %s", self.run.name, elapsed, what)
+
+    def taken_over(self, host: int, line: dict) -> bool:
+        """Every train task `host` held when it was cut off has a newer attempt by another island
+        (or its round committed); or the partition has lasted PARTITION_MAX_S, which ends it anyway."""
+        if time.monotonic() - self.since >= PARTITION_MAX_S:
+            return True
+        cut_off = [
+            t for island, tasks in self.run.events[-1]["held"].items() if island_host(island) == host for t in tasks
+        ]
+        newest = line.get("newest", {})
+        return all(task not in newest or island_host(newest[task][0]) != host for task in cut_off)
 
     def _signal_host(self, host: int, sig: int) -> None:
         for pid in self.lab.pids(self.lab.hosts[host]):

@@ -26,10 +26,10 @@ from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
 
-def held(root: RunRoot, committed_rounds: set[int]) -> dict[str, list[str]]:
-    """Island name -> the train tasks it holds a running attempt of. Only the newest attempt of
-    each train task of a round not yet committed is read: a handful of requests a look, so the
-    watcher's load on the store (and on a small machine's CPU) stays small."""
+def newest_attempts(root: RunRoot, committed_rounds: set[int]) -> dict[str, list[str]]:
+    """Train task -> [island, state] of its newest attempt, for the rounds not yet committed. Only
+    that attempt is read: a handful of requests a look, so the watcher's load on the store (and on
+    a small machine's CPU) stays small."""
     found: dict[str, list[str]] = {}
     for task in root.listdir(LEASES):
         parts = task.split(".")
@@ -42,8 +42,16 @@ def held(root: RunRoot, committed_rounds: set[int]) -> dict[str, list[str]]:
             record = root.read_json(f"{LEASES}/{task}/{attempts[-1]}")
         except Exception:  # rewritten while listed: the next look sees it
             continue
-        if record.get("state") == "running":
-            found.setdefault(str(record.get("island")), []).append(task)
+        found[task] = [str(record.get("island")), str(record.get("state"))]
+    return found
+
+
+def held(newest: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Island name -> the train tasks it holds a running attempt of."""
+    found: dict[str, list[str]] = {}
+    for task, (island, state) in newest.items():
+        if state == "running":
+            found.setdefault(island, []).append(task)
     return found
 
 
@@ -60,12 +68,14 @@ def snapshot(root: RunRoot, rounds: int, committed: dict[int, float]) -> dict:
         committed[r] = float(root.marker(layout.round_dir(r))["committed_at"])
     prepared = root.is_committed("shards")
     planned = prepared and root.exists(PLAN)
+    newest = newest_attempts(root, set(committed)) if planned else {}
     return {
         "t": time.time(),
         "prepared": prepared,
         "planned": planned,
         "rounds": dict(committed),
-        "held": held(root, set(committed)) if planned else {},
+        "held": held(newest),
+        "newest": newest,
     }
 
 
