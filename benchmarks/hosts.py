@@ -87,12 +87,17 @@ class Spec:
 
 def base_overrides(spec: Spec) -> list[str]:
     """What every run of the benchmark sets: absolute data paths (hosts work in their own
-    directories), the lease, and the flags' overrides."""
+    directories), the lease, threads, and the flags' overrides. The threads: each island would
+    take all of its host's cores (pipeline.train.distributed.rank_threads), but the lab's hosts
+    share this machine's, and OpenMP threads oversubscribed on a small machine made every step
+    10-100x slower; so every island, on a host or in the one-host run, gets its share."""
+    threads = max(1, (os.cpu_count() or 1) // (spec.hosts * spec.islands_per_host))
     return [
         f"data.train={REPO}/tests/data/c4/train/*.json",
         f"data.eval={REPO}/tests/data/c4/validation/*.json",
         "train.launcher=deepspeed",
         f"train.lease_seconds={spec.lease_seconds}",
+        f"train.threads_per_proc={threads}",
         *spec.overrides,
     ]
 
