@@ -9,6 +9,9 @@ benchmark's local stand-in (a directory both hosts see; the partition also freez
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,42 @@ def test_two_hosts_survive_a_partition_with_bitwise_equal_modules(tmp_path):
     assert faulted["violations"] == []  # no host process touched the other host's or the store's directory
     assert faulted["summary"]["tokens"] == reference["summary"]["tokens"]
     assert faulted["summary"]["modules"] and faulted["summary"]["modules"] == reference["summary"]["modules"]
+
+
+LAB_UNTIL_SIGNALLED = """
+import sys, time
+from pathlib import Path
+from benchmarks import netns
+with netns.Lab(2, netns.LinkShape(50, 40), Path(sys.argv[1]), store_ports=(9000,)) as lab:
+    lab.spawn(lab.hosts[1], ["sleep", "600"], Path(sys.argv[1]) / "sleep.log")
+    time.sleep(0.5)
+    print(lab.tag, *[pid for ns in lab.made for pid in lab.pids(ns)], flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_removes_the_labs_namespaces_links_and_processes(tmp_path, signum):
+    why = netns.can_make_namespaces()
+    if why:
+        pytest.skip(f"network namespaces: {why}")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAB_UNTIL_SIGNALLED, str(tmp_path / "lab")],
+        cwd=netns.REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    tag, *pids = proc.stdout.readline().split()
+    assert tag.startswith(netns.PREFIX) and any(ns.startswith(tag) for ns in netns.lab_namespaces())
+    assert len(pids) >= 3  # the host's sleep and the two hosts' delay relays
+    proc.send_signal(signum)
+    assert proc.wait(timeout=60) != 0
+    assert [ns for ns in netns.lab_namespaces() if ns.startswith(tag + "-")] == []
+    assert [pid for pid in pids if netns.pid_alive(int(pid))] == []
+
+
+def test_without_root_it_says_so_in_one_line_and_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert hosts.main(["--hosts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "root" in err
