@@ -36,6 +36,7 @@ def processes_mentioning(marker: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_two_hosts_survive_a_partition_with_bitwise_equal_modules(tmp_path):
     why = netns.can_make_namespaces()
     if why:
@@ -47,7 +48,6 @@ def test_two_hosts_survive_a_partition_with_bitwise_equal_modules(tmp_path):
         partition_leases=2.5,
         throttle_s=0,  # one fault: the partition
         timeout_s=600.0,
-        overrides=["train.rounds=3"],
         mlflow=False,  # the benchmark's MLflow server costs a 2-core machine half a minute; the run is the same
     )
     spec.store = "s3" if hosts.s3_ready(spec) is None else "local"
