@@ -23,6 +23,12 @@ The claims suite (`--suite claims`, the default), each row on both corpora; M = 
 | `pool_m4` | `train.workers_schedule` cycling 2, 4, 6, 4 workers (claims.pool_schedule: 4 x rounds worker-rounds) | 4 |
 | `dipaco_2x2` | [2, 2] grid (4 paths) routed by MiniLM product k-means, outer Nesterov | 4 (1 a path) |
 | `dipaco_4x4` | [4, 4] grid (16 paths; seed 0; `--extras 1`) | 16 |
+| `warm_sync_m4`, `_diloco_m4`, `_dipaco_2x2` | a quarter of the rounds dense, then the row (`--warm 1`) | 4 |
+
+The warm rows are the papers' regime (issue 44; bench-long and quick): `warm_dense` (grid [1] at 4x
+batch: sync_m4's tokens a round), shared by a seed's three rows, trains the first quarter of the
+rounds; each row then starts from its run root (`model.init_from`) for the rest. They see the tokens
+of `sync_m4`, `diloco_m4` and `dipaco_2x2` from scratch, their comparisons.
 
 Rows the targets compare run `--seeds` seeds (3), paired: seed s is the same initialisation and data
 order in every row. benchmarks/claims.py turns the runs into the table: mean ± 95 % interval in bits
@@ -52,7 +58,9 @@ batch 4, 8 rounds x H=25 = 200 steps per worker, 3 seeds, the 9 compared rows on
 plans ~36 min of quality within its 60 (perf ~8, chaos ~9: `python -m benchmarks.run --plan`);
 `make bench-long` (`--long`: the same model and step, 24 rounds x H=25 = 600 steps per worker, plus
 the outer-lr sweep, plain averaging and dipaco_4x4 at seed 0: 62 runs) plans ~112 min and took
-132 on 2026-11-26 (the model undercounts 24 evaluations a run); an
+132 on 2026-11-26 (the model undercounts 24 evaluations a run); the warm rows (`--warm 1`, in
+`--long` since issue 44: 18 runs and 6 warm starts) add ~29 planned minutes (~141 in all, not yet
+measured); an
 interrupted run resumes from `quality.partial.json` when started again with the same sizes;
 `--quick` (every row, 2 seeds, tiny) ~8.
 """
@@ -151,6 +159,7 @@ class QualityArgs:
     only: str = ""  # comma-separated row names to run (debugging); empty: all
     out: str = str(OUT / "quality")
     keep_rounds: int = 0  # 1: keep each run's rounds/ (modules, DeepSpeed states)
+    warm: int = 0  # 1: the warm-start rows (issue 44): a quarter of the rounds dense at 4x batch, then the row
 
 
 QUICK = {
@@ -170,11 +179,13 @@ QUICK = {
     "vocab": 512,
     "launcher": "deepspeed",
     "lanes": 2,
+    "warm": 1,
 }  # every claims row on both corpora through real islands: a smoke check
 LONG = {
     "rounds": 24,
     "inner_steps": 25,
     "extras": 1,
+    "warm": 1,
 }  # `make bench-long`: make bench's model, 3x its rounds: 600 steps a worker (~112 min planned)
 
 
@@ -199,6 +210,7 @@ class Variant:
     discriminative: bool = False
     early_stopping: bool = False
     reroute_after: bool = False  # evaluate the last round re-routed every 64 tokens too
+    warm_rounds: int = 0  # rounds of the shared dense warm start (warm_base) before this row, which trains the rest
     what: str = ""  # the table's description
 
     @property
@@ -225,6 +237,10 @@ class Variant:
     def workers_per_round(self, args: QualityArgs) -> list[int]:
         return list(self.schedule) if self.schedule else [self.workers] * args.rounds
 
+    def rest(self, args: QualityArgs) -> QualityArgs:
+        """The sizes of the row's own rounds: all of them, or those after its warm start."""
+        return dataclasses.replace(args, rounds=args.rounds - self.warm_rounds) if self.warm_rounds else args
+
     def token_multiple(self, args: QualityArgs) -> float:
         """Training tokens relative to `dense`'s: paths x mean workers x accumulation x step multiple."""
         workers = sum(self.workers_per_round(args)) / args.rounds
@@ -242,7 +258,18 @@ class Variant:
         # rounds + 1 evaluations, and one more for the per-document scores
         evals = (args.rounds + 2) * (eval_seconds(hidden, weight) + PATH_EVAL_OVERHEAD * self.paths)
         extras = (2 * eval_seconds(hidden, weight) if self.reroute_after else 0) + (120 if self.discriminative else 0)
+        if self.warm_rounds:  # its own rounds, and a third of the warm start its seed's three warm rows share
+            own = dataclasses.replace(self, warm_rounds=0).cost(self.rest(args))
+            return own + warm_base(self).cost(dataclasses.replace(args, rounds=self.warm_rounds)) / 3
         return ISLAND_START + train + evals + extras
+
+
+def warm_base(v: Variant) -> Variant:
+    """The dense warm start of a warm row: grid [1], one worker at M x the batch (sync_m4's tokens a
+    round, so a warm row sees the tokens of its from-scratch row), no outer step."""
+    return Variant(
+        "warm_dense", (1,), corpus=v.corpus, seed=v.seed, accum=M, outer_identity=True, what="the warm start"
+    )
 
 
 # -- the rows ------------------------------------------------------------------------------------
@@ -321,6 +348,7 @@ def claims_variants(args: QualityArgs) -> list[Variant]:
             True,
         ),
         *([("dipaco_4x4", {"grid": (4, 4), "what": "[4, 4] grid (16 paths)"}, False)] if args.extras else []),
+        *(warm_specs(args) if args.warm else []),
     ]
     rows = []
     for corpus in corpora(args):
@@ -328,6 +356,21 @@ def claims_variants(args: QualityArgs) -> list[Variant]:
             fields = {"grid": (1,), **fields}
             rows += [Variant(name, corpus=corpus, seed=s, **fields) for s in (range(args.seeds) if every_seed else [0])]
     return rows
+
+
+def warm_specs(args: QualityArgs) -> list[tuple[str, dict, bool]]:
+    """The papers' regime (issue 44): dense for the first quarter of the rounds, then each row for the rest."""
+    warm = max(1, args.rounds // 4)
+    then = f"dense at {M}x batch for {warm} of {args.rounds} rounds, then"
+    return [
+        (
+            f"warm_sync_m{M}",
+            {"accum": M, "outer_identity": True, "warm_rounds": warm, "what": f"{then} sync_m{M}"},
+            True,
+        ),
+        (f"warm_diloco_m{M}", {"workers": M, "warm_rounds": warm, "what": f"{then} diloco_m{M}"}, True),
+        ("warm_dipaco_2x2", {"grid": (2, 2), "warm_rounds": warm, "what": f"{then} dipaco_2x2"}, True),
+    ]
 
 
 def options_variants(args: QualityArgs) -> list[Variant]:
@@ -441,7 +484,9 @@ def write_eval_docs(args: QualityArgs, corpus: str) -> str:
     return str(target.parent / "*.json.gz")
 
 
-def variant_config(args: QualityArgs, v: Variant, run_root: str, eval_glob: str) -> Config:
+def variant_config(
+    args: QualityArgs, v: Variant, run_root: str, eval_glob: str, init_from: str | None = None, init_round: int = 0
+) -> Config:
     levels = len(v.grid)
     blocks = list(v.blocks) if v.blocks else [args.blocks // levels] * levels
     outer_lr = v.outer_lr or args.outer_lr
@@ -475,6 +520,7 @@ def variant_config(args: QualityArgs, v: Variant, run_root: str, eval_glob: str)
                 "tokenizer_sample_docs": 4000,
                 "init_seed": v.seed,
                 "path_specific_blocks": v.path_blocks,
+                **({"init_from": init_from, "init_round": init_round} if init_from else {}),
             },
             "train": {
                 "rounds": args.rounds,
@@ -529,25 +575,55 @@ def prepare_all(args: QualityArgs, rows: list[Variant], eval_globs: dict[str, st
 
 
 # -- one row -------------------------------------------------------------------------------------
-def run_variant(args: QualityArgs, v: Variant, prep: dict, eval_glob: str) -> dict:
-    """One row through `stages.run` on its own island; its evaluations, timings, bytes and per-document scores."""
+PREPARED = (layout.TOKENIZER_DIR, layout.ROUTER_DIR, layout.SHARDS_DIR)  # what a row copies from its prepare
+_WARM_LOCK = threading.Lock()
+_WARM: dict[str, dict] = {}  # warm_base run name -> {"root", "seconds"}: run once, shared by its seed's rows
+
+
+def warm_start(args: QualityArgs, v: Variant, preps: dict[str, dict], eval_glob: str) -> dict:
+    """The warm row's dense start (warm_base for v.warm_rounds rounds), trained once per corpus and
+    seed whichever of its rows asks first; the others wait for it."""
+    base = warm_base(v)
+    with _WARM_LOCK:
+        if base.run_name not in _WARM:
+            run_root = Path(args.out) / base.run_name
+            shutil.rmtree(run_root, ignore_errors=True)
+            run = Run(variant_config(dataclasses.replace(args, rounds=v.warm_rounds), base, str(run_root), eval_glob))
+            root = stages.init_run(run)
+            copy_committed(root, preps[base.prep_key]["root"], PREPARED)
+            start = time.time()
+            stages.run(run)
+            _WARM[base.run_name] = {"root": str(run_root), "seconds": time.time() - start}
+        return _WARM[base.run_name]
+
+
+def run_variant(args: QualityArgs, v: Variant, prep: dict, eval_glob: str, preps: dict | None = None) -> dict:
+    """One row through `stages.run` on its own island; its evaluations, timings, bytes and per-document
+    scores. A warm row (v.warm_rounds) starts from its warm start's run root (model.init_from) and
+    trains the remaining rounds; its tokens and steps count both."""
     run_root = Path(args.out) / v.run_name
     shutil.rmtree(run_root, ignore_errors=True)  # timings are only honest from a clean start
-    config = variant_config(args, v, str(run_root), eval_glob)
+    warm = warm_start(args, v, preps or {}, eval_glob) if v.warm_rounds else None
+    own = v.rest(args)
+    config = variant_config(own, v, str(run_root), eval_glob, *((warm["root"], v.warm_rounds) if warm else ()))
     run = Run(config)
     root = stages.init_run(run)
-    copy_committed(root, prep["root"], (layout.TOKENIZER_DIR, layout.ROUTER_DIR, layout.SHARDS_DIR))
+    # a warm row's tokenizer is its start's (committed by init_run): the same BPE as the corpus's
+    copy_committed(root, prep["root"], PREPARED[1:] if warm else PREPARED)
     start = time.time()
     stages.run(run)
     seconds = time.time() - start
     evals = read_curve(root, config, start)
     t = config.train
-    tokens_per_job_round = t.inner_steps * t.micro_batch_size * t.gradient_accumulation_steps * config.model.seq_len
+    step_tokens = t.inner_steps * t.micro_batch_size * config.model.seq_len
+    warm_tokens = M * v.warm_rounds * step_tokens  # warm_base: accumulation M
     result = {
         **describe(v, args),
         "jobs": len(stages.list_paths(config)),
-        "steps_per_path": t.rounds * t.inner_steps,
-        "tokens": sum(v.paths * w for w in v.workers_per_round(args)) * tokens_per_job_round,
+        "steps_per_path": (t.rounds + v.warm_rounds) * t.inner_steps,
+        "tokens": sum(v.paths * w for w in v.workers_per_round(own)) * step_tokens * t.gradient_accumulation_steps
+        + warm_tokens,
+        **({"warm_start": {"rounds": v.warm_rounds, "tokens": warm_tokens, **warm}} if warm else {}),
         "tokens_per_step": t.micro_batch_size * t.gradient_accumulation_steps * config.model.seq_len,
         "hidden": config.model.hidden_size,
         "non_embedding_params": non_embedding_params(config),
@@ -617,7 +693,7 @@ def document_scores(config: Config, root: RunRoot) -> dict[str, list]:
     say how much the choice of held-out documents alone moves a figure. Keys hash the tokens: the
     same document has the same key in every row of a corpus, whichever path scored it."""
     from models.grid import all_path_ids
-    from models.modular import eos_token_id
+    from models.modular import ModelShape
     from pipeline.routing.tokenizer import load_tokenizer, token_byte_lengths
     from pipeline.state.module_store import load_path_model
 
@@ -636,7 +712,7 @@ def document_scores(config: Config, root: RunRoot) -> dict[str, list]:
                 prefix,
                 m.seq_len,
                 config.eval.batch_size,
-                pad_id=eos_token_id(m.vocab_size, m.tokenizer),
+                pad_id=ModelShape.from_config(m).eos_id,
             )
             for doc, nll in zip(docs, nats):
                 window = np.asarray(doc[: m.seq_len + 1], dtype=np.int64)
@@ -669,7 +745,7 @@ def run_quality(args: QualityArgs) -> dict:
     start = time.perf_counter()
     rows = variants(args)
     eval_globs = {c: write_eval_docs(args, c) for c in dict.fromkeys(v.corpus for v in rows)}
-    preps = prepare_all(args, rows, eval_globs)
+    preps = prepare_all(args, rows + [warm_base(v) for v in rows if v.warm_rounds], eval_globs)
     prepare_seconds = time.perf_counter() - start
     if args.launcher == "inprocess":
         args.lanes = 1  # one process cannot hold two in-process DeepSpeed ranks
@@ -685,7 +761,7 @@ def run_quality(args: QualityArgs) -> dict:
 
     def one(v: Variant) -> dict:
         try:
-            result = run_variant(args, v, preps[v.prep_key], eval_globs[v.corpus])
+            result = run_variant(args, v, preps[v.prep_key], eval_globs[v.corpus], preps)
         except Exception as exc:  # noqa: BLE001 - one row's failure is a finding, not the end of the table
             log.exception("%s failed", v.run_name)
             result = {**describe(v, args), "failed": f"{type(exc).__name__}: {exc}"[:300]}

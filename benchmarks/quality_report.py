@@ -156,6 +156,25 @@ def quality_lines(q: dict, carried: str, title: str = "Quality: the claims again
             *targets_table(targets),
             "",
         ]
+    gaps = claims.warm_start_gaps(runs)
+    if gaps:
+        lines += [
+            "### Warm start (issue 44)",
+            "",
+            "DiLoCo's gap to synchronous training (`diloco_m4` − `sync_m4`, bits per byte, paired by seed), from "
+            "scratch and warm-started (`warm_diloco_m4` − `warm_sync_m4`: a dense quarter of the rounds first), "
+            "at equal tokens; `closed` is the first minus the second.",
+            "",
+            "| corpus | seeds | gap from scratch | gap warm-started | closed | share closed |",
+            "|---|---|---|---|---|---|",
+            *(
+                f"| {g['corpus']} | {g['seeds']} | {g['scratch_gap']} | {g['warm_gap']} | {g['closed']} | "
+                + (f"{g['closed_share']:.0%}" if g["closed_share"] is not None else "-")
+                + " |"
+                for g in gaps
+            ),
+            "",
+        ]
     lines += options_lines(q)
     lines += [
         "Curves (bits per byte, mean over seeds, against steps per worker and against bytes communicated): "

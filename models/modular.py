@@ -1,5 +1,9 @@
 """A path is a standard `LlamaForCausalLM`; a module is the slice of its state dict one level owns.
 
+A run started from a Hugging Face checkpoint (`model.init_from`, models/hf.py) keeps the checkpoint's
+own class and settings: Mistral and Qwen2 name every tensor as Llama does (Qwen2 adds q/k/v biases),
+so the key map below is the same for all three; `ModelShape.hf` carries the checkpoint's config.json.
+
 Level l owns a run of consecutive decoder blocks; level 0 also owns the token embedding and the
 last level the final norm and LM head (docs/design.md, vocabulary). With `model.path_specific_blocks`
 N > 0 a path also has a private module: N blocks after the grid's, before the final norm (DiPaCo's
@@ -10,12 +14,21 @@ from, and `save_pretrained`, `generate` and MLflow's transformers flavour work o
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from dataclasses import dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2ForCausalLM,
+)
 
 ModuleState = dict[str, torch.Tensor]  # module-local key -> tensor
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -23,6 +36,12 @@ _BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.(.+)$")
 EMBED, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 EOS_TOKEN_ID = 50256  # GPT-2's <|endoftext|>
 BPE_EOS_TOKEN_ID = 0  # a trained BPE's <|endoftext|>: special tokens come first in its vocabulary
+# The families whose decoder blocks carry Llama's tensor names, by config.json's model_type.
+MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": MistralForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+}
 
 
 def eos_token_id(vocab_size: int, tokenizer: str = "gpt2") -> int:
@@ -45,13 +64,27 @@ class ModelShape:
     max_positions: int
     tokenizer: str = "gpt2"  # gpt2 | bpe: where <|endoftext|> sits in the vocabulary
     path_blocks: int = 0  # model.path_specific_blocks: the path's own blocks, after the grid's
+    hf: str | None = None  # model.init_from: the checkpoint's config.json (sorted JSON: the shape stays hashable)
 
     @property
     def eos_id(self) -> int:
+        if self.hf is not None:  # the checkpoint's own end of text (a list in some configs: its first)
+            eos = json.loads(self.hf).get("eos_token_id")
+            return int(eos[0] if isinstance(eos, list) else eos)
         return eos_token_id(self.vocab_size, self.tokenizer)
+
+    @property
+    def model_class(self) -> type[PreTrainedModel]:
+        """LlamaForCausalLM, or the checkpoint's own family (same tensor names, its own attention details)."""
+        return MODEL_CLASSES[json.loads(self.hf)["model_type"]] if self.hf is not None else LlamaForCausalLM
 
     @classmethod
     def from_config(cls, model_config) -> "ModelShape":
+        checkpoint = getattr(model_config, "init_config", None)
+        if checkpoint:  # model.init_from resolved: every dimension is the checkpoint's
+            return cls.from_checkpoint(
+                checkpoint, model_config.blocks_per_level, model_config.path_specific_blocks, model_config.seq_len
+            )
         hidden = model_config.hidden_size
         # Llama's SwiGLU width: 8/3 of the hidden size, rounded up to a multiple of 64.
         intermediate = model_config.intermediate_size or 64 * -(-(8 * hidden // 3) // 64)
@@ -66,6 +99,24 @@ class ModelShape:
             path_blocks=model_config.path_specific_blocks,
         )
 
+    @classmethod
+    def from_checkpoint(
+        cls, checkpoint: dict, blocks_per_level, path_blocks: int = 0, seq_len: int = 2048
+    ) -> "ModelShape":
+        """A path of a Hugging Face checkpoint's family: its config.json's dimensions (heads, KV
+        heads, RoPE, norm epsilon, biases travel in `hf`), its layers split as blocks_per_level asks."""
+        return cls(
+            blocks_per_level=tuple(blocks_per_level),
+            hidden_size=checkpoint["hidden_size"],
+            num_heads=checkpoint["num_attention_heads"],
+            intermediate_size=checkpoint["intermediate_size"],
+            vocab_size=checkpoint["vocab_size"],
+            max_positions=checkpoint.get("max_position_embeddings") or seq_len,
+            tokenizer="hf",
+            path_blocks=path_blocks,
+            hf=json.dumps(checkpoint, sort_keys=True),
+        )
+
     @property
     def largest_parameter(self) -> int:
         """Elements of the path's largest tensor: the embedding or head (vocab x hidden), or an MLP
@@ -76,7 +127,7 @@ class ModelShape:
     def parameter_count(self) -> int:
         """Elements of every trainable tensor of the path, counted on a meta-device model (no memory)."""
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.llama_config())
+            model = self.model_class(self.llama_config())
         return sum(p.numel() for p in model.parameters())
 
     @property
@@ -103,7 +154,17 @@ class ModelShape:
                 return level
         raise KeyError(f"block {block} is beyond the {sum(self.module_blocks)} blocks of the path")
 
-    def llama_config(self) -> LlamaConfig:
+    def llama_config(self) -> PretrainedConfig:
+        """The path's transformers config: Llama's from the model section, or the checkpoint's own."""
+        if self.hf is not None:
+            settings = json.loads(self.hf)
+            settings.pop("architectures", None)
+            settings.update(
+                num_hidden_layers=sum(self.module_blocks),
+                tie_word_embeddings=False,  # embedding and head belong to different levels (models/hf.py unties)
+                architectures=[self.model_class.__name__],
+            )
+            return AutoConfig.for_model(settings.pop("model_type"), attn_implementation="sdpa", **settings)
         return LlamaConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -170,15 +231,16 @@ def assemble_path_state(shape: ModelShape, modules: list[ModuleState]) -> dict[s
 _GLOBAL_RNG_LOCK = threading.Lock()
 
 
-def build_path_model(shape: ModelShape, modules: list[ModuleState] | None = None, seed: int = 0) -> LlamaForCausalLM:
-    """A LlamaForCausalLM for one path: seeded fresh weights, or the given modules loaded strictly.
+def build_path_model(shape: ModelShape, modules: list[ModuleState] | None = None, seed: int = 0) -> PreTrainedModel:
+    """A LlamaForCausalLM (or the checkpoint's family) for one path: seeded fresh weights, or the given
+    modules loaded strictly.
 
     The weights are drawn from torch's one global generator, so the seeding and the drawing hold a
     lock: a sweep's lanes build their round-0 models in threads of one process, and two builds at
     once would interleave their draws (each point's start would depend on its neighbour's timing)."""
     with _GLOBAL_RNG_LOCK:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(shape.llama_config())
+        model = shape.model_class(shape.llama_config())
     if modules is not None:
         missing, unexpected = model.load_state_dict(assemble_path_state(shape, modules), strict=False)
         if missing or unexpected:
@@ -186,7 +248,7 @@ def build_path_model(shape: ModelShape, modules: list[ModuleState] | None = None
     return model
 
 
-def path_state(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def path_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The trainable state of a path (buffers such as rotary frequencies are rebuilt, not stored)."""
     return {name: param.detach() for name, param in model.named_parameters()}
 

@@ -76,6 +76,14 @@ COMMANDS = {
             "dipaco island --config configs/demo.yaml --set train.ds_config=ds_configs/zero3.json --name big",
         ],
     ),
+    "export": (
+        "every path of a round as a Hugging Face checkpoint, with the router and a model card",
+        "Write each path of the modules round R starts from as a save_pretrained directory (DIR/paths/<id>/: "
+        "config.json, model.safetensors, tokenizer and generation config), the router (DIR/router/) and a model "
+        "card (DIR/README.md); attached to round R's registered version when there is one. A dense run exports "
+        "one checkpoint. Any later run can start from one with model.init_from.",
+        ["dipaco export --config configs/demo.yaml --round 2 --out exports/demo"],
+    ),
     "clean": (
         "remove this config's run root (keep its MLflow registry with --keep-registry)",
         "Remove the run root of the config: shards, rounds, evaluations, the queue and, unless --keep-registry, "
@@ -134,7 +142,9 @@ CLI_MESSAGE_CHARS = 1000
 
 def build_parser() -> argparse.ArgumentParser:
     every_example = [
-        e for name in ("run", "island", "prepare", "train-path", "merge", "eval", "clean") for e in COMMANDS[name][2]
+        e
+        for name in ("run", "island", "prepare", "train-path", "merge", "eval", "export", "clean")
+        for e in COMMANDS[name][2]
     ]
     parser = argparse.ArgumentParser(
         prog="dipaco",
@@ -185,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
         round_help="score the modules round R starts from (0: the initial ones; default: the newest committed)",
         round_required=False,
     )
+    command("export", round_help="export the modules round R starts from (after `merge --round R-1`)").add_argument(
+        "--out", required=True, metavar="DIR", help="a new directory: paths/<id>/, router/, README.md"
+    )
     command("island").add_argument(
         "--name", default=None, metavar="NAME", help="the island's name in the queue's records (default: host-pid)"
     )
@@ -214,16 +227,20 @@ def _version() -> str:
 
 def check(args: argparse.Namespace, config: Config) -> None:
     """Every refusal this command can know of before it writes (pipeline.preflight)."""
+    if args.command != "clean":
+        preflight.check_object_store(config)
     if args.command in ("prepare", "run"):
         preflight.check_data(config)
     if args.command == "train-path":
         preflight.check_job_id(config, args.path)
-    if args.command in ("train-path", "merge", "eval", "island"):
+    if args.command in ("train-path", "merge", "eval", "island", "export"):
         preflight.require_prepared(config)
-    if args.command in ("train-path", "merge") or (args.command == "eval" and args.round is not None):
+    if args.command in ("train-path", "merge", "export") or (args.command == "eval" and args.round is not None):
         preflight.require_modules(config, args.round)
     if args.command == "merge":
         preflight.require_trained_path(config, args.round)
+    if config.model.init_from and args.command not in ("clean", "island", "export"):
+        preflight.check_init_from(config)
     if args.command != "clean":
         preflight.check_run_root(config)  # last: it creates the run root, which a refusal above must not
 
@@ -246,7 +263,8 @@ def dispatch(args: argparse.Namespace) -> dict | None:
         return stages.join_run(run, args.name)
     if args.command == "clean":
         return stages.clean(run, args.keep_registry)
-    stages.init_run(run)
+    if args.command != "export":  # an export reads a run; it never starts one
+        stages.init_run(run)
     if args.command == "prepare":
         return stages.prepare(run)
     if args.command == "train-path":
@@ -259,6 +277,8 @@ def dispatch(args: argparse.Namespace) -> dict | None:
         }
     if args.command == "merge":
         return stages.merge(run, args.round)
+    if args.command == "export":
+        return stages.export(run, args.round, args.out)
     return stages.evaluate(run, layout.next_round(run.root) if args.round is None else args.round)
 
 

@@ -1,7 +1,7 @@
 """The entry point of each rank of an island launch (pipeline.islands.island):
 
     deepspeed [--hostfile H --num_nodes N] --num_gpus G --no_local_rank \
-        --module pipeline.island_rank --run-root URL --island NAME [--ds-config FILE]
+        --module pipeline.island_rank --run-root URL --island NAME [--ds-config FILE] [--config FILE --set K=V]
 
 It sits at the top of pipeline/, beside the stages, because an island runs every kind of task and
 one of them, the re-routing of `router.discriminative_after`, re-shards with the Beam app
@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
-from pipeline.core.config import Config
+from pipeline.core.config import Config, add_own_config_args, own_config
 from pipeline.islands.island import Island, island_config
 from pipeline.state.layout import Routing
 from pipeline.state.storage import RunRoot
@@ -40,11 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--island", required=True)
     parser.add_argument("--island-id", default=None, help="this process's unique identity (default: name + random)")
     parser.add_argument("--ds-config", default=None)
+    add_own_config_args(parser)
     args = parser.parse_args(argv)
     from pipeline.train.distributed import apply_rank_threads, run_rank
 
     def body() -> None:
-        config = island_config(args.run_root, args.ds_config)
+        config = island_config(args.run_root, args.ds_config, own_config(args))
         apply_rank_threads(config.train, islands=True)  # whatever the launcher's environment says
         island = Island(config, args.island, args.island_id, reshard=reshard)
         signal.signal(signal.SIGTERM, island.on_sigterm)

@@ -102,14 +102,23 @@ def require_trained_path(config: Config, round_index: int) -> None:
         )
 
 
+def check_init_from(config: Config) -> None:
+    """model.init_from resolves to a checkpoint whose architecture, layers, safetensors headers and
+    tokenizer fit (pipeline.init_from), unless the run root already started from it; no weight is read."""
+    if RunRoot(config.run_root).exists(layout.RUN_CONFIG):
+        return
+    from pipeline.init_from import check
+
+    check(config)
+
+
 def check_run_root(config: Config) -> None:
     """A local run root can be created and written: a probe file is created, written, renamed (as
     every commit renames) and removed. Without it an unwritable root (`/proc/x`, a path under a
     file) failed 12 s later, inside the first stage, with a raw NotADirectoryError and exit 1.
-    An object store is probed instead (check_object_store)."""
+    An object store was probed first (check_object_store)."""
     root = RunRoot(config.run_root)
     if not root.is_local:
-        check_object_store(config, root)
         return
     path = Path(root.path())
     probe = path / f".dipaco-probe-{os.getpid()}"
@@ -126,14 +135,18 @@ def check_run_root(config: Config) -> None:
         ) from None
 
 
-def check_object_store(config: Config, root: RunRoot) -> None:
-    """An object-store run root, before anything is written to it: a tracking server is named (the
-    embedded SQLite store needs a local file), the bucket exists, the credentials write, and the store
-    honours conditional writes (a probe object created twice: the second create must be refused),
-    each a one-line refusal within seconds (store.PROBE_TIMEOUT_S)."""
+def check_object_store(config: Config) -> None:
+    """An object-store run root, first of all (every other check reads the store): a tracking server
+    is named (the embedded SQLite store needs a local file), the bucket exists, the credentials
+    write, and the store honours conditional writes (a probe object created twice: the second
+    create must be refused), each a one-line refusal within seconds (store.PROBE_TIMEOUT_S).
+    Nothing else is written. A local root: nothing to do here (check_run_root)."""
     from pipeline.core.errors import StorageError
     from pipeline.state.store import check_writable
 
+    root = RunRoot(config.run_root)
+    if root.is_local:
+        return
     if config.mlflow.enabled:
         from pipeline.tracking.uris import tracking_uri
 
@@ -142,3 +155,14 @@ def check_object_store(config: Config, root: RunRoot) -> None:
         check_writable(root.url, root.root)
     except StorageError as exc:
         raise InputError(f"{config.source}: run_root {exc}") from None
+
+
+def before_a_run(config: Config) -> None:
+    """What `dipaco run`, `stages.run` and the DAG's configure task check before a run writes
+    anything, in order: the store (every later check reads it), the data, the checkpoint it starts
+    from (model.init_from), a local root's writability (last: it creates the root)."""
+    check_object_store(config)
+    check_data(config)
+    if config.model.init_from:
+        check_init_from(config)
+    check_run_root(config)

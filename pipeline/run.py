@@ -26,6 +26,10 @@ class Run:
     def __post_init__(self) -> None:
         configure_storage(self.config)  # storage.options, for this process and those it starts
         self.root = RunRoot(self.config.run_root)
+        if self.config.model.init_from:  # the checkpoint's shape, as run.yaml recorded it
+            from pipeline.init_from import adopt_recorded
+
+            adopt_recorded(self.config, self.root)
 
     @functools.cached_property
     def tracker(self) -> Tracker:

@@ -13,7 +13,7 @@ import logging
 import time
 
 from models.grid import all_job_ids
-from pipeline import preflight
+from pipeline import init_from, preflight
 from pipeline.core.config import Config, dump_yaml
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.evaluation.early_stopping import best_up_to, write_best
@@ -38,10 +38,17 @@ _FIXED = ("model", "router")
 
 
 def init_run(run: Run) -> RunRoot:
-    """Write run.yaml and the round-0 modules, unless the run root already holds them."""
+    """Write run.yaml and the round-0 modules, unless the run root already holds them (with
+    model.init_from: the checkpoint's shape in run.yaml, its weights and tokenizer: pipeline.init_from)."""
     check_same_run(run)
+    model = run.config.model
+    if model.init_from and model.init_config is None:
+        init_from.check(run.config)  # refuses before run.yaml is written
+        init_from.apply(model, init_from.resolve(run.config).config)
     run.root.write_text(layout.RUN_CONFIG, dump_yaml(run.config))
-    if init_modules(run.root, run.config.model, run.config.model.grid):
+    if model.init_from:
+        init_from.init_modules(run.config, run.root)
+    elif init_modules(run.root, run.config.model, run.config.model.grid):
         log.info("initialised round 0: %d modules for %d paths", sum(run.config.model.grid), run.config.n_paths)
     return run.root
 
@@ -50,7 +57,7 @@ def check_same_run(run: Run) -> None:
     """A config may change how a run trains, never what it trains: `model` and `router` must be
     those of the run root's run.yaml, if it has one."""
     if run.root.exists(layout.RUN_CONFIG):
-        previous = layout.read_run_config(run.root)
+        previous = layout.read_run_config(run.root, uses_code=False)  # model and router only
         for section in _FIXED:
             if getattr(previous, section) != getattr(run.config, section):
                 raise ConfigError(
@@ -119,6 +126,28 @@ def nothing_to_train(run: Run) -> str:
         f"nothing to train: all train.rounds={run.config.train.rounds} rounds are committed in "
         f"{run.root.path()}; raise train.rounds to continue"
     )
+
+
+def export(run: Run, round_index: int, out: str) -> dict:
+    """`dipaco export`: round r's paths as Hugging Face checkpoints, the router and a model card
+    under `out` (pipeline.export), attached to round r's registered version when there is one.
+    A finished export is returned as it is; one cut short is rebuilt."""
+    from pipeline.export import export_round
+
+    info = export_round(run.config, run.root, round_index, out)
+    attached = run.tracker.attach_export(round_index, str(out))
+    return {**info, "out": str(out), **({"attached_to": attached} if attached else {})}
+
+
+def export_final(run: Run) -> dict | str:
+    """The DAG's export after the last round: the modules the final merge wrote, under the run
+    root's `exports/round=<train.rounds>/` (stages.export); else a line saying why not (yet)."""
+    last = run.config.train.rounds
+    if layout.next_round(run.root) < last:
+        return f"round {last}'s modules are not committed yet (train.rounds={last})"
+    if not run.root.is_local:
+        return f"{run.root.url}: a remote run root; export it with `dipaco export --round {last} --out DIR`"
+    return export(run, last, run.root.path("exports", f"round={last}"))
 
 
 def register(run: Run, round_index: int, result: dict) -> str | None:
@@ -261,8 +290,7 @@ def early_stop(run: Run, round_index: int) -> dict:
 def run(run: Run, rounds: int | None = None) -> dict:
     """Every stage that has not committed: prepare, then rounds up to `train.rounds` (or `rounds`
     more, as a scheduled DAG run does) on islands, evaluation and registration after each merge."""
-    preflight.check_data(run.config)  # before the lock and init_run write anything
-    preflight.check_run_root(run.config)
+    preflight.before_a_run(run.config)  # before the lock and init_run write anything
     with run_lock(run.root):
         init_run(run)
         run.tracker.log_run_config()

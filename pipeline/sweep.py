@@ -425,8 +425,7 @@ def _finite(obj):
 def predict(sweep: Sweep, fit: dict, assignments: dict) -> dict:
     """The loss (with its interval) and the best hyper-parameters of each fitted group at the size
     the assignments give (model keys; `algorithm` and train.workers_per_path narrow the groups)."""
-    model_keys = {k: v for k, v in assignments.items() if k != "algorithm"}
-    config = spec.build_config(sweep, {**sweep.settings, **model_keys}, "--predict")
+    config = prediction_config(sweep, assignments)
     n = spec.non_embedding_params(config)
     groups = {}
     for name, group in fit["groups"].items():
@@ -443,18 +442,18 @@ def predict(sweep: Sweep, fit: dict, assignments: dict) -> dict:
             "why": None if law.get("fitted") else law.get("why"),
             "hyper": {},
         }
+        best = best_point(group)
         for key, optimum in group["optima"].items():
             if key in assignments:
                 continue
             value = laws.predict_optimum(optimum["trend"], n, optimum["integer"])
-            how = (
-                ("power law" if optimum["trend"].get("trend") else "no trend: geometric mean of the optima")
-                if value is not None
-                else "no law: the best value at the largest size"
-            )
-            if value is None and optimum["by_size"]:
-                value = optimum["by_size"][-1]["value"]
-            entry["hyper"][key] = {"value": value, "how": how}
+            fitted = value is not None
+            if fitted:
+                how = "power law" if optimum["trend"].get("trend") else "no trend: geometric mean of the optima"
+            else:
+                value = best["hyper"].get(key) if best else None
+                how = f"no law: the value of the group's best point ({best['point'] if best else 'none'})"
+            entry["hyper"][key] = {"value": value, "how": how, "fitted": fitted}
         groups[name] = entry
     if not groups:
         raise ConfigError(f"--predict: no group of the sweep matches {json.dumps(assignments)}")
@@ -466,9 +465,27 @@ def predict(sweep: Sweep, fit: dict, assignments: dict) -> dict:
     return {"values": assignments, "N": n, "inside_sweep": inside, "groups": groups}
 
 
-def holdout_point(sweep: Sweep, prediction: dict) -> tuple[Point, str]:
-    """The point --verify trains: the asked values, the group (the asked one, else DiLoCo at its
-    largest M), and its predicted hyper-parameters (grid axes snapped to the nearest grid value)."""
+def prediction_config(sweep: Sweep, assignments: dict) -> Config:
+    """The config whose N a prediction is at: the asked keys over the sweep's `set` and the axes
+    that have one value (every point of the sweep has it, so the law's N counts it)."""
+    only = {k: v[0] for k, v in sweep.axes.items() if len(v) == 1 and k != "algorithm"}
+    asked = {k: v for k, v in assignments.items() if k != "algorithm"}
+    return spec.build_config(sweep, {**sweep.settings, **only, **asked}, "--predict")
+
+
+def best_point(group: dict) -> dict | None:
+    """A fitted group's best committed point (its lowest loss over every size): its id, hyper and values."""
+    return min(group["sizes"], key=lambda s: s["bits_per_byte"]) if group["sizes"] else None
+
+
+def holdout_point(sweep: Sweep, fit: dict, prediction: dict) -> tuple[Point, str, dict[str, str]]:
+    """The point --verify trains, its group, and where each of its values came from. The asked
+    values; the group's algorithm and M (the group asked for, else DiLoCo at its largest M); every
+    other axis from the predicted optimum where the group's fit has one (grid axes such as H snapped
+    to the nearest grid value), else the axis's only value, else the value of the group's best
+    committed point. An axis left out would take the base config's value: the quick sweep's one H
+    (16, no optimum to fit) became configs/demo.yaml's 200, a point of no law the sweep fitted.
+    Its budget is the swept points' (spec.make_point): whole rounds of its own H."""
     fitted = {n: g for n, g in prediction["groups"].items() if g["bits_per_byte"]}
     if not fitted:
         raise InputError(
@@ -476,17 +493,27 @@ def holdout_point(sweep: Sweep, prediction: dict) -> tuple[Point, str]:
             f"({'; '.join(str(g['why']) for g in prediction['groups'].values())})"
         )
     name = max(fitted, key=lambda n: (fitted[n]["algorithm"] == "diloco", fitted[n]["M"]))
-    group = fitted[name]
+    group, best = fitted[name], best_point(fit["groups"][name])
+    best_values = (best.get("values") or best["hyper"]) if best else {}
     values = dict(prediction["values"])
-    if "algorithm" in sweep.axes:
-        values["algorithm"] = group["algorithm"]
-    if "train.workers_per_path" in sweep.axes or group["M"] != 1:
-        values["train.workers_per_path"] = group["M"]
-    for key, entry in group["hyper"].items():
-        if key in sweep.axes and entry["value"] is not None:
-            values[key] = _snap(entry["value"], sweep.axes[key])
+    sources = dict.fromkeys(values, "asked")
+    if "algorithm" in sweep.axes and "algorithm" not in values:
+        values["algorithm"], sources["algorithm"] = group["algorithm"], "group"
+    if ("train.workers_per_path" in sweep.axes or group["M"] != 1) and "train.workers_per_path" not in values:
+        values["train.workers_per_path"], sources["train.workers_per_path"] = group["M"], "group"
+    for key, grid in sweep.axes.items():
+        if key in values:
+            continue
+        entry = group["hyper"].get(key)
+        if entry and entry.get("fitted") and entry["value"] is not None:
+            values[key], sources[key] = _snap(entry["value"], grid), "predicted optimum"
+        elif len(grid) == 1:
+            values[key], sources[key] = grid[0], "only value"
+        elif key in best_values:
+            values[key], sources[key] = best_values[key], f"best point {best['point']}"
     values = {k: values[k] for k in [*sweep.axes, *values] if k in values}  # the axes' order, as point ids are
-    return spec.make_point(sweep, values, prefix="holdout_"), name
+    point = spec.make_point(sweep, values, prefix="holdout_")
+    return point, name, {k: sources[k] for k in point.values if k in sources}
 
 
 def _snap(value, grid: list):
@@ -500,9 +527,12 @@ def _snap(value, grid: list):
 
 
 def verify(sweep: Sweep, fit: dict, prediction: dict, tracker) -> dict:
-    """Train the predicted point and compare: fit.json["holdout"] = predicted, measured, error."""
-    point, name = holdout_point(sweep, prediction)
+    """Train the predicted point and compare: fit.json["holdout"] = predicted, measured, error, and
+    the point's settings (H, M, outer lr, rounds, steps, tokens), to check against the law's points."""
+    point, name, sources = holdout_point(sweep, fit, prediction)
     predicted = prediction["groups"][name]["bits_per_byte"]
+    if point.N != prediction["N"]:  # a model axis not asked took its best point's value: the law at its N
+        predicted = laws.predict_with_interval(fit["groups"][name]["law"], point.N)
     result = run_point(sweep, point, HOLDOUT_DIR)
     tracker.log_point(point.summary(), result, kind="sweep_holdout")
     error = result["bits_per_byte"] - predicted["value"]
@@ -517,7 +547,15 @@ def verify(sweep: Sweep, fit: dict, prediction: dict, tracker) -> dict:
         "group": name,
         "point": point.id,
         "N": point.N,
+        "algorithm": point.algorithm,
+        "H": point.config.train.inner_steps,
+        "M": point.M,
+        "outer_lr": point.config.outer.lr,
+        "rounds": point.config.train.rounds,
+        "steps": point.steps,
+        "tokens": point.tokens,
         "values": point.values,
+        "sources": sources,
     }
 
 
@@ -537,9 +575,9 @@ def command(
     sweep, points = plan(path, quick, overrides)
     assignments = spec.assignments(list(predict_items), sweep)
     if assignments:  # a wrong value is refused before anything trains
-        spec.build_config(
-            sweep, {**sweep.settings, **{k: v for k, v in assignments.items() if k != "algorithm"}}, "--predict"
-        )
+        prediction_config(sweep, assignments)
+    if verify_point:  # so is a holdout under one round of its H: every point it can be, built now
+        spec.expand(sweep, assignments, prefix="holdout_")
     started = time.time()
     with run_lock(RunRoot(sweep.sweep_root)):
         tracker = start(sweep, points)

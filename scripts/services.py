@@ -399,6 +399,41 @@ def mlflow_credentials(secrets_dir: Path) -> dict[str, str]:
     return {"MLFLOW_TRACKING_USERNAME": MLFLOW_ADMIN, "MLFLOW_TRACKING_PASSWORD": password}
 
 
+def mlflow_server_command(
+    store_uri: str, artifacts: Path, port: int, auth_ini: Path, secrets_dir: Path
+) -> tuple[list[str], dict[str, str]]:
+    """`mlflow server`'s argv and environment. No secret goes on the command line, which any local
+    user reads in /proc/<pid>/cmdline: the backend store's URI (it holds the role's PostgreSQL
+    password) goes in MLFLOW_BACKEND_STORE_URI, which `mlflow server` reads itself and hands its
+    workers through their environment (readable only by the owner), like the admin's password."""
+    argv = [
+        str(BIN / "mlflow"),
+        "server",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--serve-artifacts",
+        "--artifacts-destination",
+        str(artifacts),
+        "--app-name",
+        "basic-auth",
+    ]
+    # MLflow 3.17 starts a job runner with 7 huey consumer processes beside a database-backed server
+    # (for GenAI jobs); the pipeline runs none, and on 2 cores they slowed every request
+    env = {
+        **base_env(),
+        "MLFLOW_BACKEND_STORE_URI": store_uri,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_AUTH_CONFIG_PATH": str(auth_ini),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": mlflow_credentials(secrets_dir)["MLFLOW_TRACKING_PASSWORD"],
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(secrets_dir / "mlflow-flask-secret")[0],
+    }
+    return argv, env
+
+
 def start_mlflow(
     deployment: Deployment,
     pg_url: str,
@@ -425,32 +460,8 @@ def start_mlflow(
         f"admin_username = {MLFLOW_ADMIN}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n",
     )
-    argv = [
-        str(BIN / "mlflow"),
-        "server",
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--workers",
-        "1",
-        "--backend-store-uri",
-        database_url(pg_url, database, "psycopg2"),
-        "--serve-artifacts",
-        "--artifacts-destination",
-        str(artifacts),
-        "--app-name",
-        "basic-auth",
-    ]
-    # MLflow 3.17 starts a job runner with 7 huey consumer processes beside a database-backed server
-    # (for GenAI jobs); the pipeline runs none, and on 2 cores they slowed every request
-    env = {
-        **base_env(),
-        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-        "MLFLOW_AUTH_CONFIG_PATH": str(auth_ini),
-        "MLFLOW_AUTH_ADMIN_PASSWORD": mlflow_credentials(secrets_dir)["MLFLOW_TRACKING_PASSWORD"],
-        "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(secrets_dir / "mlflow-flask-secret")[0],
-    }
+    store = database_url(pg_url, database, "psycopg2")
+    argv, env = mlflow_server_command(store, artifacts, port, auth_ini, secrets_dir)
     server = spawn(deployment, "mlflow", argv, env, logs, address)
     wait_until(lambda: http_ok(f"{address}/health"), server, timeout_s, "answer on /health")
     return address

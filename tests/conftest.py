@@ -224,3 +224,18 @@ def s3_root(s3_server):
     bucket = s3_server.new_bucket()
     yield f"s3://{bucket}/run", s3_server.storage_set()
     s3_server.remove_bucket(bucket)
+
+
+@pytest.fixture(params=["local", "s3"])
+def any_root(request, tmp_path):
+    """A run root on a local disk, then on S3 (moto's server): the lease, fencing, zombie, backup
+    and crash/resume tests that hold on one must hold on both. An S3 root is a URL string; its
+    endpoint reaches this process and the islands it starts through fsspec's config
+    (pipeline.state.store.configure), as `storage.options` would."""
+    if request.param == "local":
+        return tmp_path / "run"
+    from pipeline.state.store import configure
+
+    url, _ = request.getfixturevalue("s3_root")
+    configure(url, {"endpoint_url": request.getfixturevalue("s3_server").endpoint})
+    return url

@@ -38,6 +38,9 @@ def test_every_claims_row_runs_on_both_corpora_and_is_a_valid_config(tmp_path):
         "pool_m4",
         "dipaco_2x2",
         "dipaco_4x4",
+        "warm_sync_m4",
+        "warm_diloco_m4",
+        "warm_dipaco_2x2",
     }
     for corpus in ("wiki", "mixed"):
         assert {v.name for v in rows if v.corpus == corpus} == names
@@ -57,12 +60,21 @@ def test_every_claims_row_runs_on_both_corpora_and_is_a_valid_config(tmp_path):
             assert v.communication == "outer"
         if v.name.startswith("sync"):
             assert config.train.gradient_accumulation_steps == v.token_multiple(args) and config.outer.lr == 1.0
+        if v.name.startswith("warm_"):  # a quarter dense at 4x batch, then the row from its run root: equal tokens
+            base = quality.warm_base(v)
+            assert (v.warm_rounds, base.grid, base.accum, base.token_multiple(args)) == (1, (1,), 4, 4)
+            rest = quality.variant_config(v.rest(args), v, "runs/x", "data/x/*.json.gz", "runs/warm", 1)
+            assert (rest.train.rounds, rest.model.init_from, rest.model.init_round) == (1, "runs/warm", 1)
+    assert {v.name for v in quality.variants(quality.QualityArgs(**quality.LONG))} >= names
     assert {v.name for v in quality.variants(quality.QualityArgs())} == names - {
         "diloco_m4_olr0.4",
         "diloco_m4_olr1",
         "diloco_m4_avg",
         "dipaco_4x4",
-    }  # make bench: no extras
+        "warm_sync_m4",
+        "warm_diloco_m4",
+        "warm_dipaco_2x2",
+    }  # make bench: no extras, no warm start (bench-long has them)
 
 
 def test_bytes_per_round_and_the_ratio_to_sync_at_the_same_tokens():
@@ -202,3 +214,21 @@ def test_an_interrupted_quality_run_keeps_only_measured_runs_of_the_same_sizes(t
     partial.write_text('{"args": ')  # torn
     assert quality.finished_runs(partial, args, wanted) == []
     assert quality.finished_runs(tmp_path / "missing.json", args, wanted) == []
+
+
+def test_the_warm_start_gap_is_diloco_minus_sync_from_scratch_and_warm_started_paired_by_seed():
+    values = {
+        "diloco_m4": [2.10, 2.12, 2.11],
+        "sync_m4": [2.00, 2.01, 2.02],
+        "warm_diloco_m4": [1.95, 1.96, 1.97],
+        "warm_sync_m4": [1.92, 1.93, 1.94],
+    }
+    runs = [
+        {"corpus": "wiki", "name": name, "seed": s, "bits_per_byte": v}
+        for name, vals in values.items()
+        for s, v in enumerate(vals)
+    ]
+    (gap,) = claims.warm_start_gaps(runs)
+    assert gap["seeds"] == 3 and gap["scratch_gap"].startswith("0.1000") and gap["warm_gap"].startswith("0.0300")
+    assert gap["closed"].startswith("0.0700") and gap["closed_share"] == pytest.approx(0.7)
+    assert claims.warm_start_gaps([r for r in runs if not r["name"].startswith("warm")]) == []

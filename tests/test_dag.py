@@ -88,7 +88,7 @@ def test_a_wrong_dipaco_config_fails_the_parse_in_one_line(tmp_path, monkeypatch
 
 def test_task_graph_wires_islands_beside_one_group_per_round(dag):
     downstream = {t.task_id: set(t.downstream_task_ids) for t in dag.tasks}
-    expected = {"configure", "prepare", "plan", "evaluate_initial", "islands", "island", "report"} | {
+    expected = {"configure", "prepare", "plan", "evaluate_initial", "islands", "island", "export", "report"} | {
         f"round_{k}.{t}" for k in (0, 1) for t in ROUND_TASKS
     }
     assert set(downstream) == expected  # no path-level tasks any more: islands pull them from the queue
@@ -101,9 +101,10 @@ def test_task_graph_wires_islands_beside_one_group_per_round(dag):
     for k in (0, 1):
         assert downstream[f"round_{k}.finished"] == {f"round_{k}.register"}  # register once the round is in
     assert downstream["round_0.register"] == {"round_1.finished"}  # versions registered in round order
-    assert downstream["round_1.register"] == {"report"}
+    assert downstream["round_1.register"] == {"export"}  # the final modules, as Hugging Face checkpoints
+    assert downstream["export"] == {"report"} and dag.task_dict["export"].trigger_rule == "none_failed"
     report = dag.task_dict["report"]
-    assert {"island", "round_1.register"} <= report.upstream_task_ids and report.trigger_rule == "none_failed"
+    assert {"island", "export"} <= report.upstream_task_ids and report.trigger_rule == "none_failed"
 
 
 def test_islands_are_mapped_pooled_and_retried(dag):

@@ -26,8 +26,8 @@ from pipeline.train.train_path import train_path
 pytestmark = pytest.mark.usefixtures("no_collector_pauses")  # lease timing: conftest says why
 
 
-def test_a_claim_is_exclusive_and_a_dead_holders_lease_expires(run_root):
-    config = tiny_config(run_root, "train.lease_seconds=0.4")
+def test_a_claim_is_exclusive_and_a_dead_holders_lease_expires(any_root):
+    config = tiny_config(any_root, "train.lease_seconds=0.4")
     root = stages.init_run(Run(config))
     a, b = TaskQueue(root, config), TaskQueue(root, config)
     task = Task.of("train", 0, "p0-0")

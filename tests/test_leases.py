@@ -28,10 +28,10 @@ pytestmark = pytest.mark.usefixtures("no_collector_pauses")  # lease timing: con
 ONE_PATH = ("model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=1")
 
 
-def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readable(run_root):
+def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readable(any_root):
     """The issue's wedge: two attempts of one train task both finish. The one whose lease expired
     publishes nothing; the round's path directory is exactly the other's, and it verifies."""
-    config = tiny_config(run_root, *ONE_PATH, "train.inner_steps=2", "train.lease_seconds=0.3")
+    config = tiny_config(any_root, *ONE_PATH, "train.inner_steps=2", "train.lease_seconds=0.3")
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     a, b = TaskQueue(root, config), TaskQueue(root, config)
@@ -52,13 +52,13 @@ def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readab
 
 
 @pytest.mark.slow  # ~20 s: a real island process, stopped and resumed
-def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_finishes(run_root):
-    config = tiny_config(run_root, *ONE_PATH, "train.inner_steps=300", "train.lease_seconds=1.0")
+def test_a_sigstopped_holder_resumed_after_expiry_cannot_publish_and_the_run_finishes(any_root):
+    config = tiny_config(any_root, *ONE_PATH, "train.inner_steps=300", "train.lease_seconds=1.0")
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 1)
     queue, task = TaskQueue(root, config), Task.of("train", 0, "p0")
-    zombie = start_island(run_root, "zombie")
+    zombie = start_island(any_root, "zombie")
     try:
         wait_for(lambda: queue.attempts(task), 120, "the island to claim the train task")
         time.sleep(1.0)
@@ -106,8 +106,8 @@ def test_clock_skew_of_two_minutes_expires_no_live_holder_and_still_expires_a_de
     taken.finish("released")
 
 
-def test_a_heartbeat_survives_three_storage_errors(run_root, caplog):
-    config = tiny_config(run_root, "train.lease_seconds=0.4")
+def test_a_heartbeat_survives_three_storage_errors(any_root, caplog):
+    config = tiny_config(any_root, "train.lease_seconds=0.4")
     root = stages.init_run(Run(config))
     task = Task.of("train", 0, "p0-0")
     lease = TaskQueue(root, config).claim(task, "holder")
@@ -177,9 +177,9 @@ def test_failing_an_islands_leases_never_touches_another_process_of_the_same_nam
     assert Island(config, "island-0", reshard=reshard).id != Island(config, "island-0", reshard=reshard).id
 
 
-def test_a_stragglers_task_is_completed_by_a_backup_attempt(run_root):
+def test_a_stragglers_task_is_completed_by_a_backup_attempt(any_root):
     config = tiny_config(
-        run_root,
+        any_root,
         "model.grid=[2]",
         "model.blocks_per_level=[1]",
         "train.rounds=1",
@@ -252,17 +252,17 @@ def test_a_backup_starts_as_soon_as_a_holders_reported_steps_show_it_is_a_stragg
 
 
 @pytest.mark.slow  # ~15 s: a real trainer process killed mid-task, and two in-process runs
-def test_an_attempt_killed_mid_task_resumes_from_its_checkpoint_with_the_identical_loss_curve(tmp_path):
+def test_an_attempt_killed_mid_task_resumes_from_its_checkpoint_with_the_identical_loss_curve(any_root):
     from pipeline.train.distributed import child_env
     from pipeline.train.midtask import checkpoints_dir
 
     sets = (*ONE_PATH, "train.inner_steps=120", "train.checkpoint_every=30")
-    whole = tiny_config(tmp_path / "whole", *sets)
+    whole = tiny_config(f"{any_root}/whole", *sets)
     write_synthetic_shards(stages.init_run(Run(whole)), whole.model.grid)
     expected = train_path(whole, 0, "p0")
     assert expected["resumed_from_step"] == 0
 
-    config = tiny_config(tmp_path / "crashed", *sets)
+    config = tiny_config(f"{any_root}/crashed", *sets)
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     trainer = subprocess.Popen(
@@ -271,7 +271,7 @@ def test_an_attempt_killed_mid_task_resumes_from_its_checkpoint_with_the_identic
             "-m",
             "pipeline.train.train_path",
             "--run-root",
-            str(tmp_path / "crashed"),
+            f"{any_root}/crashed",
             "--round",
             "0",
             "--path",

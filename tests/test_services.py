@@ -18,6 +18,7 @@ import time
 import uuid
 from contextlib import closing
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -220,6 +221,18 @@ def query(database: str, sql: str, *args) -> list[tuple]:
 # -- MLflow server -------------------------------------------------------------------------------
 @pytest.mark.slow  # ~65 s (210 s loaded 4x): the server and its PostgreSQL migrations, a one-round run
 @pytest.mark.timeout(400)
+def command_lines_holding(secret: str) -> list[int]:
+    """The pids whose command line (/proc/<pid>/cmdline: readable by every local user) holds `secret`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and secret.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
 def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_loads_over_http(
     pg_database, pg_service, deployment, tmp_path
 ):
@@ -237,6 +250,8 @@ def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_
     assert http_status(search) == 401  # the basic-auth app: nothing without credentials
     assert http_status(search, {"Authorization": f"Basic {basic.decode()}"}) == 200
     assert private_files(keys) == {} and loopback_only(deployment) == []
+    role_password = urlsplit(pg_service).password  # in the store URI: through the environment only
+    assert role_password and command_lines_holding(role_password) == []
     data = write_c4(tmp_path / "c4")
     name = "dipaco-services"
     overrides = [

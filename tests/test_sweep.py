@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -394,6 +395,99 @@ def test_predict_gives_an_interval_and_verify_records_the_holdout_error(tmp_path
     assert holdout["predicted"] == group["bits_per_byte"]["value"]
     assert RunRoot(sweep.sweep_root).is_committed(f"holdout/{holdout['point']}")
     assert report["fit"]["holdout"] == holdout
+
+
+def quick_sweep_copy(tmp_path) -> str:
+    """configs/sweep.yaml as a new user copies it: its roots under tmp_path; MLflow off, 20 bootstrap
+    draws (not 200: the fits, not the points, would be most of the test) and the tests' documents
+    instead of the sample (the points below never train on them)."""
+    doc = yaml.safe_load((REPO / "configs" / "sweep.yaml").read_text())
+    doc["sweep_root"], doc["quick"]["sweep_root"] = str(tmp_path / "sweep"), str(tmp_path / "sweep-quick")
+    doc["mlflow"], doc["quick"]["fit"] = {"enabled": False}, {"bootstrap": 20}
+    doc["set"] |= {"data.train": "tests/data/c4/train/*.json", "data.eval": "tests/data/c4/validation/*.json"}
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(path)
+
+
+def fake_training(monkeypatch, sweep: spec.Sweep, points: list[spec.Point]) -> list:
+    """stages.run replaced by a smooth made-up loss (a law in N, a best outer lr near 0.6), so the
+    quick sweep's 24 points and its holdout cost a fraction of a second each; the configs each run
+    was handed, in order. The shared data is synthetic shards (nothing reads them)."""
+    for point in points:
+        root = RunRoot(sweeps.prepared_root(sweep, point.config))
+        if not root.is_committed(layout.SHARDS_DIR):
+            write_synthetic_shards(root, point.config.model.grid)
+    handed = []
+
+    def run(run, rounds=None):
+        config = run.config
+        handed.append(config)
+        loss = 40 * spec.non_embedding_params(config) ** -0.2 + 0.05 * abs(math.log(config.outer.lr / 0.6))
+        return {"eval": {config.train.rounds: {"bits_per_byte": loss, "perplexity": 2**loss}}}
+
+    monkeypatch.setattr(stages, "run", run)
+    return handed
+
+
+def test_the_quick_holdout_trains_at_the_swept_h_in_whole_rounds_of_it(tmp_path, monkeypatch):
+    """The quick sweep's only H (16) has no fitted optimum: the holdout must still train at it, not
+    at the base config's 200, and at 48 as at 64 (48 crashed: its budget is under 200 steps)."""
+    path = quick_sweep_copy(tmp_path)
+    sweep, points = sweeps.plan(path, quick=True)
+    (swept_h,) = sweep.axes["train.inner_steps"]
+    handed = fake_training(monkeypatch, sweep, points)
+    for size in (48, 64):
+        report = sweeps.command(path, quick=True, predict_items=[f"model.hidden_size={size}"], verify_point=True)
+        holdout = report["fit"]["holdout"]
+        (config,) = [c for c in handed if c.run_root.endswith("/runs/" + holdout["point"])]
+        trained = yaml.safe_load((tmp_path / "sweep-quick" / "runs" / holdout["point"] / "run.yaml").read_text())
+        assert config.train.inner_steps == trained["train"]["inner_steps"] == swept_h == holdout["H"]
+        assert holdout["steps"] == config.train.rounds * swept_h and config.train.rounds >= 1
+        assert holdout["values"]["train.inner_steps"] == swept_h
+        assert holdout["sources"]["train.inner_steps"] == "only value"
+        assert (holdout["M"], holdout["outer_lr"]) == (config.train.workers_per_path, config.outer.lr)
+        assert holdout["tokens"] == holdout["steps"] * spec.tokens_per_step(config)
+        unit = swept_h * 2 * spec.tokens_per_step(config)  # lcm(H) x lcm(M) worker steps: one unit of rounding
+        assert abs(holdout["tokens"] - 2 * holdout["N"]) <= unit / 2  # the budget: 2 tokens per parameter
+        assert f"H {swept_h}, M {holdout['M']}" in format_report(report)
+    assert sum("/holdout_" in c.run_root for c in handed) == 2 and len(handed) == len(points) + 2
+
+
+def test_a_holdout_too_small_for_one_round_is_refused_before_anything_trains(tmp_path, monkeypatch, capsys):
+    from pipeline import cli
+
+    path = quick_sweep_copy(tmp_path)
+    sweep, points = sweeps.plan(path, quick=True)
+    handed = fake_training(monkeypatch, sweep, points)
+    code = cli.main(["sweep", "--config", path, "--quick", "--predict", "model.hidden_size=8", "--verify"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(errors) == 1 and handed == []
+    assert "model.hidden_size=8" in errors[0] and "N = 7,232" in errors[0]  # the size
+    assert "tokens_per_param 2" in errors[0] and "less than one round of H = 16" in errors[0]  # the budget
+
+
+def test_a_holdout_axis_with_no_fitted_optimum_takes_the_value_of_the_groups_best_point(tmp_path):
+    """Seeds have no optimum to fit (not a positive grid): the holdout takes the best point's seed,
+    the one H the sweep has, and the fit's predicted lr; planned only, nothing trains."""
+    axes = {"model.hidden_size": [16, 24, 32], "train.seed": [0, 1], "train.lr": [0.005, 0.01]}
+    axes["train.inner_steps"] = [3]
+    sweep = spec.load_sweep(sweep_file(tmp_path, axes, {"steps": 7}))
+    results = [
+        {**p.summary(), "hyper": p.hyper(), "bits_per_byte": 9 * p.N**-0.1 + 0.01 * (p.values["train.seed"] == 0)}
+        for p in spec.expand(sweep)
+    ]
+    fit = laws.analyse(results, draws=10, seed=0)
+    prediction = sweeps.predict(sweep, fit, {"model.hidden_size": 40})
+    point, _, sources = sweeps.holdout_point(sweep, fit, prediction)
+    assert (point.values["train.seed"], point.values["train.inner_steps"]) == (1, 3)
+    assert sources == {
+        "model.hidden_size": "asked",
+        "train.seed": f"best point {min(results, key=lambda r: r['bits_per_byte'])['id']}",
+        "train.lr": "predicted optimum",
+        "train.inner_steps": "only value",
+    }
+    assert (point.config.train.inner_steps, point.config.train.rounds, point.steps) == (3, 2, 6)  # whole rounds
 
 
 # -- fits -----------------------------------------------------------------------------------------

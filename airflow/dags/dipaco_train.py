@@ -1,10 +1,10 @@
 """dipaco_train: the pipeline as an Airflow DAG. Wiring only: every task calls the function the
 `dipaco` CLI calls (pipeline.stages), so a DAG run and `dipaco run` do the same work.
 
-    configure -> prepare -> plan -> evaluate_initial --+--> islands -> island x n (mapped, pooled) --+--> report
-                                                       |                                            |
-                                                       +--> round_0 [finished (sensor) -> register] |
-                                                            -> round_1 [...] -> ... ----------------+
+    configure -> prepare -> plan -> evaluate_initial --+--> islands -> island x n (mapped, pooled) ------+--> report
+                                                       |                                                  |
+                                                       +--> round_0 [finished (sensor) -> register]       |
+                                                            -> round_1 [...] -> ... -> export ------------+
 
 Training runs on islands, as in `dipaco run`: `island` is mapped over `train.islands` names, each
 task one long-lived `deepspeed` launch (a subprocess, inside stages.run_island, so torch.distributed
@@ -23,7 +23,9 @@ rounds are skipped, saying why (committed already, or left to a later DAG run). 
 every round of `train.rounds` is committed trains nothing: `plan` is skipped with "nothing to train
 ... raise train.rounds to continue". `evaluate_initial` scores round 0's modules once, as `dipaco
 run` does, and `report` ends every DAG run, after the last round group and the islands, with the
-same summary table.
+same summary table. `export` follows the last round group: once train.rounds are all committed it
+writes every path as a Hugging Face checkpoint under the run root's exports/ and attaches it to the
+registered version (`dipaco export`).
 
 The sensors poke in mode="reschedule": between pokes they give their worker slot back, so a
 scheduler runs them beside long islands at no cost, and `dag.test()`, which runs the ready tasks one
@@ -130,8 +132,7 @@ def configure(params: dict | None = None) -> dict:
         {k: params[k] for k in ("config", "overrides", "project_dir")}, trusted_dirs(), config_dirs()
     )
     run = _run(ref)
-    preflight.check_data(run.config)
-    preflight.check_run_root(run.config)
+    preflight.before_a_run(run.config)
     stages.init_run(run)
     run.tracker.log_run_config()
     return ref
@@ -260,6 +261,19 @@ def register(ref: dict, round_index: int) -> dict:
     }
 
 
+@task(trigger_rule="none_failed")
+def export(ref: dict) -> dict:
+    """After the last round group: every path of the final modules as a Hugging Face checkpoint under
+    the run root's exports/, attached to the registered version (stages.export_final); skipped,
+    saying why, until every round of train.rounds is committed."""
+    from pipeline import stages
+
+    done = stages.export_final(_run(ref))
+    if isinstance(done, str):
+        raise AirflowSkipException(done)
+    return {"out": done["out"], "round": done["round"], "paths": len(done["paths"])}
+
+
 @task(trigger_rule="none_failed", show_return_value_in_logs=False)  # the table is printed once, below
 def report(ref: dict) -> str:
     """Plots in MLflow and the summary table that `dipaco run` ends with (in the log and the XCom)."""
@@ -321,7 +335,9 @@ def dipaco_train():
         done = outer_round.override(group_id=f"round_{k}")(ref, window, k)
         previous >> done
         previous = done
-    [previous, trained] >> report(ref)
+    exported = export(ref)
+    previous >> exported
+    [exported, trained] >> report(ref)
 
 
 dipaco_train()

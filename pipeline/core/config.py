@@ -16,6 +16,7 @@ pipeline.core.bounds.SHOWN_CHARS characters, so every error is one short line na
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -32,9 +33,11 @@ from pipeline.core.errors import ConfigError
 from pipeline.core.trust import (
     check_beam_options,
     check_run_root,
+    check_run_root_config,
     check_runner,
     check_trigger_override,
     check_trigger_run_root,
+    check_trigger_sizes,
 )
 
 MAX_CONFIG_BYTES = 256 * 1024  # a real config is ~2 KB; PyYAML constructs ~250 KB/s
@@ -94,12 +97,21 @@ class ModelConfig:
     seq_len: int = 256  # tokens a training row predicts (documents packed with EOS); more than router.prefix_tokens
     tokenizer: str = "gpt2"  # gpt2: GPT-2's 50,257-id BPE, shipped offline; bpe: a byte-level BPE of vocab_size ids
     #                          that prepare trains on the run's own text, since a small model learns more per second
-    #                          with a small LM head (docs/algorithm.md, tokenizer)
+    #                          with a small LM head (docs/algorithm.md, tokenizer); hf: init_from's checkpoint's own
     vocab_size: int = 50257  # GPT-2's; with bpe the size to train (>= 512; the demo: 4,096)
     tokenizer_sample_docs: int = 10000  # bpe: training documents (a seeded sample) it is trained on
     init_seed: int = 0  # round 0 modules: every path starts from the same shared weights
     path_specific_blocks: int = 0  # DiPaCo: N decoder blocks per path after the grid's, its own: trained on its shard
     #                                only, never averaged (needs train.workers_per_path 1)
+    init_from: str | None = None  # round 0 from a dense model instead of init_seed: a Hugging Face checkpoint directory
+    #                               (Llama, Mistral, Qwen2; safetensors only), `models:/NAME@ALIAS` or
+    #                               `models:/NAME/VERSION` (a version this project registered, in mlflow.tracking_uri's
+    #                               registry) or a dense run root; every module of a level starts from its weights.
+    #                               Shape and tokenizer are the checkpoint's (docs/operations.md); its layers must
+    #                               split as blocks_per_level (+ path_specific_blocks) asks
+    init_round: int | None = None  # init_from a run root: the round whose modules start this run; null: its newest
+    init_config: dict | None = field(default=None, compare=False)  # written by dipaco, never by hand: the
+    #                                config.json init_from resolved to (run.yaml records it for every later stage)
 
 
 @dataclass
@@ -282,7 +294,7 @@ def _is_file(path: str | Path) -> bool:
 
 ENUMS: dict[str, tuple[str, ...]] = {
     "router.embedder": ("minilm", "model", "tfidf"),
-    "model.tokenizer": ("gpt2", "bpe"),
+    "model.tokenizer": ("gpt2", "bpe", "hf"),  # hf: a checkpoint's own (model.init_from sets it)
     "outer.weighting": ("tokens", "uniform"),
     "outer.compression": ("none", "bf16", "int8", "int4"),  # pipeline/outer/compression.py KINDS
     "train.launcher": ("deepspeed", "inprocess"),
@@ -362,6 +374,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     beam_section = raw.get("beam")
     file_options = beam_section.get("options") if isinstance(beam_section, dict) else None
     file_options = [o for o in file_options if isinstance(o, str)] if isinstance(file_options, list) else []
+    file_raw = copy.deepcopy(raw) if not trusted else None
     keys = [_apply_override(raw, item, source, trusted) for item in overrides]
     config = _build(Config, raw, "", source)
     config.source = source
@@ -369,6 +382,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     check_beam_options(config.beam.options, file_options if path else BeamConfig().options, source)
     if not trusted and "run_root" in keys:
         check_trigger_run_root(config.run_root, config.airflow.trigger_run_roots, source)
+    if not trusted:
+        check_trigger_sizes(config, _build(Config, file_raw, "", source), keys, source)
     return config
 
 
@@ -388,6 +403,53 @@ def config_from_yaml(text: str | bytes, source: str) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
     return config_from_dict(raw, source)
+
+
+def shipped_ds_config(path: str) -> bool:
+    """A ds_config the project ships (ds_configs/*.json of this checkout), whatever the path says."""
+    shipped = (REPO_ROOT / "ds_configs").resolve()
+    try:
+        return resolve_ds_config(path).resolve().parent == shipped
+    except (OSError, ValueError, RuntimeError):
+        return False
+
+
+def add_own_config_args(parser) -> None:
+    """--config/--set of a launched rank (an island, a one-shot path trainer): the operator's config,
+    where its code-choosing keys come from (from_run_root), as the launcher passes them."""
+    parser.add_argument("--config", default=None, help="the operator's config file (Beam runner, options, ds_config)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+
+
+def own_config(args) -> Config | None:
+    """The config of a rank's own --config/--set (trusted: its command line), or None."""
+    return load_config(args.config, args.set) if args.config else None
+
+
+def from_run_root(config: Config, own: Config | None = None, ds_config: str | None = None, uses_code: bool = True):
+    """A config read back from a run root (run.yaml), made safe to use: whoever can write the run
+    root wrote it, so its code-choosing keys (trust.RUN_ROOT_CODE_KEYS) are taken from the reader's
+    own command line instead, `own` (its --config) and `ds_config` (its --ds-config); without
+    them they must be what nobody needs to trust (trust.check_run_root_config), else ConfigError
+    naming the key. A reader that runs none of them (`uses_code=False`: the router's embedder,
+    the check that a new config trains the same model) gets the defaults, never run.yaml's."""
+    if ds_config is not None:
+        config.train.ds_config = ds_config
+    if own is None and not uses_code:
+        own = Config()
+    if own is None:
+        check_run_root_config(config, config.source, shipped_ds_config)
+        return config
+    config.beam = dataclasses.replace(
+        config.beam,
+        runner=own.beam.runner,
+        extra_runners=list(own.beam.extra_runners),
+        options=list(own.beam.options),
+    )
+    config.train.launcher, config.train.hostfile = own.train.launcher, own.train.hostfile
+    if ds_config is None:
+        config.train.ds_config = own.train.ds_config
+    return config
 
 
 class _NoAliasDumper(yaml.SafeDumper):
@@ -605,6 +667,10 @@ def validate(config: Config) -> None:
     need(m.hidden_size % m.num_heads == 0, "model.num_heads", f"must divide model.hidden_size ({m.hidden_size})")
     need(m.seq_len > config.router.prefix_tokens, "model.seq_len", "must exceed router.prefix_tokens")
     need(m.vocab_size > 0, "model.vocab_size", "must be positive")
+    need(m.tokenizer != "hf" or bool(m.init_from), "model.tokenizer", "hf is a checkpoint's own: set model.init_from")
+    need(m.init_config is None or bool(m.init_from), "model.init_config", "is written by dipaco for model.init_from")
+    need(m.init_from is None or bool(m.init_from.strip()), "model.init_from", "must not be empty")
+    need(m.init_round is None or m.init_round >= 0, "model.init_round", "must be >= 0 (or null: the newest round)")
     if m.tokenizer == "bpe":
         need(
             m.vocab_size >= 512,
@@ -712,7 +778,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'train': {'lr': 1}} -> {'train.lr': 1}: the form MLflow params and --set keys take."""
     flat: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:  # an empty mapping (storage.options: {}) is a value of its own
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value

@@ -11,12 +11,15 @@ hyper-parameters, rounds, and a run root under the prefix the config file names
 
 Whoever sets it, a runner must be one of BEAM_RUNNERS (or listed in `beam.extra_runners`), and
 an option in ENVIRONMENT_OPTIONS must come from the config file itself, never from an override.
+A trigger's size keys are bounded (TRIGGER_SIZE_CAPS). And a config read back from a run root
+(run.yaml, which whoever can write the run root wrote) chooses no code: its RUN_ROOT_CODE_KEYS
+come from the reader's own command line, or must pass check_run_root_config (docs/security.md).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pipeline.core.bounds import shown
 from pipeline.core.errors import ConfigError
@@ -151,3 +154,90 @@ def check_trigger_run_root(run_root: str, prefix: str | None, source: str) -> No
             f"{source}: run_root {shown(run_root)} from a DAG trigger must lie under "
             f"airflow.trigger_run_roots {shown(base)}"
         )
+
+
+# The keys of a config that choose code, a command, an environment or a file outside the run root.
+# run.yaml is read back from the run root, which anyone who can write the bucket (or the shared
+# directory) can rewrite: a reader of it takes these from its own command line (`--config`,
+# `--ds-config`), or accepts only what nobody needs to trust (check_run_root_config).
+RUN_ROOT_CODE_KEYS = (
+    "beam.runner",
+    "beam.extra_runners",
+    "beam.options",
+    "train.launcher",
+    "train.hostfile",
+    "train.ds_config",
+)
+
+
+def check_run_root_config(config, source: str, shipped_ds_config: Callable[[str], bool]) -> None:
+    """Refuse a config read from a run root (run.yaml) that chooses code itself: a runner other than
+    Beam's own, any beam.extra_runners, an ENVIRONMENT_OPTIONS flag, a hostfile, or a ds_config
+    other than one the project ships (`shipped_ds_config`). One line naming the key."""
+
+    def refuse(key: str, value: object) -> None:
+        raise ConfigError(
+            f"{source}: {key} {shown(value)} chooses code, and a run root's run.yaml may not: "
+            f"give the island or rank the operator's config on its own command line (--config)"
+        )
+
+    beam, train = config.beam, config.train
+    if beam.extra_runners:
+        refuse("beam.extra_runners", beam.extra_runners)
+    if beam.runner not in (*BEAM_RUNNERS, *RUNNER_ALIASES):
+        refuse("beam.runner", beam.runner)
+    chosen = [flag for flag in beam.options if option_name(flag) in ENVIRONMENT_OPTIONS]
+    if chosen:
+        refuse("beam.options", chosen[0])
+    if train.hostfile is not None:
+        refuse("train.hostfile", train.hostfile)
+    if not shipped_ds_config(train.ds_config):
+        refuse("train.ds_config", train.ds_config)
+
+
+# Upper bounds of the size keys a trigger may set (TRIGGER_KEYS holds them all): a trigger chooses
+# how long a run trains, never that it cannot fit the machine. The memory keys (a micro-batch, an
+# evaluation batch) may grow to TRIGGER_SCALE times the config file's own value, the value its
+# operator sized for the machine the file describes; every size key has an absolute cap.
+TRIGGER_SCALE = 4
+TRIGGER_SIZE_CAPS = {
+    "train.micro_batch_size": 1024,
+    "train.gradient_accumulation_steps": 1024,
+    "eval.batch_size": 4096,
+    "train.inner_steps": 1_000_000,
+    "train.rounds": 10_000,
+    "train.warmup_steps": 1_000_000,
+    "train.lr_decay_steps": 10_000_000,
+    "data.max_docs": 1_000_000_000,
+    "eval.max_docs": 1_000_000_000,
+    "eval.reroute_every": 1_000_000,
+    "airflow.rounds_per_run": 10_000,
+}
+TRIGGER_MEMORY_KEYS = ("train.micro_batch_size", "eval.batch_size")
+
+
+def _value(config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def check_trigger_sizes(config, file_config, keys: Iterable[str], source: str) -> None:
+    """Refuse a size key set by a trigger above its bound (TRIGGER_SIZE_CAPS, and TRIGGER_SCALE x the
+    config file's own value for TRIGGER_MEMORY_KEYS); a cap the file sets (data.max_docs: 1000)
+    may not be lifted to null (everything) by a trigger either."""
+    for key in keys:
+        if key not in TRIGGER_SIZE_CAPS:
+            continue
+        value, own = _value(config, key), _value(file_config, key)
+        limit = TRIGGER_SIZE_CAPS[key]
+        if key in TRIGGER_MEMORY_KEYS and isinstance(own, int):
+            limit = min(limit, TRIGGER_SCALE * own)
+        if value is None and own is not None:
+            raise ConfigError(
+                f"{source}: a DAG trigger may not lift {key} (the config file's {own}) to null; at most {limit:,}"
+            )
+        if isinstance(value, (int, float)) and value > limit:
+            raise ConfigError(
+                f"{source}: a DAG trigger may set {key} to at most {limit:,} "
+                f"(the config file sizes the run for its machine), got {shown(value)}"
+            )

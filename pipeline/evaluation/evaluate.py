@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from models.grid import all_path_ids
-from models.modular import EOS_TOKEN_ID, eos_token_id
+from models.modular import EOS_TOKEN_ID, ModelShape
 from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError
 from pipeline.evaluation.early_stopping import write_best
@@ -161,7 +161,7 @@ def evaluate_path(config: Config, round_index: int, path_id: str, shards: str | 
     docs = held_out_documents(root, config, path_id, shards)
     model = load_path_model(root, config, round_index, path_id)
     nll, tokens = score_documents(
-        model, docs, prefix, seq_len, config.eval.batch_size, pad_id=eos_token_id(m.vocab_size, m.tokenizer)
+        model, docs, prefix, seq_len, config.eval.batch_size, pad_id=ModelShape.from_config(m).eos_id
     )
     if not tokens:
         return None
@@ -293,7 +293,7 @@ def evaluate_rerouted_path(config: Config, round_index: int, path_id: str) -> di
     if not windows:
         return None
     model = load_path_model(root, config, round_index, path_id)
-    nlls = token_nlls(model, windows, prefix, config.eval.batch_size, pad_id=eos_token_id(m.vocab_size, m.tokenizer))
+    nlls = token_nlls(model, windows, prefix, config.eval.batch_size, pad_id=ModelShape.from_config(m).eos_id)
     byte_lengths = _byte_lengths(root, m.tokenizer, m.vocab_size)
     nll, tokens, n_bytes = 0.0, 0, 0
     for window, doc_nll, spans in zip(windows, nlls, picks):

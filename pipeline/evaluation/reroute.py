@@ -32,7 +32,7 @@ from collections.abc import Callable
 import numpy as np
 
 from models.grid import all_path_ids
-from models.modular import eos_token_id
+from models.modular import ModelShape
 from pipeline.core.config import Config
 from pipeline.core.errors import InputError
 from pipeline.evaluation.evaluate import bits_per_byte, document_losses, evaluate_path
@@ -80,7 +80,7 @@ def path_losses(root: RunRoot, config: Config, round_index: int, docs: list[np.n
                 config.router.prefix_tokens,
                 m.seq_len,
                 config.eval.batch_size,
-                pad_id=eos_token_id(m.vocab_size, m.tokenizer),
+                pad_id=ModelShape.from_config(m).eos_id,
             )
         )
     return np.stack(columns, axis=1)

@@ -1,7 +1,7 @@
 """An island: one `deepspeed` launch that lives for the whole run and pulls tasks from the queue.
 
     deepspeed [--hostfile H --num_nodes N] --num_gpus G --no_local_rank \
-        --module pipeline.island_rank --run-root URL --island NAME [--ds-config FILE]
+        --module pipeline.island_rank --run-root URL --island NAME [--ds-config FILE] [--config FILE --set K=V]
 
 Its ranks form one process group for their whole life, so the launch, the interpreter starts and
 DeepSpeed's first-start costs are paid once per run instead of once per (path, round). Rank 0
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -124,7 +125,16 @@ class Island:
         if self.rank == 0 and self.lease is not None:
             finished = time.time()
             if (outcome or {}).pop("published", True) is False:  # its output was discarded, never mixed in
-                self.lease.finish("cancelled", seconds=finished - claimed, **(outcome or {}))
+                # Cancelled (not counted) only when another attempt's output won; an attempt that
+                # could not publish otherwise (it lost its lease, debris in the way) is a failed
+                # attempt toward train.max_attempts: such attempts once ended cancelled forever.
+                lost_to_peer = self.queue.output_committed(task)
+                self.lease.finish(
+                    "cancelled" if lost_to_peer else "failed",
+                    seconds=finished - claimed,
+                    **({} if lost_to_peer else {"error": "its output could not be published"}),
+                    **(outcome or {}),
+                )
                 self.lease = None
                 return
             self.lease.finish("done", seconds=finished - claimed, **(outcome or {}))
@@ -146,19 +156,44 @@ class Island:
 
     def _past_lifetimes(self) -> list:
         """The earlier lives of this island name, [started_at, finished_at or None], kept so that
-        utilisation counts the time the island ran and not the pauses between runs."""
+        utilisation counts the time the island ran and not the pauses between runs. A life that is
+        not two times (a record anyone could have written) is dropped with one warning naming the file."""
         rel = f"{ISLANDS}/{self.name}.json"
-        record = self.root.read_json(rel) if self.root.exists(rel) else {}
-        lives = list(record.get("lifetimes") or [])
-        if isinstance(record.get("started_at"), (int, float)):
-            lives.append([record["started_at"], record.get("finished_at")])
-        return lives
+        record = self._read_record(rel)
+        lives = record.get("lifetimes") or []
+        good = [list(life) for life in lives if is_lifetime(life)] if isinstance(lives, list) else []
+        if not isinstance(lives, list) or len(good) != len(lives):
+            log.warning("%s: lifetimes must be a list of [start, end] times; dropped the bad ones", self.root.path(rel))
+        if _time(record.get("started_at")):
+            finished = record.get("finished_at")
+            good.append([record["started_at"], finished if _time(finished) else None])
+        return good
+
+    def _read_record(self, rel: str) -> dict:
+        """This island's record, or {} when there is none or it is not one (warned, naming the file)."""
+        if not self.root.exists(rel):
+            return {}
+        try:
+            return self.root.read_json(rel)
+        except DipacoError as exc:
+            log.warning("%s; starting a new island record", exc)
+            return {}
 
     def _record(self, **fields) -> None:
         rel = f"{ISLANDS}/{self.name}.json"
-        record = self.root.read_json(rel) if self.root.exists(rel) else {}
+        record = self._read_record(rel)
         record.update(island=self.name, island_id=self.id, host=socket.gethostname(), pid=os.getpid(), **fields)
         self.root.write_json(rel, record)
+
+
+def _time(value) -> bool:
+    """A wall-clock time a holder could have written: a finite number, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_lifetime(life) -> bool:
+    """[started_at, finished_at or None], as Island._past_lifetimes keeps them."""
+    return isinstance(life, (list, tuple)) and len(life) == 2 and _time(life[0]) and (life[1] is None or _time(life[1]))
 
 
 def new_island_id(name: str) -> str:
@@ -256,11 +291,9 @@ def broadcast_json(message: dict | None, rank: int, world: int) -> dict:
     return json.loads(buffer.cpu().numpy().tobytes())
 
 
-def island_config(run_root: str, ds_config: str | None = None) -> Config:
+def island_config(run_root: str, ds_config: str | None = None, own: Config | None = None) -> Config:
     """The run's config (run.yaml), with this island's own ZeRO config when it has one: islands
-    may differ in ranks and ZeRO stage, never in the model they train."""
-    root = RunRoot(run_root)
-    config = layout.read_run_config(root)
-    if ds_config:
-        config.train.ds_config = ds_config
-    return config
+    may differ in ranks and ZeRO stage, never in the model they train. What chooses code (the
+    Beam runner and options of a reroute task, hostfile, ds_config) comes from the island's own
+    command line (`own`: its --config; `ds_config`), never from run.yaml (layout.read_run_config)."""
+    return layout.read_run_config(RunRoot(run_root), own, ds_config)

@@ -10,6 +10,7 @@ the caller.
 
 from __future__ import annotations
 
+import json
 import logging
 import shlex
 import subprocess
@@ -19,10 +20,12 @@ import time
 import uuid
 from pathlib import Path
 
+import yaml
+
 from pipeline.core.bounds import shown
-from pipeline.core.config import Config
+from pipeline.core.config import Config, load_config
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, InputError
-from pipeline.core.trust import RUN_ROOT_RE
+from pipeline.core.trust import RUN_ROOT_CODE_KEYS, RUN_ROOT_RE
 from pipeline.islands import processes
 from pipeline.islands.attempts import Attempts
 from pipeline.islands.processes import STOP_GRACE_S
@@ -42,15 +45,39 @@ _TRAINER_PREFIX = "dipaco train-path: "  # how a trainer rank reports such an er
 _RANK_PREFIXES = (_TRAINER_PREFIX, "dipaco island: ")  # pipeline.train.distributed.run_rank, both entries
 
 
-def launcher_command(run_root: str, round_index: int, path_id: str, train, port: int) -> list[str]:
+def launcher_command(
+    run_root: str, round_index: int, path_id: str, train, port: int, own: list[str] | tuple[str, ...] = ()
+) -> list[str]:
     """The `deepspeed` launcher command for one path's island: `procs_per_path` ranks on each of
-    `num_nodes` nodes (the hosts of `hostfile`, or this machine)."""
+    `num_nodes` nodes (the hosts of `hostfile`, or this machine). `own`: own_config_args."""
     return _deepspeed(
         train,
         port,
         "pipeline.train.train_path",
-        ["--run-root", run_root, "--round", str(round_index), "--path", path_id],
+        ["--run-root", run_root, "--round", str(round_index), "--path", path_id, *own],
     )
+
+
+def own_config_args(config: Config) -> list[str]:
+    """`--config FILE` and a `--set` for each code-choosing key (trust.RUN_ROOT_CODE_KEYS) this run
+    changed from that file: a launched rank takes its Beam runner and options, hostfile and
+    ds_config from these, its own command line, never from the run root's run.yaml (which anyone
+    who can write the run root could rewrite). None when the config is no file (a test's dict)."""
+    source = Path(config.source)
+    try:
+        base = load_config(source) if source.is_file() else None
+    except (DipacoError, OSError):  # the file changed since it was loaded: the rank checks run.yaml
+        base = None
+    if base is None:
+        return []
+    args = ["--config", str(source.resolve())]
+    for key in RUN_ROOT_CODE_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value != getattr(getattr(base, section), name):
+            plain = isinstance(value, str) and RUN_ROOT_RE.fullmatch(value) and yaml.safe_load(value) == value
+            args += ["--set", f"{key}={value if plain else json.dumps(value)}"]
+    return args
 
 
 def _deepspeed(train, port: int, module: str, args: list[str]) -> list[str]:
@@ -95,7 +122,13 @@ def island_names(train) -> list[str]:
 
 
 def island_command(
-    run_root: str, island: str, train, port: int, ds_config: str | None = None, island_id: str | None = None
+    run_root: str,
+    island: str,
+    train,
+    port: int,
+    ds_config: str | None = None,
+    island_id: str | None = None,
+    own: list[str] | tuple[str, ...] = (),
 ) -> list[str]:
     """The `deepspeed` launcher command of one island: it lives for the whole run and pulls tasks
     (pipeline.island_rank); the same ranks and hosts as a one-shot path launch."""
@@ -110,6 +143,7 @@ def island_command(
             island,
             *(["--island-id", island_id] if island_id else []),
             *(["--ds-config", ds_config] if ds_config else []),
+            *own,
         ],
     )
 
@@ -170,7 +204,9 @@ class IslandProcess(Launch):
     def __init__(self, config: Config, name: str, ds_config: str | None = None):
         # This launch's own identity (what fail_running matches), fresh for every start of `name`.
         self.island_id = f"{name}-{uuid.uuid4().hex[:8]}"
-        command = island_command(_run_root_url(config), name, config.train, free_port(), ds_config, self.island_id)
+        command = island_command(
+            _run_root_url(config), name, config.train, free_port(), ds_config, self.island_id, own_config_args(config)
+        )
         super().__init__(command, name, rank_threads(config.train, islands=True))
 
 
@@ -247,7 +283,9 @@ def _run_attempt(config: Config, round_index: int, path_id: str) -> tuple[int, l
         except Exception as exc:  # an in-process attempt fails like a launch would: recorded, retried
             log.exception("path %s failed in process", path_id)
             return 1, [f"{type(exc).__name__}: {exc}"]
-    command = launcher_command(_run_root_url(config), round_index, path_id, config.train, free_port())
+    command = launcher_command(
+        _run_root_url(config), round_index, path_id, config.train, free_port(), own_config_args(config)
+    )
     launch = Launch(command, path_id, rank_threads(config.train))
     return launch.wait(), launch.tail[-20:]
 

@@ -56,7 +56,9 @@ log = logging.getLogger("dipaco.queue")
 PLAN = "queue/plan.json"
 LEASES = "queue/leases"
 ISLANDS = "queue/islands"
-_ATTEMPT = re.compile(r"attempt-(\d{1,6})\.json")
+# An attempt number of any length a file name can hold (a stray attempt-999999.json once stalled
+# its task: the next name, attempt-1000000.json, was never listed again); no leading zeros.
+_ATTEMPT = re.compile(r"attempt-(0|[1-9][0-9]{0,999})\.json")
 # Claim order within a round: what unblocks other work first.
 KIND_ORDER = {"merge": 0, "commit": 1, "reroute": 2, "evalsum": 3, "train": 4, "eval": 5}
 STATES = ("running", "done", "failed", "released", "cancelled")
@@ -149,6 +151,17 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def finite_number(value) -> bool:
+    """_finite for the other readers of queue records (utilisation, the sweep's lanes)."""
+    return _finite(value)
+
+
+def attempt_number(name: str) -> int | None:
+    """attempt-<n>.json -> n (any length, no leading zeros), else None."""
+    match = _ATTEMPT.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
 def malformed(record: dict) -> str | None:
     """Why a lease record is not one a holder writes, or None."""
     state = record.get("state")
@@ -161,6 +174,10 @@ def malformed(record: dict) -> str | None:
     beats = record.get("beats", 0)
     if type(beats) is not int or beats < 0:
         return f"beats must be a count, got {shown(beats)}"
+    for key in ("finished_at", "running_s", "seconds"):  # written by holders when they end or beat
+        value = record.get(key)
+        if value is not None and not _finite(value):
+            return f"{key} must be a finite number, got {shown(value)}"
     return None
 
 
@@ -400,9 +417,11 @@ class TaskQueue:
         meanwhile is never overwritten back to running, nor this end by that beat."""
         try:
             current = self.root.read_versioned(rel)
-        except DipacoError:
+            record = json.loads(current.data)
+        except (DipacoError, ValueError):
             return False
-        return self.root.replace_if(rel, _record_bytes({**attempt.record, **fields}), current.version) is not None
+        record = record if isinstance(record, dict) else attempt.record
+        return self.root.replace_if(rel, _record_bytes({**record, **fields}), current.version) is not None
 
     def fail_running(self, island_id: str, reason: str) -> None:
         """Mark the running attempts of one island process (`island_id`, unique per process: a
@@ -435,8 +454,8 @@ class TaskQueue:
                     {"state": "released", "reason": reason, "finished_at": time.time() + self.clock_offset},
                 ):
                     released.append(name)
-            elif last.record.get("state") == "released" and float(last.record.get("finished_at", 0)) >= since:
-                released.append(name)
+            elif last.record.get("state") == "released" and float(last.record.get("finished_at") or 0) >= since:
+                released.append(name)  # finished_at checked by malformed(): a bad one made the record failed
         return released
 
     # -- readiness -----------------------------------------------------------------------------
@@ -583,8 +602,17 @@ class Lease:
         self._recent: deque[tuple[float, int]] = deque()  # (inner seconds, step) of the last reports
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._beat, daemon=True, name=f"lease-{task.name}")
+        self._thread = threading.Thread(target=self._heartbeat, daemon=True, name=f"lease-{task.name}")
         self._thread.start()
+
+    def _heartbeat(self) -> None:
+        """The heartbeat thread: any exception at all ends the lease as lost (the holder stops at its
+        next check), never a dead thread beside a lease that still looks held."""
+        try:
+            self._beat()
+        except BaseException as exc:  # noqa: BLE001 - a thread's last word: nothing may escape unreported
+            log.warning("heartbeat of %s died (%s: %s); giving up the lease", self.task.name, type(exc).__name__, exc)
+            self.lost.set()
 
     def _beat(self) -> None:
         interval = self.queue.lease_seconds / 4

@@ -353,7 +353,7 @@ def load_embedder(
         return embedders.TfidfEmbedder.load(root, directory)
     if name == "model":
         if config is None:
-            config = layout.read_run_config(root)
+            config = layout.read_run_config(root, uses_code=False)  # the model only
         try:
             return embedders.PathModelEmbedder.from_run(root, config, header["model_round"], header["model_path"])
         except ValueError as exc:  # a model_path that is no path of the grid

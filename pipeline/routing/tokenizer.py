@@ -8,6 +8,10 @@ the prepare job, and commits it as `tokenizer/tokenizer.json` in the run root. W
 steps with an 8,192-id BPE and reached lower bits per byte in the same time), and the DiPaCo paper
 trains its own 32k vocabulary too.
 
+`model.init_from` (a Hugging Face checkpoint) brings its own tokenizer, `model.tokenizer: hf`: its
+files (tokenizer.json and the special-token settings beside it) are committed under `tokenizer/` when
+the run is initialised (`commit_hf`), with the checkpoint's special tokens and EOS, and nothing is trained.
+
 Every stage (prepare, training, evaluation, the registry's pyfunc) loads the tokenizer through
 `load_tokenizer(root, kind)`, so they cut text into the same ids. `GPT2TokenizerFast(vocab_file=...,
 merges_file=...)` silently builds an empty vocabulary in transformers 5.23, so GPT-2's files go
@@ -35,13 +39,15 @@ if TYPE_CHECKING:
     from pipeline.state.storage import RunRoot
 
 TOKENIZER_NAME = "gpt2"
-KINDS = ("gpt2", "bpe")
+KINDS = ("gpt2", "bpe", "hf")
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 50256  # GPT-2's
 BPE_EOS_ID = 0  # a trained BPE's special tokens come first in its vocabulary
 VOCAB_SIZE = 50257
 BPE_MIN_VOCAB = 512  # 256 byte symbols + EOS, and room for merges worth training
 TOKENIZER_FILE = "tokenizer.json"
+# A checkpoint's tokenizer: tokenizer.json (a fast tokenizer) is required, the rest travel when present.
+HF_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 def _data_dir() -> Path:
@@ -119,10 +125,62 @@ def commit_bpe(root: "RunRoot", tokenizer: "Tokenizer", sample_docs: int) -> dic
     )
 
 
+def commit_hf(root: "RunRoot", source: Path) -> dict:
+    """A checkpoint's tokenizer files (model.init_from) -> `tokenizer/`, committed (its `_SUCCESS` last)."""
+    if not (source / TOKENIZER_FILE).is_file():
+        raise InputError(f"{source}: no {TOKENIZER_FILE}: model.init_from needs the checkpoint's fast tokenizer")
+    names = [name for name in HF_TOKENIZER_FILES if (source / name).is_file()]
+    for name in names:
+        root.write_bytes(f"{layout.TOKENIZER_DIR}/{name}", (source / name).read_bytes())
+    tokenizer = _hf_from_dir(str(source))
+    return root.commit(
+        layout.TOKENIZER_DIR,
+        info={
+            "kind": "hf",
+            "vocab_size": len(tokenizer),
+            "eos_token": tokenizer.eos_token,
+            "sha256": hashlib.sha256((source / TOKENIZER_FILE).read_bytes()).hexdigest(),
+        },
+        files=names,
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def _hf_from_dir(directory: str) -> PreTrainedTokenizerFast:
+    """A checkpoint's fast tokenizer with its own special tokens (read from tokenizer_config.json;
+    no code of the checkpoint's is run: the class is always PreTrainedTokenizerFast)."""
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # tokenizers' Rust errors name no file
+        raise InputError(f"{directory}: cannot load the tokenizer ({str(exc)[:200]})") from None
+    if tokenizer.eos_token_id is None:
+        raise InputError(f"{directory}: the tokenizer has no EOS token (tokenizer_config.json eos_token)")
+    tokenizer.model_max_length = 1 << 30  # documents are whole; packing to seq_len happens in training
+    return tokenizer
+
+
+def _load_hf(root: "RunRoot") -> PreTrainedTokenizerFast:
+    """The checkpoint's tokenizer committed under `tokenizer/`, read through its checksums."""
+    import tempfile
+
+    if not root.is_committed(layout.TOKENIZER_DIR):
+        raise InputError(f"{root.path(layout.TOKENIZER_DIR)}: no committed tokenizer (model.init_from commits it)")
+    if root.is_local:
+        root.verify(layout.TOKENIZER_DIR)
+        return _hf_from_dir(root.path(layout.TOKENIZER_DIR))
+    local = Path(tempfile.mkdtemp(prefix="dipaco-tokenizer-"))
+    for name in HF_TOKENIZER_FILES:
+        if root.exists(f"{layout.TOKENIZER_DIR}/{name}"):
+            (local / name).write_bytes(bytes(root.read_committed(layout.TOKENIZER_DIR, name)))
+    return _hf_from_dir(str(local))
+
+
 def load_tokenizer(root: "RunRoot | None" = None, kind: str = "gpt2") -> PreTrainedTokenizerFast:
-    """The tokenizer of a run: GPT-2's, or the BPE committed under the run root's `tokenizer/`."""
+    """The tokenizer of a run: GPT-2's, or the BPE (or a checkpoint's) committed under the run root's `tokenizer/`."""
     if kind == "gpt2":
         return gpt2_tokenizer()
+    if kind == "hf" and root is not None:
+        return _load_hf(root)
     if kind != "bpe":
         raise InputError(f"unknown tokenizer {kind!r} (known: {', '.join(KINDS)})")
     if root is None:
@@ -175,10 +233,19 @@ def token_byte_lengths(tokenizer: PreTrainedTokenizerFast, size: int) -> np.ndar
     what bits per byte divides by."""
     lengths = np.zeros(size, dtype=np.int64)
     special = set(tokenizer.all_special_tokens)
+    byte_level = type(tokenizer.backend_tokenizer.decoder).__name__ == "ByteLevel"
     for token, index in tokenizer.get_vocab().items():
         if index < size and token not in special:
-            lengths[index] = len(token)
+            lengths[index] = len(token) if byte_level else _piece_bytes(token)
     return lengths
+
+
+def _piece_bytes(token: str) -> int:
+    """UTF-8 bytes of a SentencePiece-style token (a checkpoint's, model.init_from): `<0x0A>` is one
+    byte (byte fallback), `▁` a space."""
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        return 1
+    return len(token.replace("\u2581", " ").encode("utf-8"))
 
 
 def describe(root: "RunRoot", kind: str) -> dict:
@@ -186,4 +253,4 @@ def describe(root: "RunRoot", kind: str) -> dict:
     if kind == "gpt2":
         return {"kind": "gpt2", "vocab_size": VOCAB_SIZE}
     marker = root.marker(layout.TOKENIZER_DIR)
-    return {"kind": "bpe", "vocab_size": marker.get("vocab_size"), "sha256": marker.get("sha256")}
+    return {"kind": kind, "vocab_size": marker.get("vocab_size"), "sha256": marker.get("sha256")}

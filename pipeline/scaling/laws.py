@@ -330,7 +330,8 @@ def analyse_group(key: tuple[str, int], members: list[dict], draws: int, seed: i
     for p in members:
         by_size[p["N"]].append(p)
     best = [min(by_size[n], key=lambda p: p["bits_per_byte"]) for n in sorted(by_size)]
-    sizes = [{"N": p["N"], "bits_per_byte": p["bits_per_byte"], "point": p["id"], "hyper": p["hyper"]} for p in best]
+    keep = ("N", "bits_per_byte", "hyper", "values")  # values: its axes, model ones too (a holdout's last source)
+    sizes = [{"point": p["id"], **{k: p.get(k) for k in keep}} for p in best]
     law = fit_law([p["N"] for p in best], [p["bits_per_byte"] for p in best], draws, seed)
     optima = {}
     for name in sorted({k for p in members for k in p["hyper"]}):

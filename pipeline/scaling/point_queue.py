@@ -17,12 +17,11 @@ attempts' records (island, seconds) are the sweep's utilisation accounting (`lan
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 from pipeline.core.config import Config
 from pipeline.islands.island import new_island_id
-from pipeline.islands.task_queue import LEASES, Lease, Task, TaskQueue
+from pipeline.islands.task_queue import LEASES, Lease, Task, TaskQueue, finite_number
 from pipeline.state.storage import RunRoot
 
 log = logging.getLogger("dipaco.sweep")
@@ -108,10 +107,10 @@ def lane_utilisation(queue: PointQueue, point_ids: list[str], lanes: int, since:
     for point_id in point_ids:
         for attempt in queue.attempts(point_task(point_id)):
             record = attempt.record
-            took = record.get("seconds")
-            if not isinstance(took, (int, float)) or not math.isfinite(took):
-                continue
-            if float(record.get("claimed_at", 0)) - queue.clock_offset < since:
+            took, claimed = record.get("seconds"), record.get("claimed_at")
+            if not finite_number(took) or not finite_number(claimed):
+                continue  # a malformed record: the queue counted it failed and warned, naming the file
+            if float(claimed) - queue.clock_offset < since:
                 continue  # an earlier invocation's
             if attempt.state == "done":
                 busy += float(took)

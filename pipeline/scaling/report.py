@@ -79,6 +79,12 @@ def format_report(report: dict) -> str:
             f"error {h['error']:+.4f} ({100 * h['relative_error']:+.1f}%), {inside} the interval "
             f"[{_num(h['interval'][0])}, {_num(h['interval'][1])}]"
         )
+        if "H" in h:  # fit.json written before the holdout recorded its settings has none
+            sources = ", ".join(f"{k} {_num(h['values'][k])}: {how}" for k, how in h["sources"].items())
+            lines.append(
+                f"  trained at N = {_n(h['N'])}, H {h['H']}, M {h['M']}, outer lr {_num(h['outer_lr'])}: "
+                f"{h['rounds']} round(s), {h['steps']:,} steps, {h['tokens']:,} tokens per path ({sources})"
+            )
     lines.append(f"fit: {report['fit_file']}; plots: {', '.join(fit['plots'])} and points.csv beside it")
     return "\n".join(lines)
 

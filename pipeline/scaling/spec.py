@@ -26,7 +26,8 @@ D / tokens per step (micro batch x seq_len x accumulation x workers x ranks) inn
 rounded so that the M workers' steps together are a multiple of lcm(H values) x lcm(M values) (each
 lcm when it is at most 8 x the largest value, else the point's own): every point of one size trains
 the same tokens whatever its algorithm, M and H, in whole rounds. steps: that many inner steps per
-worker, rounded to a multiple of lcm(H values). rounds = steps / H.
+worker, rounded to a multiple of lcm(H values). rounds = steps / H. A point whose budget is less
+than one round of its H (before rounding) is refused, naming its size and the budget.
 
 Everything here is checked before torch loads: an unknown key or an empty axis is refused with one
 line naming the key and the file, and every point's config is built and validated up front.
@@ -306,13 +307,17 @@ CONFIG_KEYS = frozenset(flatten(Config().to_dict()))
 
 
 # -- the points -----------------------------------------------------------------------------------
-def expand(sweep: Sweep) -> list[Point]:
+def expand(sweep: Sweep, fixed: dict[str, Any] | None = None, prefix: str = "") -> list[Point]:
     """Every point of the grid, in the file's order, each config built and validated; sync points
-    that differ only in keys sync ignores are one point."""
-    names, units = list(sweep.axes), sweep_units(sweep)
+    that differ only in keys sync ignores are one point. `fixed` values replace their axes (or join
+    every point, after the axes): the points a --verify holdout can be, checked before anything trains."""
+    fixed = fixed or {}
+    axes = {**sweep.axes, **{k: [v] for k, v in fixed.items() if k in sweep.axes}}
+    extra = {k: v for k, v in fixed.items() if k not in axes}
+    names, units = list(axes), sweep_units(sweep)
     points: dict[str, Point] = {}
-    for combo in itertools.product(*(sweep.axes[n] for n in names)):
-        point = make_point(sweep, dict(zip(names, combo)), units)
+    for combo in itertools.product(*(axes[n] for n in names)):
+        point = make_point(sweep, {**dict(zip(names, combo)), **extra}, units, prefix)
         points.setdefault(point.id, point)
     return list(points.values())
 
@@ -359,6 +364,7 @@ def make_point(sweep: Sweep, values: dict[str, Any], units: Units | None = None,
         keys["train.workers_per_path"] = M
     config = build_config(sweep, {**sweep.settings, **keys}, point_id)
     n = non_embedding_params(config)
+    check_one_round(sweep, config, n, named, point_id)
     steps = budget_steps(sweep, config, n, M, units)
     rounds = steps // config.train.inner_steps
     keys.update(
@@ -453,9 +459,39 @@ def budget_steps(sweep: Sweep, config: Config, n: int, m: int, units: Units) -> 
 
 
 def _unit(values: tuple[int, ...], own: int) -> int:
-    """The lcm of a sweep's values, unless it is over LCM_LIMIT x the largest: then the point's own."""
+    """The lcm of a sweep's values and the point's own (a holdout's asked H need not be one of
+    them), unless it is over LCM_LIMIT x the largest: then the point's own."""
+    values = (*values, own) if own not in values else values
     unit = math.lcm(*values)
     return own if unit > LCM_LIMIT * max(values) else unit
+
+
+def steps_per_worker(sweep: Sweep, config: Config, n: int) -> float:
+    """The budget's inner steps per worker before rounding to whole rounds."""
+    if "steps" in sweep.budget:
+        return float(sweep.budget["steps"])
+    return sweep.budget["tokens_per_param"] * n / tokens_per_step(config)
+
+
+def check_one_round(sweep: Sweep, config: Config, n: int, values: dict[str, Any], point_id: str) -> None:
+    """A budget under one round of the point's H is refused, naming the size and the budget: rounding
+    it up to a round would train a point on more tokens than the law it joins (or checks) assumes."""
+    steps, h = steps_per_worker(sweep, config, n), config.train.inner_steps
+    if steps >= h:
+        return
+    size = ", ".join(f"{k}={_value_text(v)}" for k, v in values.items() if k.startswith("model."))
+    size = f"{size} (N = {n:,})" if size else f"N = {n:,}"
+    budget = (
+        f"steps {sweep.budget['steps']}"
+        if "steps" in sweep.budget
+        else f"tokens_per_param {sweep.budget['tokens_per_param']:g} ({sweep.budget['tokens_per_param'] * n:,.0f} "
+        f"tokens per path)"
+    )
+    raise ConfigError(
+        f"{sweep.source}: point {point_id}: {size} is too small for the budget: {budget} gives "
+        f"{steps:.1f} inner steps per worker, less than one round of H = {h}; give a larger size or budget, "
+        f"or a smaller train.inner_steps"
+    )
 
 
 def assignments(items: list[str], sweep: Sweep, flag: str = "--predict") -> dict[str, Any]:

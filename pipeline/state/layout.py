@@ -13,12 +13,34 @@ from models.grid import ModuleKey
 RUN_CONFIG = "run.yaml"
 
 
-def read_run_config(root):
+def read_run_config(root, own=None, ds_config: str | None = None, uses_code: bool = True):
     """The run's validated config (run.yaml), read with the config file's size bound: every stage,
-    island and rank that starts from a run root reads it this one way."""
-    from pipeline.core.config import MAX_CONFIG_BYTES, config_from_yaml
+    island and rank that starts from a run root reads it this one way.
 
-    return config_from_yaml(root.read_bytes(RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES), root.path(RUN_CONFIG))
+    The run root is a trust boundary (docs/security.md): whoever can write it wrote run.yaml. So a
+    run.yaml reached through a symbolic link is refused, and its code-choosing keys (Beam runner
+    and options, extra runners, launcher, hostfile, ds_config) come from the reader's own command
+    line: `own` (its --config, a Config) and `ds_config` (its --ds-config), or must be what nobody
+    needs to trust (pipeline.core.config.from_run_root)."""
+    from pipeline.core.config import from_run_root
+
+    return from_run_root(_run_config_as_written(root), own, ds_config, uses_code)
+
+
+def read_run_yaml(root) -> bytes:
+    """run.yaml's bytes, bounded, refused when it is (or lies under) a symbolic link: its text is
+    logged to MLflow and bundled with the registered model, and a link would ship its target."""
+    from pipeline.core.config import MAX_CONFIG_BYTES
+
+    root.refuse_link(RUN_CONFIG)
+    return root.read_bytes(RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES)
+
+
+def _run_config_as_written(root):
+    """run.yaml parsed and validated, its code-choosing keys as written: read_run_config's input."""
+    from pipeline.core.config import config_from_yaml
+
+    return config_from_yaml(read_run_yaml(root), root.path(RUN_CONFIG))
 
 
 ROUTER_DIR = "router"

@@ -13,11 +13,12 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Iterator
+from typing import IO, Iterator
 
 from pipeline.core.bounds import SHOWN_CHARS, load_json, one_line, shown
 from pipeline.core.errors import CorruptStateError, InputError, RunLockedError, StorageError
@@ -49,7 +50,7 @@ def run_lock(root: RunRoot) -> Iterator[None]:
 def _flock(root: RunRoot) -> Iterator[None]:
     path = root.local_path(layout.LOCK)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+", errors="replace")
+    handle = _open_lock_file(path)
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -68,6 +69,25 @@ def _flock(root: RunRoot) -> Iterator[None]:
         yield
     finally:
         handle.close()  # closing releases the flock
+
+
+def _open_lock_file(path) -> IO[str]:
+    """The lock file, opened for update without following a link (O_NOFOLLOW) and refused when
+    it is a link or has a second name (a hard link): the lock record is written in place, and
+    through either it would overwrite a file outside the run root."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise CorruptStateError(
+            f"{path}: cannot open the run lock ({exc.strerror}); it must be a plain file, not a link"
+        ) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        raise CorruptStateError(
+            f"{path}: the run lock must be a plain file with one name; remove it if no dipaco run is live"
+        )
+    return open(fd, "a+", errors="replace")
 
 
 @contextmanager

@@ -17,7 +17,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
-from transformers import LlamaForCausalLM
 
 from models.grid import ModuleKey, all_modules, parse_path_id, path_modules
 from models.modular import ModelShape, ModuleState, build_path_model, initial_level_states, path_state, split_path_state
@@ -123,7 +122,7 @@ def level_shapes(shape: ModelShape) -> tuple[dict[str, tuple[int, ...]], ...]:
     """Every tensor name and shape a module of each level holds, from a model built on the meta
     device (no memory, and the caller's random state untouched)."""
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = LlamaForCausalLM(shape.llama_config())
+        model = shape.model_class(shape.llama_config())
     return tuple({k: tuple(t.shape) for k, t in level.items()} for level in split_path_state(shape, path_state(model)))
 
 

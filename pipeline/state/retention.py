@@ -8,6 +8,11 @@ modules and momentum, each path's newest inner optimizer state, which train_path
 alone), early stopping (the rounds eval/best.json picks, which a later champion bundles again)
 and a pending re-routing. The caller names those rounds; everything here is layout and files.
 
+Nothing here deletes through a symbolic link: every removal goes through RunRoot.remove, which
+refuses a path that resolves outside a local root (a round directory that is a link, a committed
+file listed under a linked subdirectory) and unlinks a link itself, never its target; sizes are
+counted without following links.
+
 Pruning keeps every directory honest: a directory loses its `_SUCCESS` before its files (modules,
 momentum), or its marker is rewritten to list only what stays before the rest goes (a path keeps
 metrics.json and its inner state), so a crash never leaves a marker that names a missing file.
@@ -15,6 +20,7 @@ metrics.json and its inner state), so a crash never leaves a marker that names a
 
 from __future__ import annotations
 
+import os
 import posixpath
 
 from pipeline.state import layout
@@ -33,6 +39,7 @@ def prune_round(root: RunRoot, round_index: int, jobs: list[str]) -> int:
     freed = 0
     for rel in (layout.modules_dir(round_index), layout.outer_state_dir(round_index)):
         if root.exists(rel):
+            root.check_inside(rel, follow_last=True)  # a linked round directory is refused, naming it
             freed += _size(root, rel)
             root.remove(posixpath.join(rel, SUCCESS))  # no longer committed, then gone
             root.remove(rel)
@@ -44,19 +51,42 @@ def prune_round(root: RunRoot, round_index: int, jobs: list[str]) -> int:
         gone = [name for name in marker["files"] if name not in PATH_KEEPS]
         if not gone:
             continue
+        for name in gone:  # refused before the marker changes or anything goes, naming the file
+            root.check_inside(posixpath.join(rel, name))
         info = {k: v for k, v in marker.items() if k != "files"}
         root.commit(rel, info={**info, "pruned": True}, files=[n for n in marker["files"] if n in PATH_KEEPS])
         for name in gone:
             full = posixpath.join(rel, name)
             if root.exists(full):
-                freed += root.fs.size(root.path(full))
+                freed += _size(root, full)
                 root.remove(full)
         root.remove(posixpath.join(rel, "outer_grad"))
     return freed
 
 
 def _size(root: RunRoot, rel: str) -> int:
-    return sum(root.fs.size(root.path(rel, name)) for name in root.files_under(rel))
+    """Bytes below `rel` (a file's own size): on a local root the files really there, links
+    counted as links and never followed (a link to `/` or to the root itself must not make this
+    walk the machine or loop)."""
+    if not root.is_local:
+        if root.fs.isfile(root.path(rel)):
+            return root.fs.size(root.path(rel))
+        return sum(root.fs.size(root.path(rel, name)) for name in root.files_under(rel))
+    top = root.path(rel) if rel else root.path()
+    try:
+        info = os.lstat(top)
+    except OSError:
+        return 0
+    if not os.path.isdir(top) or os.path.islink(top):
+        return info.st_size
+    total = 0
+    for base, _dirs, files in os.walk(top):  # followlinks=False: a linked directory is not entered
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(base, name)).st_size
+            except OSError:  # removed meanwhile
+                pass
+    return total
 
 
 def run_root_size(root: RunRoot) -> int:

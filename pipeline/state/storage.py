@@ -41,11 +41,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.core.bounds import MAX_STATE_JSON_BYTES, load_json
 from pipeline.core.errors import CorruptStateError, InputError, StorageError
+from pipeline.state.store import TMP_TAG as _TMP_TAG
 from pipeline.state.store import Store, Versioned, retrying, store_for
 
 SUCCESS = "_SUCCESS"
 T, R = TypeVar("T"), TypeVar("R")
-_TMP_TAG = ".tmp-"
 # Fault injection for the crash tests: the process kills itself (SIGKILL, like `kill -9`) right
 # before its N-th file write, so a test can crash a stage at an exact point. Unset: no effect.
 _KILL_BEFORE_WRITE = int(os.environ.get("DIPACO_FAULT_KILL_BEFORE_WRITE", "0"))
@@ -92,12 +92,16 @@ def safe_relative(name: str, where: str) -> str:
 IO_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
-def map_io(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """[fn(item) for item in items] on IO_THREADS threads, in order; the first error is raised."""
+# An object store's requests wait on the network, not on a core: many at once.
+OBJECT_IO_THREADS = 16
+
+
+def map_io(fn: Callable[[T], R], items: Iterable[T], threads: int = IO_THREADS) -> list[R]:
+    """[fn(item) for item in items] on `threads` threads, in order; the first error is raised."""
     items = list(items)
-    if IO_THREADS == 1 or len(items) < 2:
+    if threads == 1 or len(items) < 2:
         return [fn(item) for item in items]
-    with ThreadPoolExecutor(min(IO_THREADS, len(items))) as pool:
+    with ThreadPoolExecutor(min(threads, len(items))) as pool:
         return list(pool.map(fn, items))
 
 
@@ -147,6 +151,8 @@ class RunRoot:
         self.fs, self.root = fsspec.core.url_to_fs(self.url)  # options: fsspec's config (store.configure)
         self.is_local = isinstance(self.fs, LocalFileSystem)
         self.store: Store = store_for(self.fs)
+        self._written: dict[str, tuple[str, dict[str, Any]]] = {}  # object stores: full path -> (version, record)
+        self.io_threads = IO_THREADS if self.is_local else OBJECT_IO_THREADS
 
     def __repr__(self) -> str:
         return f"RunRoot({self.url!r})"
@@ -156,10 +162,39 @@ class RunRoot:
         return posixpath.join(self.root, *parts) if parts else self.root
 
     def local_path(self, *parts: str) -> Path:
-        """A path usable with plain open(); only for local roots (DeepSpeed, SQLite need one)."""
+        """A path usable with plain open(); only for local roots (DeepSpeed, SQLite need one). What
+        DeepSpeed or SQLite then write there follows links, so a path that resolves outside the
+        root (itself or a directory on the way a symbolic link) is refused (check_inside)."""
         if not self.is_local:
             raise InputError(f"{self.url}: this operation needs a local run root")
+        if parts:
+            self.check_inside(posixpath.join(*parts), follow_last=True)
         return Path(self.path(*parts))
+
+    def check_inside(self, rel: str, follow_last: bool = False) -> str:
+        """The full path of `rel`, refused (CorruptStateError naming it) on a local root when the
+        directory holding it resolves outside the root: no write or delete inside a run root
+        follows a symbolic link out of it (docs/security.md). The name itself is not followed (a
+        rename replaces a link, a removal unlinks it) unless `follow_last`. Object stores have no
+        links: the path is returned as is."""
+        full = self.path(rel)
+        if not self.is_local or not rel.strip("/"):
+            return full
+        top = os.path.normpath(self.root)
+        if not os.path.normpath(full).startswith(top + os.sep):
+            raise CorruptStateError(f"{full}: lies outside the run root {self.root}; refusing to write or remove it")
+        probe = os.path.normpath(full) if follow_last else os.path.dirname(os.path.normpath(full))
+        while probe.startswith(top + os.sep) and not os.path.lexists(probe):
+            probe = os.path.dirname(probe)  # a missing part holds no link; a dangling link exists
+        if not probe.startswith(top + os.sep):
+            return full  # nothing below the root on the way exists yet (or `rel` is the root)
+        base, real = os.path.realpath(top), os.path.realpath(probe)
+        if real != base and not real.startswith(base.rstrip(os.sep) + os.sep):
+            raise CorruptStateError(
+                f"{full}: resolves outside the run root {self.root} (through a symbolic link); "
+                f"refusing to write or remove it"
+            )
+        return full
 
     # -- reading -------------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
@@ -216,7 +251,7 @@ class RunRoot:
         return bool(self._conditional(rel, lambda path: self.store.delete_if(path, version)))
 
     def _conditional(self, rel: str, op: Callable[[str], R]) -> R:
-        full = self.path(rel)
+        full = self.check_inside(rel)  # a local root: never through a link out of it
         _fault_point(full)
         try:
             return op(full)
@@ -241,7 +276,9 @@ class RunRoot:
                 return []
 
         found = self._io(names, rel)
-        return sorted(n for n in found if _TMP_TAG not in n and n != posixpath.basename(full.rstrip("/")))
+        if not self.is_local:  # some stores list a "directory" placeholder object under its own name
+            found = [n for n in found if n != posixpath.basename(full.rstrip("/"))]
+        return sorted(n for n in found if _TMP_TAG not in n)
 
     def glob(self, pattern: str) -> list[str]:
         """Relative paths matching a glob under the root, sorted, temporaries excluded."""
@@ -260,7 +297,7 @@ class RunRoot:
         An object store has no rename, and needs none: the filled bytes go up in one PUT."""
 
         def make(tmp: str) -> None:
-            with open(tmp, "wb") as handle:
+            with open(tmp, "xb") as handle:  # a fresh file, never one a link points at
                 fill(handle)
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -268,7 +305,8 @@ class RunRoot:
         if not self.is_local:
             buffer = io.BytesIO()
             fill(buffer)
-            return self._put_object(rel, lambda full: self.store.write(full, buffer.getvalue()))
+            data = buffer.getvalue()
+            return self._put_object(rel, lambda full: self._remember(full, self.store.write(full, data), data=data))
         return self._put(rel, make)
 
     def _put_object(self, rel: str, put: Callable[[str], Any], state: bool = True) -> str:
@@ -286,7 +324,7 @@ class RunRoot:
         """`make` a file at a temporary name, then rename it over `rel`; returns the full path.
         A failure leaves the old file (or none) and raises StorageError naming the file, never a
         half-written one. Only `state` writes are fault-injection points (see write_note)."""
-        final = self.path(rel)
+        final = self.check_inside(rel)
         if state:
             _fault_point(final)
         tmp = f"{final}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -329,15 +367,18 @@ class RunRoot:
         """Upload (or copy) a local file into the root, atomically, streaming it in blocks (in parts
         to an object store, where the object appears only once every part is in)."""
         if not self.is_local:
-            self._put_object(rel, lambda full: self.store.upload(str(local), full))
+            self._put_object(rel, lambda full: self._remember(full, self.store.upload(str(local), full), local=local))
             return
         with open(local, "rb") as src:
             self._replace(rel, lambda handle: shutil.copyfileobj(src, handle, 1 << 22))
 
     def put_dir(self, local_dir: str | Path, rel: str) -> None:
-        for file in sorted(Path(local_dir).rglob("*")):
-            if file.is_file():
-                self.put_file(file, posixpath.join(rel, file.relative_to(local_dir).as_posix()))
+        files = [file for file in sorted(Path(local_dir).rglob("*")) if file.is_file()]
+        map_io(
+            lambda file: self.put_file(file, posixpath.join(rel, file.relative_to(local_dir).as_posix())),
+            files,
+            self.io_threads,
+        )
 
     def get_dir(self, rel: str, local_dir: str | Path) -> None:
         """Copy a committed directory to a local one: only the files its `_SUCCESS` lists, each
@@ -350,7 +391,13 @@ class RunRoot:
             target.write_bytes(self.read_committed(rel, name))
 
     def remove(self, rel: str) -> None:
-        full = self.path(rel)
+        """Remove a file or a directory tree; on a local root only what is really inside it: a
+        path reached through a symbolic link is refused, a link itself is unlinked (its target
+        stays), and the tree's removal (shutil.rmtree) unlinks the links it meets."""
+        full = self.check_inside(rel)
+        if self.is_local and os.path.islink(full):
+            os.unlink(full)
+            return
 
         def rm() -> None:
             try:
@@ -386,13 +433,19 @@ class RunRoot:
         (copy_committed's links): the same bytes on disk, so their records are taken, not read again."""
         names = self.files_under(rel) if files is None else sorted(files)
         linked = {n: r for n, r in (linked or {}).items() if r is not None}
-        records = {n: linked[n] if n in linked else self._file_record(posixpath.join(rel, n)) for n in names}
+        found = map_io(
+            lambda n: linked[n] if n in linked else self._file_record(posixpath.join(rel, n)), names, self.io_threads
+        )
+        records = dict(zip(names, found))
         record = {"committed_at": time.time(), "files": records, **(info or {})}
         self.write_json(posixpath.join(rel, SUCCESS), record)
         return record
 
     def is_committed(self, rel: str) -> bool:
-        return self.exists(posixpath.join(rel, SUCCESS))
+        marker = posixpath.join(rel, SUCCESS)
+        if self.is_local:
+            return self.exists(marker)
+        return self.store.version(self.path(marker), metadata_only=True) is not None  # one HEAD, no listing
 
     def marker(self, rel: str) -> dict[str, Any]:
         """The _SUCCESS record of a committed directory (refused when it is missing or malformed)."""
@@ -449,6 +502,27 @@ class RunRoot:
         self.write_bytes(rel, self.read_committed(rel_dir, name))
         return None
 
+    def _clear_debris(self, final: str) -> bool:
+        """Local publish_dir: move aside what sits uncommitted at `final` (a crashed writer's leftovers,
+        which made every attempt's rename fail) and remove it; False when it turned out to be a
+        publisher's committed output after all (put back: the first publisher won)."""
+        aside = f"{final}{_TMP_TAG}debris-{uuid.uuid4().hex[:8]}"  # a temporary name: no listing shows it
+        try:
+            os.rename(self.check_inside(final), self.check_inside(aside))  # atomic: no publisher's rename interleaves
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            raise StorageError(f"{self.path(final)}: cannot clear what is in the way ({exc.strerror})") from None
+        if not os.path.islink(self.path(aside)) and self.is_committed(aside):
+            os.rename(self.path(aside), self.path(final))
+            return False
+        self.remove(aside)
+        return True
+
+    def refuse_link(self, rel: str) -> None:
+        """Refuse a file of a local root that is, or lies under, a symbolic link (run.yaml's read)."""
+        self._refuse_link("", rel)
+
     def _refuse_link(self, rel_dir: str, name: str) -> None:
         """Refuse a committed file reached through a symbolic link anywhere below the root: pipeline
         state is plain files, and a link would read (and ship) whatever it points at."""
@@ -472,12 +546,22 @@ class RunRoot:
         for name in self.marker(rel)["files"]:
             self.read_committed(rel, name)
 
+    def _remember(self, full: str, version: str | None, data: bytes | None = None, local: Any = None) -> None:
+        """An object store: the record of what this process just wrote, with the version the store
+        gave it, so a commit need not download the file again to checksum it (see _file_record)."""
+        if version:
+            self._written[full] = (version, checksum_bytes(data) if data is not None else checksum_file(local))
+
     def _file_record(self, rel: str) -> dict[str, Any]:
         """From the bytes on disk, never from what this process believes it wrote: two writers of
         one directory (a paused island that lost its lease, and its successor) once committed a
         marker that matched neither file, and every later read of the directory failed."""
         if self.is_local:
             return checksum_file(self.path(rel))
+        full = self.path(rel)
+        written = self._written.pop(full, None)
+        if written is not None and self.store.version(full, metadata_only=True) == written[0]:
+            return written[1]  # the store still holds the very version we wrote: its bytes are the ones we summed
         return checksum_bytes(self.read_bytes(rel))
 
     # -- publishing ----------------------------------------------------------------------------
@@ -492,15 +576,20 @@ class RunRoot:
         if not self.is_committed(staged):
             raise CorruptStateError(f"{self.path(staged)}: refusing to publish a directory that is not committed")
         if self.is_local:
-            target = self.local_path(final)
+            target = Path(self.check_inside(final))  # a link there is debris like any other: renamed, not followed
             target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.rename(self.local_path(staged), target)
-                return True
-            except OSError as exc:
-                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) or self.is_committed(final):
-                    return False
-                raise StorageError(f"{target}: cannot publish {self.path(staged)} ({exc.strerror})") from None
+            for _ in range(2):
+                try:
+                    os.rename(self.local_path(staged), target)
+                    return True
+                except OSError as exc:
+                    if self.is_committed(final):
+                        return False
+                    if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                        raise StorageError(f"{target}: cannot publish {self.path(staged)} ({exc.strerror})") from None
+                    if not self._clear_debris(final):
+                        return False
+            return False
         token = f"{final}.published"
         won = self.create(token, json.dumps({"staged": staged}).encode()) is not None
         if not self.is_committed(final):
@@ -510,10 +599,14 @@ class RunRoot:
                 found = self._io(lambda: self.fs.find(self.path(source)), source)
                 names = [p[len(base) :] for p in found if p.startswith(base)]
                 names = sorted(n for n in names if n != SUCCESS and _TMP_TAG not in n)  # nested markers too
-                map_io(lambda name: self._copy(posixpath.join(source, name), posixpath.join(final, name)), names)
+                map_io(
+                    lambda name: self._copy(posixpath.join(source, name), posixpath.join(final, name)),
+                    names,
+                    self.io_threads,
+                )
                 self._copy(posixpath.join(source, SUCCESS), posixpath.join(final, SUCCESS))  # the marker last
         return won
 
     def _copy(self, src_rel: str, dst_rel: str) -> None:
         """A server-side copy on an object store (CopyObject: no byte passes through this host)."""
-        self._put_object(dst_rel, lambda full: retrying(lambda: self.fs.copy(self.path(src_rel), full), full))
+        self._put_object(dst_rel, lambda full: retrying(lambda: self.fs.cp_file(self.path(src_rel), full), full))

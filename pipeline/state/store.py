@@ -57,7 +57,7 @@ log = logging.getLogger("dipaco.store")
 T = TypeVar("T")
 
 RETRY_S = 60.0  # how long a transient error is retried before it is a StorageError
-_TMP_TAG = ".tmp-"
+TMP_TAG = ".tmp-"  # a file being written (a disk only): never listed, never read
 # Object-store options a run may set: everything the filesystem's constructor takes, except what
 # belongs in the standard credential places (never in run.yaml, which is logged and shared).
 SECRET_OPTIONS = frozenset(
@@ -127,6 +127,12 @@ def check_options(proto: str, options: dict[str, Any], source: str) -> None:
             raise ConfigError(
                 f"{source}: storage.options.{key} is a credential; give it in the environment "
                 f"(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, or the GCS default credentials), "
+                f"never in the config"
+            )
+    for key, value in options.items():
+        if isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+            raise ConfigError(
+                f"{source}: storage.options.{key} carries credentials in its URL; give them in the environment, "
                 f"never in the config"
             )
     if not options:
@@ -232,10 +238,10 @@ class Store(ABC):
     def write(self, path: str, data: bytes) -> str:
         """Replace the file atomically; returns its new version."""
 
-    def upload(self, local: str, path: str) -> None:
-        """A local file into the store, atomically (multipart on object stores)."""
+    def upload(self, local: str, path: str) -> str | None:
+        """A local file into the store, atomically (multipart on object stores); its version."""
         with open(local, "rb") as handle:
-            self.write(path, handle.read())
+            return self.write(path, handle.read())
 
     @abstractmethod
     def read(self, path: str, max_bytes: int | None = None) -> Versioned:
@@ -253,7 +259,22 @@ class Store(ABC):
     def delete_if(self, path: str, version: str) -> bool:
         """Delete the file only if it is still `version`."""
 
-    def version(self, path: str) -> str | None:
+    @staticmethod
+    def _unless_refused(op: Callable[[], T]) -> T | None:
+        """op()'s result, or None when the store refused its condition (the version changed, the
+        file exists already, or it is gone)."""
+        try:
+            return op()
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - a refused condition is an answer, anything else is raised
+            if _precondition_failed(exc) or error_code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise
+
+    def version(self, path: str, metadata_only: bool = False) -> str | None:
+        """The file's current version, or None when absent; `metadata_only`: without its bytes
+        where the store can (a HEAD), at the cost of a listing-level view on stores that cannot."""
         try:
             return self.read(path).version
         except FileNotFoundError:
@@ -320,7 +341,7 @@ class LocalStore(Store):
             os.unlink(path)
             return True
 
-    def version(self, path: str) -> str | None:
+    def version(self, path: str, metadata_only: bool = False) -> str | None:
         return self._current(path)
 
     def _current(self, path: str) -> str | None:
@@ -336,7 +357,7 @@ class LocalStore(Store):
     @staticmethod
     def _tmp(path: str) -> str:
         os.makedirs(posixpath.dirname(path), exist_ok=True)
-        return f"{path}{_TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        return f"{path}{TMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     @staticmethod
     def _fill(tmp: str, data: bytes) -> None:
@@ -368,6 +389,7 @@ class S3Store(Store):
 
     kind = "s3"
     MULTIPART_ABOVE = 64 << 20  # s3fs uploads larger files in parts; the object appears when they complete
+    PART_BYTES = 50 << 20  # s3fs's default part size (a file under two parts goes up in one PUT)
 
     def _split(self, path: str) -> tuple[str, str]:
         bucket, key, _ = self.fs.split_path(path)
@@ -384,8 +406,18 @@ class S3Store(Store):
             return ""
         return self.retrying(lambda: self._put(path, data), path)
 
-    def upload(self, local: str, path: str) -> None:
-        self.retrying(lambda: self.fs.put_file(local, path), path)
+    def upload(self, local: str, path: str) -> str | None:
+        self.retrying(lambda: self.fs.put_file(local, path, chunksize=self.PART_BYTES), path)
+        return self.version(path, metadata_only=True)
+
+    def version(self, path: str, metadata_only: bool = False) -> str | None:
+        if not metadata_only:
+            return super().version(path)
+        bucket, key = self._split(path)
+        try:
+            return str(self.retrying(lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=key), path)["ETag"])
+        except FileNotFoundError:
+            return None
 
     def read(self, path: str, max_bytes: int | None = None) -> Versioned:
         bucket, key = self._split(path)
@@ -408,34 +440,19 @@ class S3Store(Store):
         return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
 
     def create(self, path: str, data: bytes) -> str | None:
-        try:
-            return self.retrying(lambda: self._put(path, data, IfNoneMatch="*"), path)
-        except Exception as exc:  # noqa: BLE001
-            if _precondition_failed(exc):
-                return None
-            raise
+        return self._unless_refused(lambda: self.retrying(lambda: self._put(path, data, IfNoneMatch="*"), path))
 
     def replace_if(self, path: str, data: bytes, version: str) -> str | None:
-        try:
-            return self.retrying(lambda: self._put(path, data, IfMatch=version), path)
-        except FileNotFoundError:
-            return None
-        except Exception as exc:  # noqa: BLE001
-            if _precondition_failed(exc) or error_code(exc) in ("NoSuchKey", "404"):
-                return None
-            raise
+        return self._unless_refused(lambda: self.retrying(lambda: self._put(path, data, IfMatch=version), path))
 
     def delete_if(self, path: str, version: str) -> bool:
         bucket, key = self._split(path)
-        try:
-            self.retrying(lambda: self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version), path)
+
+        def delete() -> bool:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=version)
             return True
-        except FileNotFoundError:
-            return False
-        except Exception as exc:  # noqa: BLE001
-            if _precondition_failed(exc) or error_code(exc) in ("NoSuchKey", "404"):
-                return False
-            raise
+
+        return bool(self._unless_refused(lambda: self.retrying(delete, path)))
 
 
 class GCSStore(Store):
@@ -488,21 +505,11 @@ class GCSStore(Store):
 
         return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
 
-    def _conditional(self, op: Callable[[], T]) -> T | None:
-        try:
-            return op()
-        except FileNotFoundError:
-            return None
-        except Exception as exc:  # noqa: BLE001
-            if _precondition_failed(exc):
-                return None
-            raise
-
     def create(self, path: str, data: bytes) -> str | None:
-        return self._conditional(lambda: self._upload(path, data, "0"))
+        return self._unless_refused(lambda: self._upload(path, data, "0"))
 
     def replace_if(self, path: str, data: bytes, version: str) -> str | None:
-        return self._conditional(lambda: self._upload(path, data, version))
+        return self._unless_refused(lambda: self._upload(path, data, version))
 
     def delete_if(self, path: str, version: str) -> bool:
         bucket, key, _ = self.fs.split_path(path)
@@ -511,7 +518,7 @@ class GCSStore(Store):
             fsspec.asyn.sync(self.fs.loop, self.fs._call, "DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
             return True
 
-        return bool(self._conditional(lambda: self.retrying(delete, path)))
+        return bool(self._unless_refused(lambda: self.retrying(delete, path)))
 
 
 class MemoryStore(Store):

@@ -97,7 +97,7 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
     _skip_type_hint_validation = True
 
     def load_context(self, context) -> None:
-        from pipeline.core.config import config_from_dict
+        from pipeline.core.config import config_from_dict, from_run_root
         from pipeline.routing.router import Router
         from pipeline.routing.tokenizer import load_tokenizer
 
@@ -109,7 +109,13 @@ class DipacoModel(mlflow.pyfunc.PythonModel):
         # The bundle is the run root now; the DeepSpeed template travels with it (validation needs it).
         raw["run_root"] = str(bundle)
         raw.setdefault("train", {})["ds_config"] = str(bundle / BUNDLE_DS_CONFIG)
-        self.config = config_from_dict(raw, str(bundle / layout.RUN_CONFIG))
+        # Whoever can write the MLflow server wrote this run.yaml: its code-choosing keys are not
+        # used (serving runs no Beam job and launches nothing), the defaults stand in for them.
+        self.config = from_run_root(
+            config_from_dict(raw, str(bundle / layout.RUN_CONFIG)),
+            ds_config=str(bundle / BUNDLE_DS_CONFIG),
+            uses_code=False,
+        )
         self.root = RunRoot(str(bundle))
         if type(info.get("round")) is not int:
             raise CorruptStateError(f"{bundle / BUNDLE_INFO}: round must be a round number")

@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.core.config import MAX_CONFIG_BYTES, Config, flatten, parse_yaml, resolve_ds_config
+from pipeline.core.config import Config, flatten, parse_yaml, resolve_ds_config
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 from pipeline.tracking.uris import CHAMPION, NEWEST, redact, redact_data, tracking_uri  # noqa: F401 (re-exported)
@@ -55,6 +55,7 @@ PARENT_TAG = "mlflow.parentRunId"
 DESCRIPTION_TAG = "mlflow.note.content"  # the run page's description
 EVAL_SERIES = {"bytes": "eval_bytes"}  # eval result key -> metric name on the parent and round runs
 EARLY_STOPPED = "dipaco.early_stopped"  # on a version holding the early-stopped model (eval.early_stopping)
+EXPORT_TAG = "dipaco.export"  # on a version whose paths `dipaco export` wrote: where the export's artifacts are
 PATH_ROUNDS = "dipaco.path_rounds_sha"  # which rounds it assembles its paths from, hashed (a tag is short)
 _BAD_NAME_CHARS = re.compile(r"[^\w./\- :]")
 
@@ -126,6 +127,10 @@ class Tracker:
 
     def register(self, round_index: int, result: dict) -> str | None:
         """Register round_index's modules as a model version; returns the version or None."""
+        return None
+
+    def attach_export(self, round_index: int, out: str) -> str | None:
+        """`dipaco export`'s directory, as artifacts of round_index's registered version; its URI or None."""
         return None
 
     def log_early_stopping(self, round_index: int, best: dict) -> None:
@@ -375,6 +380,24 @@ class MlflowTracker(Tracker):
         log.info("MLflow: %s version %s holds round %d", name, version, round_index)
         return str(version)
 
+    def attach_export(self, round_index: int, out: str) -> str | None:
+        """The export (pipeline.export) logged under `export/` of the run that registered round r's
+        version, and the version tagged `dipaco.export` with its URI; once (a tagged version is left as is)."""
+        name = self.config.mlflow.registered_model
+        versions = [
+            v
+            for v in self._versions(name, {RUN_KEY: self.key, "dipaco.round": str(round_index)})
+            if v.tags.get(EARLY_STOPPED) != "true"
+        ]
+        if not versions:
+            return None
+        version = versions[0]
+        if EXPORT_TAG not in version.tags:
+            self.client.log_artifacts(version.run_id, out, "export")
+            self.client.set_model_version_tag(name, version.version, EXPORT_TAG, f"runs:/{version.run_id}/export")
+        log.info("MLflow: export of round %d attached to %s version %s", round_index, name, version.version)
+        return f"models:/{name}/{version.version} ({EXPORT_TAG})"
+
     def log_early_stopping(self, round_index: int, best: dict) -> None:
         """On the parent, by round: `early_stopped_perplexity`, `early_stopped_bits_per_byte` and
         `early_stopped_round/<path>`, and eval/best.json as an artifact. The perplexity, logged
@@ -578,15 +601,10 @@ class MlflowTracker(Tracker):
             self.client.log_batch(run_id, metrics=metrics[start : start + 1000])
 
     def _run_yaml(self) -> str:
-        """run.yaml as committed (or the live config before init), credentials redacted."""
+        """run.yaml as committed (or the live config before init), credentials redacted; a run.yaml
+        that is a symbolic link is refused (layout.read_run_yaml), its target never logged or bundled."""
         if self.root.exists(layout.RUN_CONFIG):
-            data = (
-                parse_yaml(
-                    self.root.read_bytes(layout.RUN_CONFIG, max_bytes=MAX_CONFIG_BYTES),
-                    self.root.path(layout.RUN_CONFIG),
-                )
-                or {}
-            )
+            data = parse_yaml(layout.read_run_yaml(self.root), self.root.path(layout.RUN_CONFIG)) or {}
         else:
             data = self.config.to_dict()
         return yaml.safe_dump(redact_data(data), sort_keys=False)

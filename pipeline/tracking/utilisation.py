@@ -17,13 +17,19 @@ any process can compute it after the fact.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from models.grid import all_job_ids
 from pipeline.core.config import Config
-from pipeline.islands.task_queue import ISLANDS, LEASES, Task
+from pipeline.core.errors import DipacoError
+from pipeline.islands.island import is_lifetime
+from pipeline.islands.task_queue import ISLANDS, LEASES, Task, attempt_number, malformed
+from pipeline.islands.task_queue import finite_number as _finite
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
+
+log = logging.getLogger("dipaco.utilisation")
 
 
 def round_utilisation(config: Config, round_index: int) -> dict | None:
@@ -38,7 +44,7 @@ def round_utilisation(config: Config, round_index: int) -> dict | None:
             rel = layout.path_dir(r, job)
             if root.is_committed(rel):
                 metrics = root.read_json(f"{rel}/metrics.json")
-                if isinstance(metrics.get("started_at"), (int, float)):
+                if _finite(metrics.get("started_at")) and _finite(metrics.get("seconds")):
                     inner += float(metrics["seconds"])
                     starts.append(float(metrics["started_at"]))
     if not starts:
@@ -69,28 +75,43 @@ def island_seconds(root: RunRoot, until: float, since: float = float("-inf")) ->
     for name in root.listdir(ISLANDS):
         if not name.endswith(".json"):
             continue
-        record = root.read_json(f"{ISLANDS}/{name}")
-        lives = [
-            list(life) for life in record.get("lifetimes") or [] if isinstance(life, (list, tuple)) and len(life) == 2
-        ]
-        if isinstance(record.get("started_at"), (int, float)):
-            lives.append([record["started_at"], record.get("finished_at")])
-        lives = sorted((float(s), e) for s, e in lives if isinstance(s, (int, float)))
+        record = _record(root, f"{ISLANDS}/{name}")
+        raw = record.get("lifetimes") or []
+        lives = [list(life) for life in raw if is_lifetime(life)] if isinstance(raw, list) else []
+        if not isinstance(raw, list) or len(lives) != len(raw):
+            _warn(root, f"{ISLANDS}/{name}", "lifetimes must be a list of [start, end] times, the bad ones left out")
+        if _finite(record.get("started_at")):
+            stop = record.get("finished_at")
+            lives.append([record["started_at"], stop if _finite(stop) else None])
+        lives = sorted((float(s), e) for s, e in lives)
         spans = []
         for i, (start, stop) in enumerate(lives):
-            stop = (
-                float(stop)
-                if isinstance(stop, (int, float))
-                else lives[i + 1][0]
-                if i + 1 < len(lives)
-                else time.time()
-            )
+            stop = float(stop) if stop is not None else lives[i + 1][0] if i + 1 < len(lives) else time.time()
             start, stop = max(start, since), min(stop, until)
             if start < stop:
                 spans.append((start, stop))
         if spans:
             found[name.removesuffix(".json")] = _union_length(spans)
     return found
+
+
+_warned: set[str] = set()
+
+
+def _warn(root: RunRoot, rel: str, problem: str) -> None:
+    """One warning per file and process: a queue record that is not what a holder writes."""
+    if rel not in _warned:
+        _warned.add(rel)
+        log.warning("%s: %s; counted as a failed record", root.path(rel), problem)
+
+
+def _record(root: RunRoot, rel: str) -> dict:
+    """A queue record (island or lease), {} when it cannot be read as one (warned, naming the file)."""
+    try:
+        return root.read_json(rel)
+    except DipacoError as exc:
+        _warn(root, rel, str(exc).removeprefix(f"{root.path(rel)}: "))
+        return {}
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:
@@ -119,7 +140,9 @@ def overhead_breakdown(config: Config, round_index: int) -> dict[str, float] | N
             continue
         metrics = root.read_json(f"{rel}/metrics.json")
         setup = metrics.get("setup_seconds")
-        if not isinstance(setup, dict):
+        if not isinstance(setup, dict) or not all(_finite(setup.get(k)) for k in ("load", "engine")):
+            continue
+        if not _finite(metrics.get("seconds")):
             continue
         phases["load"].append(float(setup["load"]))
         phases["engine"].append(float(setup["engine"]))
@@ -130,9 +153,18 @@ def overhead_breakdown(config: Config, round_index: int) -> dict[str, float] | N
 
 
 def _done_lease(root: RunRoot, task: str) -> dict | None:
-    for attempt in reversed(root.listdir(f"{LEASES}/{task}")):
-        record = root.read_json(f"{LEASES}/{task}/{attempt}")
-        if record.get("state") == "done":
+    """The newest attempt record of `task` that ended done with a finite `seconds`, or None; a record
+    that is not one (broken JSON, a bad field) counts as failed, with one warning naming it."""
+    names = root.listdir(f"{LEASES}/{task}")
+    numbered = sorted(((attempt_number(n), n) for n in names if attempt_number(n) is not None), reverse=True)
+    for _, name in numbered:
+        rel = f"{LEASES}/{task}/{name}"
+        record = _record(root, rel)
+        problem = malformed(record) if record else None
+        if problem:
+            _warn(root, rel, f"malformed lease record ({problem})")
+            continue
+        if record.get("state") == "done" and _finite(record.get("seconds")):
             return record
     return None
 
@@ -144,6 +176,6 @@ def task_overheads(config: Config, round_index: int) -> list[float]:
     for r in range(round_index + 1):
         for job in all_job_ids(config.model.grid, config.train.workers_per_path):
             lease = _done_lease(root, Task.of("train", r, job).name)
-            if lease is not None and isinstance(lease.get("inner_seconds"), (int, float)):
+            if lease is not None and _finite(lease.get("inner_seconds")):
                 found.append(float(lease["seconds"]) - float(lease["inner_seconds"]))
     return found

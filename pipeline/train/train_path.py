@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from models.grid import parse_job_id
 from models.modular import ModelShape, ModuleState, build_path_model, split_path_state
-from pipeline.core.config import Config
+from pipeline.core.config import Config, add_own_config_args, own_config
 from pipeline.core.errors import ConfigError, DipacoError, InputError
 from pipeline.outer import compression
 from pipeline.state import layout
@@ -519,11 +519,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-root", required=True)
     parser.add_argument("--round", type=int, required=True)
     parser.add_argument("--path", required=True)
+    add_own_config_args(parser)
     args = parser.parse_args(argv)
 
     def body() -> None:
         root = RunRoot(args.run_root)
-        config = layout.read_run_config(root)
+        config = layout.read_run_config(root, own_config(args))
         apply_rank_threads(config.train, islands=False)  # whatever the launcher's environment says
         metrics = train_path(config, args.round, args.path)
         log.info(

@@ -1,0 +1,105 @@
+"""`python -m benchmarks.object_store [--config configs/demo.yaml] [--rounds R] [--commit]`: the same
+run on a local root and on an S3 run root (moto's server on loopback, tests/s3_endpoint.py), side by
+side on this machine: the mean per-path-task overhead (everything of a train task but its inner
+loop: loading, the engine, committing and publishing) and utilisation on each, and their ratio.
+
+Targets (issue "Object stores are first-class run roots"): overhead on S3 at most 1.5x the local
+root's, utilisation on S3 at least 0.90. Tracking is off in both runs, so the figures are the store's
+alone. `--commit` puts the table into benchmarks/RESULTS.md between its `object-store` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.results import commit_block, table_head
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmarks" / "out"
+TARGET_OVERHEAD, TARGET_UTILISATION = 1.5, 0.90
+
+
+def run_once(config: str, run_root: str, sets: list[str], env: dict) -> dict:
+    """`dipaco run` in a fresh process; its run root's figures for the last round."""
+    args = [sys.executable, "-m", "pipeline.cli", "run", "--config", config]
+    for item in [f"run_root={run_root}", "mlflow.enabled=false", *sets]:
+        args += ["--set", item]
+    started = time.monotonic()
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"benchmarks.object_store: the run on {run_root} failed:\n{done.stderr[-3000:]}")
+    seconds = time.monotonic() - started
+    from pipeline.core.config import load_config
+    from pipeline.state import layout
+    from pipeline.state.storage import RunRoot
+    from pipeline.state.store import configure_storage
+    from pipeline.tracking.utilisation import round_utilisation
+
+    loaded = load_config(config, [f"run_root={run_root}", *sets])
+    configure_storage(loaded)
+    last = layout.next_round(RunRoot(run_root)) - 1
+    return {"seconds": seconds, "round": last, **(round_utilisation(loaded, last) or {})}
+
+
+def render(local: dict, s3: dict, args: argparse.Namespace) -> str:
+    ratio = s3["task_overhead_seconds"] / local["task_overhead_seconds"]
+    rows = table_head("| run root | wall s | overhead per path task s | commit s | utilisation |")
+    for name, fig in (("local", local), ("s3 (moto, loopback)", s3)):
+        rows.append(
+            f"| {name} | {fig['seconds']:.0f} | {fig['task_overhead_seconds']:.2f} | "
+            f"{fig.get('task_commit_seconds', float('nan')):.2f} | {fig['utilisation']:.3f} |"
+        )
+    met = ratio <= TARGET_OVERHEAD and s3["utilisation"] >= TARGET_UTILISATION
+    return "\n".join(
+        [
+            f"`python -m benchmarks.object_store --config {args.config} --rounds {args.rounds}` on "
+            f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
+            f"{time.strftime('%Y-%m-%d')}: S3 overhead {ratio:.2f}x the local root's (target <= {TARGET_OVERHEAD}), "
+            f"utilisation on S3 {s3['utilisation']:.3f} (target >= {TARGET_UTILISATION}): "
+            f"{'met' if met else 'missed'}.",
+            "",
+            *rows,
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--rounds", type=int, default=2, help="train.rounds of both runs (the overhead is per task)")
+    parser.add_argument("--commit", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(REPO / "tests"))
+    from s3_endpoint import CREDENTIALS, start_moto
+
+    env = {**os.environ, **CREDENTIALS, "PYTHONUNBUFFERED": "1"}
+    env.pop("FSSPEC_S3", None)
+    sets = [f"train.rounds={args.rounds}"]
+    server = start_moto()
+    try:
+        bucket = server.new_bucket()
+        with tempfile.TemporaryDirectory(prefix="dipaco-bench-store-") as scratch:
+            local = run_once(args.config, f"{scratch}/run", sets, env)
+            os.environ.update(CREDENTIALS)
+            s3 = run_once(args.config, f"s3://{bucket}/run", [*sets, server.storage_set()], env)
+    finally:
+        server.stop()
+    table = render(local, s3, args)
+    print(table)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "object_store.json").write_text(json.dumps({"local": local, "s3": s3}, indent=2))
+    if args.commit:
+        commit_block("object-store", table, heading="## Object-store run roots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

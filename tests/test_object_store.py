@@ -1,0 +1,411 @@
+"""Object-store run roots against a real S3 endpoint (moto's server, tests/s3_endpoint.py): the
+store's operations (conditional create, compare-and-swap, reads of objects replaced meanwhile,
+multipart, retries), the run lock, lease fencing by compare-and-swap, and the preflight's refusals.
+
+A small HTTP proxy in front of the server plays the two stores moto cannot be: one that ignores
+conditional writes (it drops If-None-Match and If-Match, as some S3-compatible stores do), and one
+that throttles (503 SlowDown for its first N requests)."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+
+import pytest
+
+from conftest import REPO, TINY_YAML, set_args, tiny_config, wait_for
+from pipeline.core.errors import ConfigError, RunLockedError
+from pipeline.state import lock as lock_module
+from pipeline.state.lock import run_lock
+from pipeline.state.storage import RunRoot
+from pipeline.state.store import configure
+
+CONDITIONAL_HEADERS = ("if-none-match", "if-match")
+
+
+class Proxy(http.server.ThreadingHTTPServer):
+    """Forwards to `upstream`, dropping conditional headers (`ignore_conditions`) or answering 503
+    SlowDown to its first `throttle` requests."""
+
+    daemon_threads = True
+
+    def __init__(self, upstream: str, ignore_conditions: bool = False, throttle: int = 0):
+        self.upstream = urllib.parse.urlsplit(upstream)
+        self.ignore_conditions, self.throttle, self.throttled = ignore_conditions, throttle, 0
+        super().__init__(("127.0.0.1", 0), _ProxyHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _ProxyHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _forward(self) -> None:
+        server: Proxy = self.server  # type: ignore[assignment]
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if server.throttled < server.throttle:
+            server.throttled += 1
+            payload = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        headers = {
+            k: v for k, v in self.headers.items() if not (server.ignore_conditions and k.lower() in CONDITIONAL_HEADERS)
+        }
+        upstream = http.client.HTTPConnection(server.upstream.hostname, server.upstream.port, timeout=30)
+        upstream.request(self.command, self.path, body=body, headers=headers)
+        response = upstream.getresponse()
+        data = response.read()
+        self.send_response(response.status)
+        for key, value in response.getheaders():
+            if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        upstream.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+
+@pytest.fixture
+def s3(s3_server, s3_root):
+    """A RunRoot on a fresh bucket of the session's moto server."""
+    url, _ = s3_root
+    configure(url, {"endpoint_url": s3_server.endpoint})
+    return RunRoot(url)
+
+
+# -- the store's operations ------------------------------------------------------------------------
+def test_a_conditional_create_is_refused_the_second_time_and_compare_and_swap_refuses_a_stale_version(s3):
+    first = s3.create("queue/x.json", b"one")
+    assert first and s3.create("queue/x.json", b"two") is None
+    assert s3.read_bytes("queue/x.json") == b"one"
+    second = s3.replace_if("queue/x.json", b"three", first)
+    assert second and second != first
+    assert s3.replace_if("queue/x.json", b"four", first) is None  # stale: someone wrote since
+    assert not s3.delete_if("queue/x.json", first)
+    assert s3.read_bytes("queue/x.json") == b"three"
+    assert s3.delete_if("queue/x.json", second) and not s3.exists("queue/x.json")
+
+
+def test_an_object_replaced_while_it_is_read_is_read_whole_every_time(s3):
+    """The island that died on "At least one of the pre-conditions you specified did not hold": a
+    lease record rewritten while it was read. 300 reads beside a writer replacing it: every read is
+    one whole version, none raises."""
+    versions = [(f'{{"beats": {i}, "pad": "{"x" * (20_000 + i)}"}}').encode() for i in range(40)]
+    s3.write_bytes("queue/lease.json", versions[0])
+    stop = threading.Event()
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            s3.write_bytes("queue/lease.json", versions[i % len(versions)])
+            i += 1
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        seen = {s3.read_json("queue/lease.json")["beats"] for _ in range(300)}
+    finally:
+        stop.set()
+        thread.join(30)
+    assert len(seen) > 1  # it really was replaced while we read
+
+
+def test_a_large_file_goes_up_in_parts_and_listings_see_writes_at_once(s3, s3_server, tmp_path, monkeypatch):
+    from pipeline.state import store
+
+    monkeypatch.setattr(store.S3Store, "PART_BYTES", 5 << 20)  # S3's smallest part: an 11 MB file is 3 parts
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(11 << 20))
+    s3.put_file(big, "paths/p0/model.safetensors")
+    assert s3.read_bytes("paths/p0/model.safetensors") == big.read_bytes()
+    import boto3
+
+    head = boto3.client("s3", endpoint_url=s3_server.endpoint).head_object(
+        Bucket=s3.root.split("/")[0], Key=s3.root.split("/", 1)[1] + "/paths/p0/model.safetensors"
+    )
+    assert head["ETag"].strip('"').endswith("-3")  # a multipart ETag names its parts
+    for i in range(5):  # no listing cache: each new file is listed right after it is written
+        s3.write_bytes(f"queue/islands/i{i}.json", b"{}")
+        assert f"i{i}.json" in s3.listdir("queue/islands")
+
+
+def test_throttling_is_retried_with_backoff_and_a_permanent_error_is_not(s3_server, s3_root):
+    url, _ = s3_root
+    proxy = Proxy(s3_server.endpoint, throttle=4)
+    try:
+        import s3fs
+
+        from pipeline.state.store import S3Store
+
+        fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, skip_instance_cache=True, use_listings_cache=False)
+        store = S3Store(fs, retry_s=30)
+        path = url.removeprefix("s3://") + "/throttled.json"
+        started = time.monotonic()
+        assert store.create(path, b"{}")  # after 4 SlowDowns
+        assert proxy.throttled == 4 and time.monotonic() - started < 30
+        with pytest.raises(FileNotFoundError):  # a 404 is an answer, not a reason to retry
+            store.read(url.removeprefix("s3://") + "/absent.json")
+    finally:
+        proxy.shutdown()
+
+
+# -- the run lock ----------------------------------------------------------------------------------
+@pytest.fixture
+def fast_lock(monkeypatch):
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(lock_module, "STALE_AFTER_S", 1.0)
+    monkeypatch.setattr(lock_module, "POLL_S", 0.05)
+
+
+def test_two_orchestrators_never_both_hold_an_object_store_lock(s3, fast_lock):
+    with run_lock(s3):
+        with pytest.raises(RunLockedError, match="another dipaco run holds this run root"):
+            with run_lock(s3):
+                pass
+    with run_lock(s3):  # released: the next one takes it at once
+        pass
+
+
+def test_a_live_holder_whose_clock_is_far_behind_is_not_taken_over(s3, fast_lock, monkeypatch):
+    real = time.time
+    monkeypatch.setattr(lock_module.time, "time", lambda: real() - 3600)  # its wall clock an hour behind
+    with run_lock(s3):
+        monkeypatch.setattr(lock_module.time, "time", real)
+        started = time.monotonic()
+        with pytest.raises(RunLockedError):
+            with run_lock(s3):
+                pass
+        assert time.monotonic() - started < 1.0  # refused as soon as it was seen to beat
+
+
+def test_a_dead_holders_lock_is_taken_over_and_a_release_never_removes_anothers_lock(s3, fast_lock):
+    dead = s3.create(".lock", b'{"pid": 1, "host": "gone", "state": "held"}')  # never renewed
+    assert dead
+    started = time.monotonic()
+    with run_lock(s3):
+        assert time.monotonic() - started >= lock_module.STALE_AFTER_S  # watched on our own clock first
+        held = s3.read_versioned(".lock")
+        assert b'"state": "held"' in held.data and str(os.getpid()).encode() in held.data
+        # the dead holder comes back and "releases": its version is stale, nothing changes
+        assert s3.replace_if(".lock", b'{"state": "released"}', dead) is None
+        assert not s3.delete_if(".lock", dead)
+        assert s3.read_versioned(".lock").data == held.data
+
+
+# -- leases ----------------------------------------------------------------------------------------
+def test_a_holder_whose_record_was_ended_learns_it_from_the_store_at_its_next_beat(s3_root, no_collector_pauses):
+    from pipeline.islands.task_queue import Task, TaskQueue
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "train.lease_seconds=0.4")
+    configure(url, config.storage.options)
+    queue = TaskQueue(RunRoot(url), config)
+    lease = queue.claim(Task.of("train", 0, "p0-0"), "island-a", "island-a-1")
+    assert lease is not None and queue.claim(Task.of("train", 0, "p0-0"), "island-b") is None
+    wait_for(lambda: lease.record["beats"] >= 2, 10, "two beats")
+    queue.fail_running("island-a-1", "its process is gone")
+    wait_for(lease.lost.is_set, 5, "the holder to learn it lost its lease")
+    assert not lease.held()
+    lease.finish("done")  # a late finish does not overwrite the failure
+    assert queue.attempts(Task.of("train", 0, "p0-0"))[0].state == "failed"
+
+
+# -- preflight: bad input, each one line, exit 2, nothing written ------------------------------------
+def _dipaco(args: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "run", "--config", str(TINY_YAML), *set_args(args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _objects(s3_server, bucket: str) -> list[str]:
+    import boto3
+
+    listed = boto3.client("s3", endpoint_url=s3_server.endpoint).list_objects_v2(Bucket=bucket)
+    return [o["Key"] for o in listed.get("Contents", [])]
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("no_bucket", "the bucket does not exist"),
+        ("no_credentials", "no credentials found"),
+        ("unreachable", "endpoint cannot be reached"),
+        ("ignores_conditions", "ignores conditional writes"),
+        ("unknown_option", "storage.options.endpoint is not an option of S3FileSystem"),
+        ("secret_option", "storage.options.secret is a credential"),
+        ("no_tracking_server", "mlflow.tracking_uri must be set when run_root is not local"),
+    ],
+)
+def test_an_object_store_the_run_cannot_use_is_refused_in_seconds_with_one_line(
+    s3_server, s3_root, tmp_path, case, expected
+):
+    from s3_endpoint import free_port
+
+    url, storage_set = s3_root
+    bucket = url.removeprefix("s3://").split("/")[0]
+    env = {**os.environ, "HOME": str(tmp_path), "AWS_EC2_METADATA_DISABLED": "true"}
+    env.pop("FSSPEC_S3", None)
+    sets = [f"run_root={url}", storage_set, "mlflow.enabled=false"]
+    proxy = None
+    if case == "no_bucket":
+        sets[0] = "run_root=s3://dipaco-no-such-bucket/run"
+    elif case == "no_credentials":
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+            env.pop(key, None)
+    elif case == "unreachable":
+        sets[1] = f"storage.options={{endpoint_url: http://127.0.0.1:{free_port()}}}"
+    elif case == "ignores_conditions":
+        proxy = Proxy(s3_server.endpoint, ignore_conditions=True)
+        sets[1] = f"storage.options={{endpoint_url: {proxy.endpoint}}}"
+    elif case == "unknown_option":
+        sets[1] = f"storage.options={{endpoint: {s3_server.endpoint}}}"
+    elif case == "secret_option":
+        sets[1] = f"storage.options={{endpoint_url: {s3_server.endpoint}, secret: hunter2}}"
+    elif case == "no_tracking_server":
+        sets[2] = "mlflow.enabled=true"
+        env.pop("MLFLOW_TRACKING_URI", None)
+    started = time.monotonic()
+    try:
+        done = _dipaco(sets, env)
+    finally:
+        if proxy:
+            proxy.shutdown()
+    seconds = time.monotonic() - started
+    lines = [line for line in done.stderr.splitlines() if line.startswith("dipaco")]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert len(lines) == 1 and expected in lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "hunter2" not in done.stderr
+    assert seconds < 10 + 5, seconds  # 10 s, plus the interpreter's start on a loaded 2-core machine
+    assert _objects(s3_server, bucket) == []  # nothing written
+
+
+def test_a_storage_option_the_store_does_not_know_or_that_carries_a_secret_is_refused_naming_it():
+    with pytest.raises(ConfigError, match="storage.options.endpoint_urll is not an option of S3FileSystem"):
+        configure("s3://bucket/run", {"endpoint_urll": "http://127.0.0.1:1"})
+    with pytest.raises(ConfigError, match="storage.options.endpoint_url carries credentials") as refused:
+        configure("s3://bucket/run", {"endpoint_url": "http://minio:hunter2@127.0.0.1:9000"})
+    assert "hunter2" not in str(refused.value)
+
+
+# -- the whole pipeline ----------------------------------------------------------------------------
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """`mlflow server` on a free loopback port: a SQLite backend and served artifacts in tmp_path."""
+    from s3_endpoint import free_port
+
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "mlartifacts"),
+            "--serve-artifacts",
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import urllib.request
+
+        wait_for(lambda: _answers(urllib.request, f"{url}/health"), 120, "the MLflow server")
+        yield url
+    finally:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:  # a worker that ignores SIGTERM
+            os.killpg(server.pid, 9)
+            server.wait(10)
+
+
+def _answers(request, url: str) -> bool:
+    try:
+        return request.urlopen(url, timeout=2).status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.slow  # ~2 min on 2 cores: the tiny pipeline twice (Beam prepare, 2 islands, 2 rounds)
+def test_the_tiny_pipeline_on_s3_with_an_mlflow_server_equals_the_local_run_bitwise(
+    s3_server, s3_root, mlflow_server, tmp_path
+):
+    """prepare -> islands -> merges -> eval -> register on s3://, tracked by an MLflow server: its
+    final modules and eval JSON are bitwise those of the same run on a local root."""
+    from mlflow import MlflowClient
+
+    from conftest import dipaco_run
+
+    url, storage_set = s3_root
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("FSSPEC_S3", None)  # the run's own storage.options, nothing inherited
+    tracked = ["mlflow.enabled=true", f"mlflow.tracking_uri={mlflow_server}", "mlflow.experiment=s3-vs-local"]
+    dipaco_run([f"run_root={url}", storage_set, *tracked, "mlflow.registered_model=dipaco-s3"], REPO, env)
+    dipaco_run([f"run_root={tmp_path / 'local'}", "mlflow.enabled=false"], REPO, env)
+    configure(url, {"endpoint_url": s3_server.endpoint})
+    s3, local = RunRoot(url), RunRoot(tmp_path / "local")
+    final = "rounds/round=2/modules"
+    names = local.marker(final)["files"]
+    assert names and sorted(s3.marker(final)["files"]) == sorted(names)
+    for name in names:
+        assert s3.read_committed(final, name) == local.read_committed(final, name), name
+    for r in (1, 2):
+        assert s3.read_bytes(f"eval/round={r}.json") == local.read_bytes(f"eval/round={r}.json")
+    versions = MlflowClient(mlflow_server).search_model_versions("name='dipaco-s3'")
+    assert versions, "the S3 run registered no model version"
+    assert not s3.exists(".lock") or b"released" in s3.read_bytes(".lock")
+
+
+def test_pruning_an_old_round_on_s3_leaves_every_marker_naming_only_what_is_there(s3):
+    """train.keep_rounds on an object store: a round's modules go (marker first), a path keeps its
+    metrics.json under a rewritten marker, and what is left verifies."""
+    from pipeline.state import layout
+    from pipeline.state.retention import prune_round
+
+    modules, path = layout.modules_dir(0), layout.path_dir(0, "p0")
+    s3.write_bytes(f"{modules}/level=0/module=0.safetensors", b"m" * 1000)
+    s3.commit(modules)
+    s3.write_bytes(f"{path}/model.safetensors", b"w" * 2000)
+    s3.write_json(f"{path}/metrics.json", {"seconds": 1.0})
+    s3.write_bytes(f"{path}/outer_grad/level=0.safetensors", b"g" * 10)
+    s3.commit(path, info={"round": 0})
+    freed = prune_round(s3, 0, ["p0"])
+    assert freed >= 3000
+    assert not s3.exists(modules) and not s3.exists(f"{path}/model.safetensors")
+    assert not s3.exists(f"{path}/outer_grad/level=0.safetensors")
+    assert list(s3.marker(path)["files"]) == ["metrics.json"] and s3.marker(path)["pruned"] is True
+    s3.verify(path)
