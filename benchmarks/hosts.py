@@ -235,9 +235,11 @@ class Faults:
         return any(island_host(name) == host and tasks for name, tasks in line.get("held", {}).items())
 
     def step(self, line: dict, elapsed: float) -> None:
-        if not self.steps or not line.get("held"):
+        if not self.steps:
             return
         what, waited = self.steps[0], time.monotonic() - self.since
+        if what in ("partition", "kill") and not line.get("held"):  # they hit a host while islands train
+            return
         lease = self.spec.lease_seconds
         if what == "partition" and (self.trains(1, line) or waited > 120):
             self.lab.partition(1)
@@ -286,6 +288,9 @@ class Faults:
 
     def close(self) -> None:
         """Undo what is still in force (a run that ended or failed mid-fault)."""
+        if self.steps[:1] == ["reconnect"]:  # the run finished while host 1 was cut off
+            self.lab.reconnect(1)
+            self.run.events.append({"fault": "reconnect", "at_s": None, "held": {}, "after_the_run": True})
         for host in list(self.frozen):
             self._signal_host(host, signal.SIGCONT)
         if self.store is not None:
@@ -645,7 +650,15 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
             ]
         )
         if res.get("events"):
-            lines += ["", "Faults: " + "; ".join(f"{e['fault']} at {e['at_s']} s" for e in res["events"]) + "."]
+            lines += [
+                "",
+                "Faults: "
+                + "; ".join(
+                    f"{e['fault']} " + ("after the run ended" if e["at_s"] is None else f"at {e['at_s']} s")
+                    for e in res["events"]
+                )
+                + ".",
+            ]
         if res.get("faults_not_reached"):
             lines += ["", f"Not reached before the run ended: {', '.join(res['faults_not_reached'])}."]
     return "\n".join(lines)

@@ -60,7 +60,7 @@ def test_two_hosts_survive_a_partition_with_bitwise_equal_modules(tmp_path):
         assert processes_mentioning(str(base)) == []
     reference, faulted = found["results"]
     events = {e["fault"]: e for e in faulted["events"]}
-    assert list(events) == ["partition", "reconnect"]
+    assert list(events) == ["partition", "reconnect"]  # the reconnect may come after the run ended
     partitioned = [
         task for island, tasks in events["partition"]["held"].items() if island.startswith("h1-") for task in tasks
     ]
