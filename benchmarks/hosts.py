@@ -1,0 +1,807 @@
+"""`python -m benchmarks.hosts`: islands on separate hosts over slow links, with faults.
+
+Root only (without root, or where `ip netns add` fails, it says so in one line and exits 2). It
+makes a lab (benchmarks/netns.py): a store namespace and `--hosts` host namespaces on a bridge,
+each host's link shaped to `--rate-mbit` each way and `--rtt-ms` round trip (50 Mbit/s and 40 ms
+by default; `--unshaped` for neither). The store namespace runs moto's S3 server behind a proxy
+that can answer 503 SlowDown (benchmarks/throttleproxy.py) and an MLflow server; every host has
+its own directory (working directory, TMPDIR, HOME, caches) and runs in a mount namespace where the
+other hosts' and the store's directories are empty, and the benchmark checks, while the run goes,
+that no process of a host has a working directory, an open file or a TMPDIR in anything but its
+own (`/proc/<pid>/cwd`, `/proc/<pid>/fd`, `/proc/<pid>/environ`).
+
+The run: host 0 runs `dipaco run --config C` (prepare, plan, its islands, the rounds' reports to
+MLflow), every other host `dipaco island --config C --name h<i>-<k>` once shards/ is committed,
+all on one `s3://` run root (`storage.options.endpoint_url` = the store, AWS_* variables for the
+credentials). `benchmarks.hosts_watch`, in the store's namespace, follows the queue. A host's
+island process that exits with an error is started again, as a service manager would (counted).
+
+Runs, in order: the same config on one host with a local root (`dipaco run`, as many islands as
+the hosts have together: the goodput reference and the bitwise reference), then across the hosts
+without faults, then (unless `--no-faults`) with faults: host 1 partitioned (link down) for
+`--partition-leases` x the lease once it holds a train task, then reconnected; the store
+throttled (503 SlowDown) for `--throttle-s` seconds; the last host (of three or more) killed for
+good once it holds a train task. Per round it prints each host's bytes up and down (its link's
+interface counters), the islands' training seconds against their load/commit seconds (what the
+transfers cost them), utilisation, and goodput against the one-host run; last, whether each run's
+final modules and momentum are bitwise equal to the one-host run's.
+
+`--store local` is a stand-in for machines whose pipeline has no object-store run roots yet: the
+run root is a directory every host sees (so not "no shared filesystem"), a partition also freezes
+the host's processes, and there is no throttling. Written to benchmarks/out/hosts/ (results.json,
+results.md); `--commit` puts the table into benchmarks/RESULTS.md between its `hosts` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks import netns
+from benchmarks.netns import STORE_IP, Lab, LinkShape
+
+log = logging.getLogger("dipaco.bench.hosts")
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "benchmarks" / "out" / "hosts"
+S3_PORT, MOTO_PORT, MLFLOW_PORT = 9000, 9001, 5000  # the proxy hosts use, moto behind it, MLflow
+BUCKET = "dipaco-hosts"
+# moto's documented dummy credentials: the benchmark's store is moto, nothing else ever sees them
+DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+POLL_S = 1.0  # how often the watcher looks at the store and the counters are read
+PARTITION_MAX_S = 180.0  # a partition ends by then even when no island was free to take the host's tasks over
+MAX_RESTARTS = 6  # a host's island process started again at most this many times in a run
+
+
+@dataclass
+class Spec:
+    """One benchmark's settings (the flags)."""
+
+    config: str = "configs/tiny.yaml"
+    overrides: list[str] = field(default_factory=list)
+    hosts: int = 3
+    islands_per_host: int = 1
+    shape: LinkShape = field(default_factory=LinkShape)
+    store: str = "s3"  # or "local" (module docstring)
+    lease_seconds: float = 6.0
+    partition_leases: float = 3.0
+    throttle_s: float = 10.0
+    timeout_s: float = 1200.0
+    store_python: str = sys.executable  # moto's interpreter (it need not be the pipeline's)
+    mlflow: bool = True  # an MLflow server in the store namespace, which host 0's `dipaco run` reports to
+
+
+# -- the configs ------------------------------------------------------------------------------------
+
+
+def base_overrides(spec: Spec) -> list[str]:
+    """What every run of the benchmark sets: absolute data paths (hosts work in their own
+    directories), the lease, threads, and the flags' overrides. The threads: each island would
+    take all of its host's cores (pipeline.train.distributed.rank_threads), but the lab's hosts
+    share this machine's, and OpenMP threads oversubscribed on a small machine made every step
+    10-100x slower; so every island, on a host or in the one-host run, gets its share."""
+    threads = max(1, (os.cpu_count() or 1) // (spec.hosts * spec.islands_per_host))
+    return [
+        f"data.train={REPO}/tests/data/c4/train/*.json",
+        f"data.eval={REPO}/tests/data/c4/validation/*.json",
+        "train.launcher=deepspeed",
+        f"train.lease_seconds={spec.lease_seconds}",
+        f"train.threads_per_proc={threads}",
+        *spec.overrides,
+    ]
+
+
+def s3_overrides(run: str, endpoint: str, mlflow: bool = True) -> list[str]:
+    tracking = [f"mlflow.tracking_uri=http://{STORE_IP}:{MLFLOW_PORT}", f"mlflow.experiment=hosts-{run}"]
+    return [
+        f"run_root=s3://{BUCKET}/{run}",
+        f"storage.options.endpoint_url={endpoint}",
+        f"mlflow.enabled={str(mlflow).lower()}",
+        *(tracking if mlflow else []),
+    ]
+
+
+def set_args(overrides: list[str]) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def dipaco(command: str, spec: Spec, overrides: list[str], *extra: str) -> list[str]:
+    head = [sys.executable, "-m", "pipeline.cli", command, "--config", str(REPO / spec.config)]
+    return head + set_args(overrides) + list(extra)
+
+
+def host_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A host's environment: its own HOME, TMPDIR and caches; the code and the venv are the
+    installed software every host has."""
+    keep = ("PATH", "LANG", "LC_ALL", "TORCH_EXTENSIONS_DIR", "VIRTUAL_ENV")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    return env | {
+        "PYTHONPATH": str(REPO),
+        "HOME": str(home),
+        "TMPDIR": str(home / "tmp"),
+        "DIPACO_CACHE_DIR": str(home / "cache"),
+        "XDG_CACHE_HOME": str(home / "cache"),
+        "MPLCONFIGDIR": str(home / "cache" / "matplotlib"),
+        "HF_HOME": str(home / "cache" / "huggingface"),
+        "HF_HUB_OFFLINE": "1",
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(extra or {}),
+    }
+
+
+# -- the store ----------------------------------------------------------------------------------------
+
+
+class Store:
+    """moto's S3 server (MOTO_PORT) behind the throttling proxy (S3_PORT) and an MLflow server,
+    in the lab's store namespace."""
+
+    def __init__(self, lab: Lab, spec: Spec):
+        self.lab, self.spec = lab, spec
+        self.dir = lab.store_dir()
+        self.proxy: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        lab, env = self.lab, host_env(self.dir)
+        moto = [self.spec.store_python, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(MOTO_PORT)]
+        lab.spawn(lab.store, moto, self.dir / "moto.log", env=env, cwd=self.dir)
+        self.proxy = lab.spawn(
+            lab.store,
+            [sys.executable, "-m", "benchmarks.throttleproxy", "--listen", f"0.0.0.0:{S3_PORT}"]
+            + ["--upstream", f"127.0.0.1:{MOTO_PORT}"],
+            self.dir / "proxy.log",
+            env=env,
+            cwd=self.dir,
+        )
+        self.wait_http(f"http://127.0.0.1:{MOTO_PORT}/", "moto")
+        self.make_bucket()
+        if not self.spec.mlflow:
+            return
+        mlflow = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "0.0.0.0", "--port"]
+        mlflow += [str(MLFLOW_PORT), "--workers", "1", "--backend-store-uri", f"sqlite:///{self.dir}/mlflow.db"]
+        mlflow += ["--serve-artifacts", "--artifacts-destination", str(self.dir / "mlartifacts")]
+        mlflow += ["--allowed-hosts", f"{STORE_IP}:{MLFLOW_PORT},{STORE_IP},localhost:{MLFLOW_PORT}"]
+        lab.spawn(lab.store, mlflow, self.dir / "mlflow.log", env=env | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        self.wait_http(f"http://127.0.0.1:{MLFLOW_PORT}/health", "MLflow", timeout_s=120)
+
+    def make_bucket(self) -> None:
+        lab = self.lab
+        done = lab.run_in(lab.store, ["curl", "-sf", "-X", "PUT", f"http://127.0.0.1:{MOTO_PORT}/{BUCKET}"], timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"cannot create bucket {BUCKET} on moto: {done.stderr.strip()}")
+
+    def wait_http(self, url: str, what: str, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.lab.run_in(self.lab.store, ["curl", "-sf", "-o", "/dev/null", url], timeout=10).returncode == 0:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"{what} did not answer {url} in {timeout_s:.0f} s (logs in {self.dir})")
+
+    def throttle(self, on: bool) -> None:
+        if self.proxy is not None:
+            os.kill(self.proxy.pid, signal.SIGUSR1 if on else signal.SIGUSR2)
+
+
+# -- one run across the hosts ------------------------------------------------------------------------
+
+
+@dataclass
+class HostRun:
+    """One run across the lab's hosts: what it needs to know while it goes."""
+
+    name: str
+    overrides: list[str]
+    watch_overrides: list[str]  # the same config, the store reached over the store's loopback
+    faults: bool
+    events: list[dict] = field(default_factory=list)
+    samples: list[tuple[float, list[tuple[int, int]]]] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+
+
+class Faults:
+    """The fault schedule of a run, one step at a time: partition host 1 once it trains, then
+    reconnect; throttle the store; kill the last host once it trains (three or more hosts)."""
+
+    def __init__(self, lab: Lab, store: Store | None, spec: Spec, run: HostRun, procs: dict):
+        self.lab, self.store, self.spec, self.run, self.procs = lab, store, spec, run, procs
+        self.steps = ["partition", "reconnect"]
+        if store is not None and spec.store == "s3" and spec.throttle_s > 0:
+            self.steps += ["throttle", "unthrottle"]
+        if lab.n_hosts >= 3:
+            self.steps += ["kill"]
+        self.since = time.monotonic()
+        self.killed: set[int] = set()
+        self.frozen: set[int] = set()
+
+    def trains(self, host: int, line: dict) -> bool:
+        return any(island_host(name) == host and tasks for name, tasks in line.get("held", {}).items())
+
+    def step(self, line: dict, elapsed: float) -> None:
+        if not self.steps:
+            return
+        what, waited = self.steps[0], time.monotonic() - self.since
+        if what in ("partition", "kill") and not line.get("held"):  # they hit a host while islands train
+            return
+        lease = self.spec.lease_seconds
+        if what == "partition" and (self.trains(1, line) or waited > 120):
+            self.lab.partition(1)
+            if self.spec.store == "local":  # a shared directory is no network: freeze the host too
+                self._signal_host(1, signal.SIGSTOP)
+                self.frozen.add(1)
+        elif what == "reconnect" and waited >= self.spec.partition_leases * lease and self.taken_over(1, line):
+            self.lab.reconnect(1)
+            if 1 in self.frozen:
+                self._signal_host(1, signal.SIGCONT)
+                self.frozen.discard(1)
+        elif what == "throttle" and waited >= 2 * lease:
+            self.store.throttle(True)
+        elif what == "unthrottle" and waited >= self.spec.throttle_s:
+            self.store.throttle(False)
+        elif what == "kill" and (self.trains(self.lab.n_hosts - 1, line) or waited > 120):
+            host = self.lab.n_hosts - 1
+            self.killed.add(host)
+            self.lab.kill_host(host)
+            self.lab.partition(host)  # its link goes with it: nothing of it comes back
+        else:
+            return
+        self.steps.pop(0)
+        self.since = time.monotonic()
+        self.run.events.append({"fault": what, "at_s": round(elapsed, 1), "held": line.get("held", {})})
+        log.info("%s: t=%.0f s: %s", self.run.name, elapsed, what)
+
+    def taken_over(self, host: int, line: dict) -> bool:
+        """Every train task `host` held when it was cut off has a newer attempt by another island
+        (or its round committed); or the partition has lasted PARTITION_MAX_S, which ends it anyway."""
+        if time.monotonic() - self.since >= PARTITION_MAX_S:
+            return True
+        cut_off = [
+            t for island, tasks in self.run.events[-1]["held"].items() if island_host(island) == host for t in tasks
+        ]
+        newest = line.get("newest", {})
+        return all(task not in newest or island_host(newest[task][0]) != host for task in cut_off)
+
+    def _signal_host(self, host: int, sig: int) -> None:
+        for pid in self.lab.pids(self.lab.hosts[host]):
+            if pid not in {p.pid for p in self.lab.relays.values()}:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def close(self) -> None:
+        """Undo what is still in force (a run that ended or failed mid-fault)."""
+        if self.steps[:1] == ["reconnect"]:  # the run finished while host 1 was cut off
+            self.lab.reconnect(1)
+            self.run.events.append({"fault": "reconnect", "at_s": None, "held": {}, "after_the_run": True})
+        for host in list(self.frozen):
+            self._signal_host(host, signal.SIGCONT)
+        if self.store is not None:
+            self.store.throttle(False)
+
+
+def island_host(name: str) -> int:
+    """The host an island runs on: `h<i>-<k>` joiners; host 0's `dipaco run` names its `island-<k>`."""
+    head = name.split("-")[0]
+    return int(head[1:]) if head.startswith("h") and head[1:].isdigit() else 0
+
+
+def watch(lab: Lab, spec: Spec, overrides: list[str], timeout_s: float) -> tuple[subprocess.Popen, queue.Queue]:
+    """benchmarks.hosts_watch in the store's namespace; its JSON lines arrive on the queue."""
+    argv = ["ip", "netns", "exec", lab.store, sys.executable, "-m", "benchmarks.hosts_watch"]
+    argv += ["--config", str(REPO / spec.config), *set_args(overrides), "--interval", str(POLL_S)]
+    argv += ["--timeout", str(timeout_s)]
+    env = host_env(lab.store_dir() / "watch", DUMMY_AWS)
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(lab.store_dir() / "watch.log", "ab"), text=True
+    )
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for text in proc.stdout:
+            try:
+                lines.put(json.loads(text))
+            except json.JSONDecodeError:
+                pass
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, lines
+
+
+def isolation_violations(lab: Lab) -> list[str]:
+    """Each process of a host whose working directory, open files or TMPDIR lie in another lab
+    member's directory (another host's disk, the store's)."""
+    found = []
+    private = lab.private_dirs()
+    relays = {p.pid for p in lab.relays.values()}
+    for ns in lab.hosts:
+        others = [str(d) + "/" for member, d in private.items() if member != ns]
+        own = str(private[ns]) + "/"
+        for pid in lab.pids(ns):
+            if pid in relays:
+                continue
+            try:
+                paths = [os.readlink(f"/proc/{pid}/cwd")]
+                paths += [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:  # it exited while we looked
+                continue
+            tmp = [e.decode(errors="replace")[7:] for e in environ if e.startswith(b"TMPDIR=")]
+            for path in paths:
+                if any((path + "/").startswith(o) for o in others):
+                    found.append(f"{ns} pid {pid}: {path}")
+            if tmp and not (tmp[0] + "/").startswith(own):
+                found.append(f"{ns} pid {pid}: TMPDIR={tmp[0]}")
+    return found
+
+
+def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) -> dict:
+    """One run on the lab's hosts (module docstring); its summary (hosts_watch's) and timings."""
+    procs: dict[str, tuple[int, subprocess.Popen, list[str]]] = {}
+    logs = lab.base / "logs" / run.name
+
+    def start(host: int, key: str, argv: list[str]) -> None:
+        home = lab.host_dir(host)
+        env = host_env(home, DUMMY_AWS if spec.store == "s3" else None)
+        procs[key] = (host, lab.spawn(lab.hosts[host], argv, logs / f"{key}.log", env=env, cwd=home), argv)
+
+    watcher, lines = watch(lab, spec, run.watch_overrides, spec.timeout_s)
+    started = time.monotonic()
+    driver_overrides = [*run.overrides, f"train.islands={spec.islands_per_host}"]
+    start(0, "h0-driver", dipaco("run", spec, driver_overrides))
+    faults = Faults(lab, store, spec, run, procs) if run.faults else None
+    joined, finished, first_claim = False, None, None
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=30)
+            except queue.Empty:
+                line = {}
+            if line is None:
+                raise RuntimeError(f"{run.name}: the store watcher stopped (log: {lab.store_dir() / 'watch.log'})")
+            if "summary" in line:
+                break
+            now = time.monotonic() - started
+            if now > spec.timeout_s:
+                raise TimeoutError(f"{run.name}: not finished after {spec.timeout_s:.0f} s (logs in {logs})")
+            run.samples.append((time.time(), [lab.counters(i) for i in range(lab.n_hosts)]))
+            if "error" in line:
+                continue
+            if line.get("held") and first_claim is None:
+                first_claim = time.time()
+            if line.get("prepared") and line.get("planned") and not joined:
+                for host in range(1, lab.n_hosts):
+                    for k in range(spec.islands_per_host):
+                        start(host, f"h{host}-{k}", dipaco("island", spec, run.overrides, "--name", f"h{host}-{k}"))
+                joined = True
+            if faults is not None:
+                faults.step(line, now)
+            restart_failed(lab, procs, run, faults)
+            if len(run.samples) % 5 == 0:
+                run.violations += isolation_violations(lab)
+            if line.get("finished") and finished is None:
+                finished = time.monotonic() - started
+        driver = procs["h0-driver"][1]
+        driver.wait(timeout=180)  # it reports the last round and prints the summary
+        wall = time.monotonic() - started
+    finally:
+        if faults is not None:
+            faults.close()
+        for host, proc, _ in procs.values():
+            stop_process(proc)
+        stop_process(watcher)
+    if driver.returncode != 0:
+        raise RuntimeError(
+            f"{run.name}: `dipaco run` on host 0 exited {driver.returncode} (log: {logs / 'h0-driver.log'})"
+        )
+    return {
+        "run": run.name,
+        "wall_s": round(wall, 1),
+        "finished_s": round(finished or wall, 1),
+        "first_claim": first_claim,
+        "summary": line["summary"],
+        "samples": run.samples,
+        "events": run.events,
+        "restarts": run.restarts,
+        "violations": sorted(set(run.violations)),
+        "killed": sorted(faults.killed) if faults else [],
+        "faults_not_reached": list(faults.steps) if faults else [],
+    }
+
+
+def restart_failed(lab: Lab, procs: dict, run: HostRun, faults: Faults | None) -> None:
+    """A host's island process that exited with an error starts again (a service manager's
+    restart), unless its host was killed for good, is partitioned now, or has restarted too often."""
+    for key, (host, proc, argv) in list(procs.items()):
+        code = proc.poll()
+        if code in (None, 0) or key == "h0-driver":
+            continue
+        if faults is not None and (host in faults.killed or (faults.steps[:1] == ["reconnect"] and host == 1)):
+            continue
+        if run.restarts.get(key, 0) >= MAX_RESTARTS:
+            continue
+        run.restarts[key] = run.restarts.get(key, 0) + 1
+        log.info("%s: %s exited %s: starting it again (%d)", run.name, key, code, run.restarts[key])
+        home = lab.host_dir(host)
+        env = host_env(home, DUMMY_AWS if "s3://" in " ".join(argv) else None)
+        logs = lab.base / "logs" / run.name
+        procs[key] = (
+            host,
+            lab.spawn(lab.hosts[host], argv, logs / f"{key}.{run.restarts[key]}.log", env=env, cwd=home),
+            argv,
+        )
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+# -- the one-host reference ---------------------------------------------------------------------------
+
+
+def run_one_host(spec: Spec, base: Path, islands: int) -> dict:
+    """The same config on this machine with a local root and `islands` islands: the reference."""
+    root = base / "one-host" / "root"
+    overrides = [*base_overrides(spec), f"run_root={root}", f"train.islands={islands}"]
+    overrides.append(f"mlflow.enabled={str(spec.store == 's3' and spec.mlflow).lower()}")
+    home = base / "one-host" / "home"
+    env = host_env(home)
+    log_path = base / "logs" / "one-host.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with open(log_path, "wb") as out:  # its own session: an interrupt here stops its islands too
+        proc = subprocess.Popen(
+            dipaco("run", spec, overrides),
+            cwd=home,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        code = proc.wait(timeout=spec.timeout_s)
+    finally:
+        stop_process(proc, grace_s=30.0)  # SIGTERM: `dipaco run` stops the islands it started
+    wall = time.monotonic() - started
+    if code != 0:
+        raise RuntimeError(f"one-host run: `dipaco run` exited {code} (log: {log_path})")
+    argv = [sys.executable, "-m", "benchmarks.hosts_watch", "--config", str(REPO / spec.config), *set_args(overrides)]
+    out = subprocess.run([*argv, "--summary-only"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])["summary"]
+    return {"run": "one-host", "wall_s": round(wall, 1), "finished_s": round(wall, 1), "summary": summary}
+
+
+# -- figures -------------------------------------------------------------------------------------------
+
+
+def train_span(result: dict) -> float:
+    """Seconds from the first train claim to the last round's commit: the training phase."""
+    s = result["summary"]
+    claims = [a["claimed_at"] for a in s["attempts"] if a["task"].startswith("train.") and a.get("claimed_at")]
+    end = max(r["committed_at"] for r in s["rounds"].values())
+    return end - min(claims)
+
+
+def goodput(result: dict) -> float:
+    return result["summary"]["tokens"] / train_span(result)
+
+
+def counters_at(samples: list, t: float) -> list[tuple[int, int]]:
+    """The counters of the sample nearest before t (the first one when t precedes them all)."""
+    best = samples[0][1]
+    for when, values in samples:
+        if when > t:
+            break
+        best = values
+    return best
+
+
+def per_round(result: dict, n_hosts: int) -> list[dict]:
+    """Each round: its span, each host's bytes up/down in it, and its tasks' time split."""
+    s = result["summary"]
+    rounds = sorted(s["rounds"].items(), key=lambda kv: int(kv[0]))
+    claims = [a["claimed_at"] for a in s["attempts"] if a["task"].startswith("train.") and a.get("claimed_at")]
+    begin, rows = min(claims), []
+    for r, info in rounds:
+        end = info["committed_at"]
+        row = {"round": int(r), "wall_s": end - begin, "utilisation": (info["utilisation"] or {}).get("utilisation")}
+        for phase in ("load", "engine", "commit"):
+            row[f"{phase}_s"] = (info["utilisation"] or {}).get(f"task_{phase}_seconds")
+        row["inner_s"] = sum(p["inner_seconds"] for p in info["paths"].values()) / max(1, len(info["paths"]))
+        row["bytes_outer"] = info["bytes_outer"]
+        if result.get("samples"):
+            a, b = counters_at(result["samples"], begin), counters_at(result["samples"], end)
+            row["hosts"] = [{"up": b[i][0] - a[i][0], "down": b[i][1] - a[i][1]} for i in range(n_hosts)]
+        rows.append(row)
+        begin = end
+    return rows
+
+
+def predicted_bytes(summary: dict, grid: list[int], n_hosts: int) -> dict[int, list[dict[str, int]]]:
+    """Round -> each host's payload bytes (up, down) that the objects its islands' finished tasks
+    read and wrote predict, from their sizes in the store: a train task reads its path's modules,
+    the path's inner state of the round before (its DeepSpeed checkpoint) and its shard, and
+    writes its path directory (weights, checkpoint, metrics); a merge reads the trained weights of
+    every path through its module, the module and its momentum, and writes the merged pair; the
+    round's commit reads the merged pairs and writes (and reads back) modules/ and outer_state/;
+    an evaluation reads its path's modules and validation shard. Attempts that did not finish
+    moved bytes no record tells: they count on the measured side only."""
+    from models.grid import ModuleKey, parse_path_id, path_id, path_modules, paths_through
+
+    sizes = summary["sizes"]
+
+    def under(prefix: str, suffix: str = "") -> int:
+        return sum(v for k, v in sizes.items() if k.startswith(prefix) and k.endswith(suffix) and "_SUCCESS" not in k)
+
+    def modules(r: int, path: str) -> int:
+        keys = path_modules(parse_path_id(path, grid))
+        return sum(sizes.get(f"rounds/round={r}/modules/{k}.safetensors", 0) for k in keys)
+
+    out: dict[int, list[dict[str, int]]] = {}
+    for a in summary["attempts"]:
+        if a.get("state") != "done":
+            continue
+        kind, rnd, *rest = a["task"].split(".", 2)
+        r, target = int(rnd.lstrip("r")), rest[0] if rest else ""
+        row = out.setdefault(r, [{"up": 0, "down": 0} for _ in range(n_hosts)])[island_host(str(a["island"]))]
+        if kind == "train":
+            path = target.split(".w")[0]
+            row["down"] += modules(r, path) + under(f"shards/path={path}/")
+            row["down"] += under(f"rounds/round={r - 1}/paths/path={target}/ds_checkpoint/", ".pt") if r else 0
+            row["up"] += under(f"rounds/round={r}/paths/path={target}/")
+        elif kind == "merge":
+            level, index = (int(x) for x in target.lstrip("l").split("m"))
+            key = ModuleKey(level, index)
+            through = [path_id(p) for p in paths_through(key, grid)]
+            row["down"] += sum(sizes.get(f"rounds/round={r}/paths/path={p}/model.safetensors", 0) for p in through)
+            row["down"] += sizes.get(f"rounds/round={r}/modules/{key}.safetensors", 0)
+            row["down"] += sizes.get(f"rounds/round={r}/outer_state/{key}.safetensors", 0)
+            row["up"] += under(f"rounds/round={r + 1}/merged/{key}/")
+        elif kind == "commit":
+            merged = under(f"rounds/round={r + 1}/merged/")
+            published = under(f"rounds/round={r + 1}/modules/") + under(f"rounds/round={r + 1}/outer_state/")
+            row["down"] += merged + published
+            row["up"] += published
+        elif kind == "eval":
+            row["down"] += modules(r, target) + under(f"shards/validation/path={target}/")
+    return out
+
+
+def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> str:
+    ref = results[0]
+    mb = 1e6
+    lines = [
+        f"Hosts benchmark (`python -m benchmarks.hosts`, {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}): "
+        f"{spec.config} {' '.join(spec.overrides)}, {spec.hosts} hosts x {spec.islands_per_host} island, "
+        f"links {lab_info['links']}, store {spec.store}, lease {spec.lease_seconds:g} s.",
+        "",
+        "| run | wall s | train s | committed tokens | goodput vs one host | final modules = one host's | "
+        "island restarts | isolation breaches |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for res in results:
+        same = res["summary"]["modules"] == ref["summary"]["modules"] and bool(ref["summary"]["modules"])
+        lines.append(
+            f"| {res['run']} | {res['wall_s']} | {train_span(res):.1f} | {res['summary']['tokens']:,} | "
+            f"{goodput(res) / goodput(ref):.2f} | {'yes' if same else 'NO'} | "
+            f"{sum(res.get('restarts', {}).values())} | {len(res.get('violations', []))} |"
+        )
+    for res in results[1:]:
+        lines += ["", f"Per round, {res['run']} (bytes from each host's link counters; seconds per train task):", ""]
+        hosts = " | ".join(f"h{i} up / down MB" for i in range(spec.hosts))
+        lines += [
+            f"| round | wall s | {hosts} | inner s | load s | engine s | commit s | utilisation |",
+            "| ---: | ---: |" + " ---: |" * spec.hosts + " ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for row in per_round(res, spec.hosts):
+            cells = " | ".join(f"{h['up'] / mb:.2f} / {h['down'] / mb:.2f}" for h in row["hosts"])
+            fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+            lines.append(
+                f"| {row['round']} | {row['wall_s']:.1f} | {cells} | {fmt(row['inner_s'])} | {fmt(row['load_s'])} | "
+                f"{fmt(row['engine_s'])} | {fmt(row['commit_s'])} | {fmt(row['utilisation'])} |"
+            )
+        predicted = predicted_bytes(res["summary"], grid, spec.hosts) if "sizes" in res["summary"] else {}
+        measured = [
+            sum(row["hosts"][i][d] for row in per_round(res, spec.hosts))
+            for i in range(spec.hosts)
+            for d in ("up", "down")
+        ]
+        expected = [sum(p[i][d] for p in predicted.values()) for i in range(spec.hosts) for d in ("up", "down")]
+        lines += (
+            []
+            if not predicted
+            else [
+                "",
+                "Whole run, measured on the link / predicted from what each host's finished tasks read and wrote: "
+                + "; ".join(
+                    f"h{i} up {measured[2 * i] / mb:.2f} / {expected[2 * i] / mb:.2f} MB, "
+                    f"down {measured[2 * i + 1] / mb:.2f} / {expected[2 * i + 1] / mb:.2f} MB"
+                    for i in range(spec.hosts)
+                )
+                + ".",
+            ]
+        )
+        if res.get("events"):
+            lines += [
+                "",
+                "Faults: "
+                + "; ".join(
+                    f"{e['fault']} " + ("after the run ended" if e["at_s"] is None else f"at {e['at_s']} s")
+                    for e in res["events"]
+                )
+                + ".",
+            ]
+        if res.get("faults_not_reached"):
+            lines += ["", f"Not reached before the run ended: {', '.join(res['faults_not_reached'])}."]
+    return "\n".join(lines)
+
+
+# -- main ----------------------------------------------------------------------------------------------
+
+
+def s3_ready(spec: Spec) -> str | None:
+    """None when this checkout can run on an s3:// root against moto; else why not."""
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        return "s3fs is not installed (object-store run roots, issue 41)"
+    from pipeline.core.config import load_config
+    from pipeline.core.errors import DipacoError
+
+    try:
+        load_config(REPO / spec.config, [*s3_overrides("probe", "http://127.0.0.1:1")])
+    except DipacoError as exc:
+        return f"this pipeline cannot take an s3:// run root with storage.options: {exc}"
+    done = subprocess.run([spec.store_python, "-c", "import moto.server"], capture_output=True, timeout=60)
+    if done.returncode != 0:
+        return f"{spec.store_python} cannot import moto.server (moto[server])"
+    return None
+
+
+def benchmark(spec: Spec, base: Path, runs: tuple[str, ...] = ("fault-free", "faults"), reference: bool = True) -> dict:
+    """The runs of the module docstring in a lab under `base` (`runs`: which of the two across the
+    hosts); every figure."""
+    results = []
+    if reference:
+        results.append(run_one_host(spec, base, spec.hosts * spec.islands_per_host))
+    with Lab(spec.hosts, spec.shape, base / "lab", store_ports=(S3_PORT, MLFLOW_PORT)) as lab:
+        store = None
+        if spec.store == "s3":
+            store = Store(lab, spec)
+            store.start()
+        for name in runs:
+            if spec.store == "s3":
+                overrides = [*base_overrides(spec), *s3_overrides(name, f"http://{STORE_IP}:{S3_PORT}", spec.mlflow)]
+                watch_overrides = [*base_overrides(spec), *s3_overrides(name, f"http://127.0.0.1:{MOTO_PORT}", False)]
+            else:
+                root = base / "shared-root" / name
+                overrides = [*base_overrides(spec), f"run_root={root}", "mlflow.enabled=false"]
+                watch_overrides = overrides
+            run = HostRun(name, overrides, watch_overrides, faults=name == "faults")
+            results.append(run_across_hosts(lab, store, spec, run))
+        info = {
+            "links": spec.shape.describe()
+            + (" (netem)" if lab.netem else " (tbf + relay)" if spec.shape.shaped else "")
+        }
+    return {"results": results, "lab": info}
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hosts", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--hosts", type=int, default=3)
+    parser.add_argument("--islands-per-host", type=int, default=1)
+    parser.add_argument("--rate-mbit", type=float, default=50.0, help="each host's link, each way")
+    parser.add_argument("--rtt-ms", type=float, default=40.0, help="each host's round trip to the store")
+    parser.add_argument("--unshaped", action="store_true", help="links at veth speed, no delay")
+    parser.add_argument("--store", choices=("s3", "local"), default="s3")
+    parser.add_argument("--store-python", default=sys.executable, help="the interpreter moto's server runs on")
+    parser.add_argument("--lease-seconds", type=float, default=6.0)
+    parser.add_argument("--partition-leases", type=float, default=3.0, help="the partition lasts this many leases")
+    parser.add_argument("--throttle-s", type=float, default=10.0, help="seconds of 503 SlowDown (0: none)")
+    parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--no-mlflow", action="store_true", help="no MLflow server; host 0 tracks nothing")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="each run's limit, seconds")
+    parser.add_argument("--keep", action="store_true", help="keep the lab's directories (logs) after the run")
+    parser.add_argument("--commit", action="store_true", help="put the table into benchmarks/RESULTS.md")
+    parser.add_argument("--render-only", action="store_true", help="the tables again from out/hosts/results.json")
+    args = parser.parse_args(argv)
+    shape = LinkShape(None, None) if args.unshaped else LinkShape(args.rate_mbit or None, args.rtt_ms or None)
+    spec = Spec(
+        config=args.config,
+        overrides=args.overrides,
+        hosts=args.hosts,
+        islands_per_host=args.islands_per_host,
+        shape=shape,
+        store=args.store,
+        lease_seconds=args.lease_seconds,
+        partition_leases=args.partition_leases,
+        throttle_s=args.throttle_s,
+        timeout_s=args.timeout,
+        store_python=args.store_python,
+        mlflow=not args.no_mlflow,
+    )
+    return args, spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, spec = parse(argv)
+    if args.render_only:
+        return report(args, spec, json.loads((OUT / "results.json").read_text()))
+    why = netns.can_make_namespaces()
+    if why:
+        print(f"benchmarks.hosts: {why}", file=sys.stderr)
+        return 2
+    if spec.hosts < 2:
+        print("benchmarks.hosts: --hosts must be at least 2", file=sys.stderr)
+        return 2
+    if spec.store == "s3":
+        why = s3_ready(spec)
+        if why:
+            print(f"benchmarks.hosts: {why}; `--store local` runs the stand-in", file=sys.stderr)
+            return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    base = Path(tempfile.mkdtemp(prefix="dipaco-hosts-"))
+    try:
+        found = benchmark(spec, base, runs=("fault-free",) if args.no_faults else ("fault-free", "faults"))
+    except KeyboardInterrupt:
+        print("benchmarks.hosts: interrupted; every namespace and process it made is gone", file=sys.stderr)
+        return 130
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
+            print(f"benchmarks.hosts: kept {base}", file=sys.stderr)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "results.json").write_text(json.dumps(found, indent=2) + "\n")
+    return report(args, spec, found)
+
+
+def report(args: argparse.Namespace, spec: Spec, found: dict) -> int:
+    """Print (and with --commit, put in RESULTS.md) the tables; 0 when every run's final modules
+    are the one-host run's."""
+    from pipeline.core.config import load_config
+
+    grid = load_config(REPO / spec.config, base_overrides(spec)).model.grid
+    table = render(spec, found["results"], found["lab"], grid)
+    (OUT / "results.md").write_text(table + "\n")
+    print(table)
+    if args.commit:
+        from benchmarks.results import commit_block
+
+        commit_block("hosts", table, heading="## Islands on separate hosts")
+    ref = found["results"][0]["summary"]["modules"]
+    return 0 if ref and all(r["summary"]["modules"] == ref for r in found["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Islands on two hosts (network namespaces) survive a partition longer than the lease: the
+small version of `python -m benchmarks.hosts` (benchmarks/netns.py, benchmarks/hosts.py).
+
+Root only: it skips, in one line, where network namespaces cannot be made. On an `s3://` run root
+against moto in the store's namespace when this checkout has object-store run roots, else on the
+benchmark's local stand-in (a directory both hosts see; the partition also freezes the host).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import hosts, netns
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    """Every process whose command line or environment names `marker` (the lab's temp dir)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            blob = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in blob:
+            found.append(f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()[:200]!r}")
+    return found
+
+
+@pytest.mark.slow
+def test_two_hosts_survive_a_partition_with_bitwise_equal_modules(tmp_path):
+    why = netns.can_make_namespaces()
+    if why:
+        pytest.skip(f"network namespaces: {why}")
+    spec = hosts.Spec(
+        hosts=2,
+        shape=netns.LinkShape(None, None),
+        lease_seconds=4.0,
+        partition_leases=2.5,
+        throttle_s=0,  # one fault: the partition
+        timeout_s=600.0,
+        mlflow=False,  # the benchmark's MLflow server costs a 2-core machine half a minute; the run is the same
+    )
+    spec.store = "s3" if hosts.s3_ready(spec) is None else "local"
+    base = tmp_path / "lab-base"
+    try:
+        found = hosts.benchmark(spec, base, runs=("faults",))
+    finally:
+        # nothing of the lab is left: no namespace, no process
+        assert [ns for ns in netns.lab_namespaces() if ns.startswith(f"{netns.PREFIX}{os.getpid()}-")] == []
+        assert processes_mentioning(str(base)) == []
+    reference, faulted = found["results"]
+    events = {e["fault"]: e for e in faulted["events"]}
+    assert list(events) == ["partition", "reconnect"]  # the reconnect may come after the run ended
+    partitioned = [
+        task for island, tasks in events["partition"]["held"].items() if island.startswith("h1-") for task in tasks
+    ]
+    assert partitioned, f"host 1 held no train task when it was partitioned: {events['partition']}"
+    attempts = faulted["summary"]["attempts"]
+    for task in partitioned:  # taken over: done by an attempt of another island; host 1's never done
+        mine = [a for a in attempts if a["task"] == task and a["island"].startswith("h1-")]
+        assert mine and all(a["state"] != "done" for a in mine), mine
+        assert any(a["state"] == "done" and not a["island"].startswith("h1-") for a in attempts if a["task"] == task)
+    assert faulted["violations"] == []  # no host process touched the other host's or the store's directory
+    assert faulted["summary"]["tokens"] == reference["summary"]["tokens"]
+    assert faulted["summary"]["modules"] and faulted["summary"]["modules"] == reference["summary"]["modules"]
+
+
+LAB_UNTIL_SIGNALLED = """
+import sys, time
+from pathlib import Path
+from benchmarks import netns
+with netns.Lab(2, netns.LinkShape(50, 40), Path(sys.argv[1]), store_ports=(9000,)) as lab:
+    lab.spawn(lab.hosts[1], ["sleep", "600"], Path(sys.argv[1]) / "sleep.log")
+    time.sleep(0.5)
+    print(lab.tag, *[pid for ns in lab.made for pid in lab.pids(ns)], flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_removes_the_labs_namespaces_links_and_processes(tmp_path, signum):
+    why = netns.can_make_namespaces()
+    if why:
+        pytest.skip(f"network namespaces: {why}")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAB_UNTIL_SIGNALLED, str(tmp_path / "lab")],
+        cwd=netns.REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    tag, *pids = proc.stdout.readline().split()
+    assert tag.startswith(netns.PREFIX) and any(ns.startswith(tag) for ns in netns.lab_namespaces())
+    assert len(pids) >= 3  # the host's sleep and the two hosts' delay relays
+    proc.send_signal(signum)
+    assert proc.wait(timeout=60) != 0
+    assert [ns for ns in netns.lab_namespaces() if ns.startswith(tag + "-")] == []
+    assert [pid for pid in pids if netns.pid_alive(int(pid))] == []
+
+
+def test_without_root_it_says_so_in_one_line_and_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert hosts.main(["--hosts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "root" in err
