@@ -16,6 +16,7 @@ import json
 import os
 import uuid
 from datetime import timedelta
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from pipeline.core.trust import TRIGGER_KEYS
 from pipeline.islands.launch import read_metrics
 from pipeline.routing.router import Router
 from pipeline.state import layout
+from pipeline.state import lock as lock_module
 from pipeline.state.lock import _heartbeat_lock
 from pipeline.state.module_store import decode, encode
 from pipeline.state.storage import RunRoot
@@ -425,9 +427,10 @@ def test_a_hostile_run_root_json_file_is_read_or_refused(data, target):
             from pipeline.tracking.report import format_summary
 
             format_summary({"eval": {0: read_eval(root, 0)}, "run_root": "r", "rounds_committed": 1})
-        elif target == "lock":
-            with _heartbeat_lock(root):
-                pass
+        elif target == "lock":  # a holder is watched STALE_AFTER_S on this reader's clock: 20 s, here 0.05
+            with mock.patch.object(lock_module, "STALE_AFTER_S", 0.05), mock.patch.object(lock_module, "POLL_S", 0.01):
+                with _heartbeat_lock(root):
+                    pass
         else:
             root.read_committed_json(layout.SHARDS_DIR, "manifest.json")
     except Exception as error:  # noqa: BLE001

@@ -144,10 +144,13 @@ def _acquire(root: RunRoot) -> str:
             held = root.read_versioned(layout.LOCK)
         except InputError:  # released and removed meanwhile: create again
             continue
-        try:
-            record = load_json(held.data, root.path(layout.LOCK), dict)
-        except CorruptStateError as exc:  # not what a holder writes: judged by whether it changes, like any
-            record = {"unreadable": str(exc)}
+        record = load_json(held.data, root.path(layout.LOCK), dict)  # damage: one line naming the file
+        heartbeat, state = record.get("heartbeat", 0), record.get("state", "held")
+        if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool) or state not in ("held", "released"):
+            raise CorruptStateError(
+                f"{root.path(layout.LOCK)}: heartbeat must be a time and state held or released, got "
+                f"{shown(heartbeat)} and {shown(record.get('state'))}; remove the file if no dipaco run is live"
+            )
         if record.get("state") == "released" or (seen == held.version and time.monotonic() - since >= STALE_AFTER_S):
             taken = root.replace_if(layout.LOCK, _record(), held.version)
             if taken is not None:
