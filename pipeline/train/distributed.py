@@ -134,6 +134,21 @@ def close_distributed() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+        forget_deepspeed_groups()
+
+
+def forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the world group it first saw (deepspeed.utils.groups._WORLD_GROUP and the
+    groups cloned from it). Once that group is destroyed, the next engine of this process (a rank's
+    main run in-process, then an in-process train task, as a test suite does) broadcast on the dead
+    group and failed with "Group ... is not registered"; forgetting them makes DeepSpeed clone the
+    new world group instead."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
 
 
 def shm_workspace_path(rank: int) -> Path:
