@@ -371,10 +371,12 @@ def test_the_tiny_pipeline_on_s3_with_an_mlflow_server_equals_the_local_run_bitw
     from conftest import dipaco_run
 
     url, storage_set = s3_root
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("FSSPEC_S3", None)  # the run's own storage.options, nothing inherited
+    # the run's own storage.options and tracking settings, nothing inherited from earlier tests
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "FSSPEC_"))}
+    env.update(PYTHONUNBUFFERED="1", MLFLOW_DISABLE_TELEMETRY="true")
     tracked = ["mlflow.enabled=true", f"mlflow.tracking_uri={mlflow_server}", "mlflow.experiment=s3-vs-local"]
-    dipaco_run([f"run_root={url}", storage_set, *tracked, "mlflow.registered_model=dipaco-s3"], REPO, env)
+    done = dipaco_run([f"run_root={url}", storage_set, *tracked, "mlflow.registered_model=dipaco-s3"], REPO, env)
+    assert "registered model: models:/dipaco-s3/" in done.stdout, (done.stdout[-2000:], done.stderr[-3000:])
     dipaco_run([f"run_root={tmp_path / 'local'}", "mlflow.enabled=false"], REPO, env)
     configure(url, {"endpoint_url": s3_server.endpoint})
     s3, local = RunRoot(url), RunRoot(tmp_path / "local")
