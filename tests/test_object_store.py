@@ -387,7 +387,8 @@ def test_the_tiny_pipeline_on_s3_with_an_mlflow_server_equals_the_local_run_bitw
         assert s3.read_committed(final, name) == local.read_committed(final, name), name
     for r in (1, 2):
         assert s3.read_bytes(f"eval/round={r}.json") == local.read_bytes(f"eval/round={r}.json")
-    versions = MlflowClient(mlflow_server).search_model_versions("name='dipaco-s3'")
+    client = MlflowClient(tracking_uri=mlflow_server, registry_uri=mlflow_server)  # not a registry an earlier test set
+    versions = client.search_model_versions("name='dipaco-s3'")
     assert versions, "the S3 run registered no model version"
     assert not s3.exists(".lock") or b"released" in s3.read_bytes(".lock")
 
