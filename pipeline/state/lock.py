@@ -16,7 +16,6 @@ import socket
 import stat
 import threading
 import time
-import uuid
 from contextlib import contextmanager
 from typing import IO, Iterator
 
@@ -28,7 +27,6 @@ from pipeline.state.storage import RunRoot
 HEARTBEAT_S = 5.0  # an object-store lock's renewal: a second orchestrator sees a live holder beat within this
 STALE_AFTER_S = 4 * HEARTBEAT_S  # unchanged this long, as the reader's monotonic clock measures it: dead
 POLL_S = 1.0
-_TOKEN = uuid.uuid4().hex  # this process's locks
 log = logging.getLogger("dipaco.lock")
 
 
@@ -130,7 +128,7 @@ def _heartbeat_lock(root: RunRoot) -> Iterator[None]:
 
 
 def _record(state: str = "held") -> bytes:
-    return json.dumps({**_holder(), "state": state, "token": _TOKEN}).encode()
+    return json.dumps({**_holder(), "state": state}).encode()  # ownership is the version we last wrote
 
 
 def _acquire(root: RunRoot) -> str:
