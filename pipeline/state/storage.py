@@ -33,8 +33,9 @@ import uuid
 import zlib
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Callable, TypeVar
+from typing import IO, Any, Callable, Iterator, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -208,7 +209,7 @@ class RunRoot:
         """A file's bytes; `writable` gives a bytearray that tensors can view without a copy
         (read straight into it on local roots). A file longer than `max_bytes` is refused after
         reading no more than that, so a hostile file costs bounded memory."""
-        try:
+        with self._reading(rel):
             if writable and self.is_local and max_bytes is None:
                 with open(self.path(rel), "rb") as handle:
                     buffer = bytearray(os.fstat(handle.fileno()).st_size)
@@ -219,25 +220,29 @@ class RunRoot:
                     data = handle.read() if max_bytes is None else handle.read(max_bytes + 1)
             else:  # one GET, one whole version: never a read torn by a writer replacing the object
                 data = self.store.read(self.path(rel), max_bytes).data
-        except FileNotFoundError:
-            raise InputError(f"{self.path(rel)}: file not found") from None
-        except IsADirectoryError:
-            raise CorruptStateError(f"{self.path(rel)}: is a directory, expected a file") from None
-        if max_bytes is not None and len(data) > max_bytes:
-            raise CorruptStateError(f"{self.path(rel)}: larger than {max_bytes:,} bytes; refusing to read it")
+        self._within(rel, data, max_bytes)
         return bytearray(data) if writable else data
 
     def read_versioned(self, rel: str, max_bytes: int = MAX_STATE_JSON_BYTES) -> Versioned:
         """A small file's bytes and the version they are, for a later replace_if or delete_if."""
-        try:
+        with self._reading(rel):
             found = self.store.read(self.path(rel), max_bytes)
+        self._within(rel, found.data, max_bytes)
+        return found
+
+    @contextmanager
+    def _reading(self, rel: str) -> Iterator[None]:
+        """What a missing file or a directory in its place means to every reader: one line naming it."""
+        try:
+            yield
         except FileNotFoundError:
             raise InputError(f"{self.path(rel)}: file not found") from None
         except IsADirectoryError:
             raise CorruptStateError(f"{self.path(rel)}: is a directory, expected a file") from None
-        if len(found.data) > max_bytes:
+
+    def _within(self, rel: str, data: bytes, max_bytes: int | None) -> None:
+        if max_bytes is not None and len(data) > max_bytes:
             raise CorruptStateError(f"{self.path(rel)}: larger than {max_bytes:,} bytes; refusing to read it")
-        return found
 
     def create(self, rel: str, data: bytes) -> str | None:
         """Create a file only if nobody has (a claim, a token, a lock): its version, or None."""
