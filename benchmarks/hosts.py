@@ -575,8 +575,9 @@ def predicted_bytes(summary: dict, grid: list[int], n_hosts: int) -> dict[int, l
         if kind == "train":
             path = target.split(".w")[0]
             row["down"] += modules(r, path) + under(f"shards/path={path}/")
-            row["down"] += under(f"rounds/round={r - 1}/paths/path={target}/ds_checkpoint/", ".pt") if r else 0
+            row["down"] += under(f"rounds/round={r - 1}/inner/path={target}/", ".pt") if r else 0
             row["up"] += under(f"rounds/round={r}/paths/path={target}/")
+            row["up"] += under(f"rounds/round={r}/inner/path={target}/")
         elif kind == "merge":
             level, index = (int(x) for x in target.lstrip("l").split("m"))
             key = ModuleKey(level, index)

@@ -103,7 +103,16 @@ def model_card(config: Config, info: dict, evals: dict[int, dict]) -> str:
         if dense
         else "Route a text by its first "
         f"{config.router.prefix_tokens} tokens, as training did: `router/` is the run's router "
-        "(`pipeline.routing.router.Router.load`; embedder `" + config.router.embedder + "`), and "
+        "(`pipeline.routing.router.Router.load`; embedder `"
+        + config.router.embedder
+        + "`"
+        + (
+            f", the mean of hidden state {config.router.model_layer} of round {config.router.model_round}'s path "
+            "model over the prefix, which `model.init_from` at round 0 makes the starting checkpoint itself"
+            if config.router.embedder == "model"
+            else ""
+        )
+        + "), and "
         "`Router.route_texts([text])` names the path directory to load. Without dipaco, any path "
         "is a complete language model; the router picks the one trained on text like yours."
     )

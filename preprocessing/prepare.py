@@ -283,10 +283,10 @@ def _new_embedder(config: Config, root: RunRoot, prefixes: list[str]):
     if r.embedder == "model":
         path = r.model_path or all_path_ids(config.model.grid)[0]
         try:
-            embedder = embedders.PathModelEmbedder.from_run(root, config, r.model_round, path)
+            embedder = embedders.PathModelEmbedder.from_run(root, config, r.model_round, path, r.model_layer)
         except ImportError:
             raise ConfigError(f"{config.source}: router.embedder=model needs pipeline.state.module_store") from None
-        return embedder, {"model_round": r.model_round, "model_path": path}
+        return embedder, {"model_round": r.model_round, "model_path": path, "model_layer": r.model_layer}
     return embedders.MiniLMEmbedder(batch_size=r.batch_size), {}
 
 

@@ -26,7 +26,7 @@ from pipeline.state import layout
 from pipeline.state.module_store import load_modules
 from pipeline.state.storage import RunRoot
 from pipeline.train.distributed import child_env
-from pipeline.train.train_path import CKPT, train_path
+from pipeline.train.train_path import inner_state_of, train_path
 
 
 def cli(args: list[str], run_root: Path, *sets: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
@@ -245,7 +245,7 @@ def test_a_corrupted_inner_state_is_not_loaded_and_the_path_still_trains(run_roo
     write_synthetic_shards(root, config.model.grid)
     train_path(config, 0, "p0")
     merge_round(config, 0)
-    optim = next((run_root / layout.path_dir(0, "p0") / CKPT).rglob("*optim_states.pt"))
+    optim = next((run_root / inner_state_of(root, 0, "p0")).rglob("*optim_states.pt"))
     _corrupt(optim, "flip")
     with caplog.at_level(logging.WARNING):
         metrics = train_path(config, 1, "p0")

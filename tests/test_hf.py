@@ -230,3 +230,39 @@ def test_bad_checkpoints_exit_2_with_one_line_and_load_nothing(tmp_path, capsys)
 
     mlflow.MlflowClient(f"sqlite:///{tmp_path}/m.db").create_registered_model("somebody")  # a store, no version
     assert "does not resolve in the registry" in _refused(capsys, tmp_path, "models:/somebody/3", store)
+
+
+def test_the_checkpoint_itself_routes_at_the_layer_asked(tmp_path, capsys):
+    """router.embedder: model at model_round 0 of an init_from run embeds with the checkpoint: the
+    mean of hidden state `router.model_layer` over the prefix, what transformers itself computes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.routing.router import Router
+    from pipeline.state.storage import RunRoot
+
+    checkpoint = write_checkpoint(tmp_path / "llama", "llama", layers=2)
+    sets = [f"run_root={tmp_path / 'run'}", "mlflow.enabled=false", "train.launcher=inprocess"]
+    sets += [f"model.init_from={checkpoint}", "router.embedder=model", "router.model_layer=1", "router.prefix_tokens=8"]
+    _dipaco(capsys, "prepare", "--config", str(TINY_YAML), *set_args(sets))
+    router = Router.load(RunRoot(str(tmp_path / "run")))
+    assert router.header["embedder"] == "model" and router.header["model_layer"] == 1
+
+    texts = [t.split(":")[0] for t in TEXTS[:3]]  # short: each its whole own prefix
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+
+    def mean_state(layer: int) -> torch.Tensor:
+        rows = []
+        for text in texts:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"][:8]
+            with torch.no_grad():
+                states = reference(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+            rows.append(states[layer][0].mean(0))
+        return torch.stack(rows)
+
+    ours = torch.from_numpy(router.embed_prefixes(texts))
+    assert torch.allclose(ours, mean_state(1), atol=1e-5)
+    assert not torch.allclose(ours, mean_state(-1), atol=1e-3)  # the layer asked, not the last
+
+    stderr = _refused(capsys, tmp_path, str(checkpoint), "router.embedder=model", "router.model_layer=3")
+    assert "router.model_layer" in stderr and "0..2" in stderr

@@ -12,6 +12,7 @@ from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.retention import run_root_size
 from pipeline.state.storage import RunRoot
+from pipeline.train.train_path import inner_state_of
 
 TINY = str(REPO / "configs" / "tiny.yaml")
 
@@ -42,7 +43,7 @@ def test_keep_rounds_1_keeps_the_champion_loadable_and_the_run_resumable_and_cle
             assert root.exists(f"{rel}/model.safetensors") == (r in best_rounds)
             assert root.exists(f"{rel}/metrics.json")  # utilisation and the summary read it
             root.verify(rel)  # every marker names only files that are there
-        assert root.is_committed(f"{layout.path_dir(1, job)}/ds_checkpoint")  # the newest inner state: resumes
+        assert inner_state_of(root, 1, job) is not None  # the newest inner state: resumes
     continuation = champion_continuation(config, PROMPTS[0])
     assert isinstance(continuation, str)
 

@@ -3,6 +3,7 @@ inner-state resume where the merged modules must win over the checkpoint's weigh
 
 import math
 import os
+import posixpath
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from pipeline.state.module_store import load_modules, load_path_modules
 from pipeline.state.shards import read_path_documents
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import child_env
-from pipeline.train.train_path import CKPT, adamw_for, lr_at, train_path
+from pipeline.train.train_path import adamw_for, inner_state_of, lr_at, train_path
 from pipeline.train.zero import full_state, load_ds_config, set_full_state, wrap_with_zero
 
 
@@ -321,7 +322,9 @@ def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(r
     write_synthetic_shards(root, config.model.grid)
     train_path(config, 0, "p0")
     merge_round(config, 0)
-    assert root.is_committed(f"{layout.path_dir(0, 'p0')}/{CKPT}")
+    kept = inner_state_of(root, 0, "p0")
+    assert kept is not None and root.is_committed(kept)
+    assert not root.exists(f"{layout.path_dir(0, 'p0')}/ds_checkpoint")  # beside the path, not published with it
     resumed = train_path(config, 1, "p0")
     assert resumed["resumed_inner_state_from"] == 0
 
@@ -353,7 +356,7 @@ def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(r
     # A second step from the merged weights plus the resumed Adam moments must also differ from
     # a fresh-optimizer run: the state really was restored.
     root.remove(layout.path_dir(1, "p0"))
-    root.remove(f"{layout.path_dir(0, 'p0')}/{CKPT}/_SUCCESS")  # the state is lost: restart cleanly
+    root.remove(f"{kept}/_SUCCESS")  # the state is lost: restart cleanly
     fresh = train_path(config, 1, "p0")
     assert fresh["resumed_inner_state_from"] is None
     assert fresh["loss"][0] == pytest.approx(merged_loss, rel=1e-5)
@@ -367,8 +370,9 @@ def test_only_the_newest_inner_state_is_kept(run_root):
     for round_index in range(2):
         train_path(config, round_index, "p0")
         merge_round(config, round_index)
-    assert not root.exists(f"{layout.path_dir(0, 'p0')}/{CKPT}")
-    assert root.is_committed(f"{layout.path_dir(1, 'p0')}/{CKPT}")
+    assert not root.exists(layout.inner_state_dir(0, "p0"))
+    assert inner_state_of(root, 1, "p0") is not None
+    assert root.listdir(layout.inner_state_dir(1, "p0")) == [posixpath.basename(inner_state_of(root, 1, "p0"))]
     assert root.is_committed(layout.path_dir(0, "p0"))  # the trained weights stay
 
 

@@ -80,6 +80,9 @@ class RouterConfig:
     tfidf_dim: int = 64  # tfidf embedder: truncated-SVD dimensions (c-BTM style)
     model_round: int = 0  # model embedder: the committed round whose path model embeds
     model_path: str | None = None  # model embedder: that path's id; default the first path
+    model_layer: int = -1  # model embedder: which hidden state is averaged over the prefix, as transformers numbers
+    #                        them (output_hidden_states): 0 the embeddings, k the output of block k, -1 the last
+    #                        (after the final norm); with model.init_from and model_round 0: the checkpoint's own
     discriminative_after: int | None = None  # R: after round R's merge, label a sample by its lowest-loss path, fit a
     #                                          linear router on the same features and re-shard; rounds > R train
     #                                          there (DiPaCo 2.4.2); null: k-means for the whole run
@@ -686,6 +689,13 @@ def validate(config: Config) -> None:
             parse_path_id(config.router.model_path, m.grid)
         except ValueError as exc:
             raise ConfigError(f"{src}: router.model_path: {one_line(str(exc), SHOWN_CHARS)}") from None
+    blocks = sum(m.blocks_per_level) + m.path_specific_blocks
+    need(
+        -(blocks + 1) <= config.router.model_layer <= blocks,
+        "router.model_layer",
+        f"must name a hidden state of a path of {blocks} blocks: 0..{blocks} (or -1..-{blocks + 1} from the last), "
+        f"got {config.router.model_layer}",
+    )
     need(config.router.sample_docs > 0, "router.sample_docs", "must be positive")
     after = config.router.discriminative_after
     need(

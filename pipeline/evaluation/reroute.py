@@ -127,7 +127,7 @@ def fit_router(config: Config, root: RunRoot, after_round: int) -> Discriminativ
         "kind": "discriminative",
         **{
             k: kmeans_router.header[k]
-            for k in ("embedder", "dim", "prefix_tokens", "tokenizer", "model_round", "model_path")
+            for k in ("embedder", "dim", "prefix_tokens", "tokenizer", "model_round", "model_path", "model_layer")
             if k in kmeans_router.header
         },
         "grid": list(grid),

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from pipeline.core.config import Config
-from pipeline.core.errors import CorruptStateError, InputError
+from pipeline.core.errors import ConfigError, CorruptStateError, InputError
 from pipeline.state.storage import RunRoot
 
 log = logging.getLogger(__name__)
@@ -168,11 +168,14 @@ class TfidfEmbedder:
 
 
 class PathModelEmbedder:
-    """Mean of the last hidden layer of a committed path model over the prefix tokens."""
+    """Mean of one hidden state (`layer`, transformers' numbering: 0 the embeddings, k block k's
+    output, -1 the last) of a committed path model over the prefix tokens. With `model.init_from`
+    and `router.model_round: 0` the path model is the checkpoint itself, so a team can route by
+    the model it already has, at the layer it finds clusters best (DiPaCo routes on the last)."""
 
     name = "model"
 
-    def __init__(self, model, prefix_tokens: int, batch_size: int = 64, tokenizer=None):
+    def __init__(self, model, prefix_tokens: int, batch_size: int = 64, tokenizer=None, layer: int = -1):
         from pipeline.routing.tokenizer import load_tokenizer
 
         self.model = model.eval()
@@ -180,9 +183,18 @@ class PathModelEmbedder:
         self.batch_size = batch_size
         self.tokenizer = tokenizer or load_tokenizer()
         self.dim = int(model.config.hidden_size)
+        states = int(model.config.num_hidden_layers) + 1  # the embeddings and every block's output
+        if not -states <= layer < states:
+            raise ConfigError(
+                f"router.model_layer: {layer} names no hidden state of a path model of "
+                f"{states - 1} blocks (0..{states - 1}, or -1..-{states} from the last)"
+            )
+        self.layer = layer
 
     @classmethod
-    def from_run(cls, root: RunRoot, config: Config, round_index: int, path_id: str) -> "PathModelEmbedder":
+    def from_run(
+        cls, root: RunRoot, config: Config, round_index: int, path_id: str, layer: int = -1
+    ) -> "PathModelEmbedder":
         from pipeline.routing.tokenizer import load_tokenizer
         from pipeline.state.module_store import load_path_model
 
@@ -191,6 +203,7 @@ class PathModelEmbedder:
             config.router.prefix_tokens,
             config.router.batch_size,
             tokenizer=load_tokenizer(root, config.model.tokenizer),
+            layer=layer,
         )
 
     def embed(self, texts: list[str]) -> np.ndarray:
@@ -209,9 +222,8 @@ class PathModelEmbedder:
             input_ids = torch.tensor([i + [0] * (width - len(i)) for i in ids])
             mask = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])
             with torch.no_grad():
-                hidden = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states[
-                    -1
-                ]
+                states = self.model(input_ids=input_ids, attention_mask=mask, output_hidden_states=True).hidden_states
+                hidden = states[self.layer]  # (B, T, H)
             mask_f = mask[:, :, None].to(hidden.dtype)  # (B, T, 1)
             out.append(((hidden * mask_f).sum(1) / mask_f.sum(1)).float().numpy())  # (B, H)
         return np.concatenate(out).astype(np.float32) if out else np.zeros((0, self.dim), np.float32)

@@ -327,6 +327,7 @@ def check_header(header: dict[str, Any], where: str) -> None:
     if header["embedder"] == "model":
         need(_is_int(header.get("model_round")), "model_round", "a round number")
         need(isinstance(header.get("model_path"), str), "model_path", "a path id")
+        need(_is_int(header.get("model_layer", -1), -(1 << 10)), "model_layer", "a hidden-state index")
 
 
 def _rows(grid: list[int]) -> list[list[int]]:
@@ -355,7 +356,9 @@ def load_embedder(
         if config is None:
             config = layout.read_run_config(root, uses_code=False)  # the model only
         try:
-            return embedders.PathModelEmbedder.from_run(root, config, header["model_round"], header["model_path"])
+            return embedders.PathModelEmbedder.from_run(
+                root, config, header["model_round"], header["model_path"], header.get("model_layer", -1)
+            )
         except ValueError as exc:  # a model_path that is no path of the grid
             raise CorruptStateError(f"{root.path(directory, HEADER)}: {one_line(str(exc), SHOWN_CHARS)}") from None
     raise CorruptStateError(f"{root.path(directory, HEADER)}: unknown embedder {shown(name)}")

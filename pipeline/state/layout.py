@@ -129,7 +129,8 @@ def outer_state_dir(round_index: int) -> str:
 
 
 def path_dir(round_index: int, path_id: str) -> str:
-    """A path's training output in a round: weights, metrics.json, its DeepSpeed checkpoint."""
+    """A path's training output in a round: weights, metrics.json (its DeepSpeed checkpoint lies
+    in inner_state_dir, named by its `_SUCCESS`)."""
     return f"{round_dir(round_index)}/paths/path={path_id}"
 
 
@@ -138,6 +139,16 @@ def staging_dir(round_index: int, path_id: str, attempt: str | None = None) -> s
     each attempt its own directory, so a late or duplicate attempt never mixes files into
     another's; publishing moves it to path_dir, first attempt wins (RunRoot.publish_dir)."""
     base = f"{round_dir(round_index)}/staging/path={path_id}"
+    return f"{base}/{attempt}" if attempt else base
+
+
+def inner_state_dir(round_index: int, path_id: str, attempt: str | None = None) -> str:
+    """Where one attempt of a path's train task writes its DeepSpeed checkpoint (the inner
+    optimizer state the path's next round resumes): beside the path, never inside what is
+    published, so publishing copies only the weights and metrics. The published path's
+    `_SUCCESS` names the attempt whose state it kept (`inner_state`); on an object store, where
+    publishing is a copy, the checkpoint (~4x the weights) is uploaded once and never copied."""
+    base = f"{round_dir(round_index)}/inner/path={path_id}"
     return f"{base}/{attempt}" if attempt else base
 
 

@@ -390,10 +390,14 @@ class RunRoot:
         through read_committed (its checksum checked, a symbolic link refused). Model bundles and
         MLflow artifacts are built with it, so a file slipped in beside the committed ones, or a
         link to one outside the root (`router/extra.txt -> ~/.ssh/id_ed25519`), never ships."""
-        for name in sorted(self.marker(rel)["files"]):
+        record = self.marker(rel)  # read once: each file is checked against it as it is read
+
+        def fetch(name: str) -> None:
             target = Path(local_dir) / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(self.read_committed(rel, name))
+            target.write_bytes(self.read_committed(rel, name, marker=record))
+
+        map_io(fetch, sorted(record["files"]), self.io_threads)  # several at once, as put_dir writes them
 
     def remove(self, rel: str) -> None:
         """Remove a file or a directory tree; on a local root only what is really inside it: a
@@ -405,10 +409,14 @@ class RunRoot:
             return
 
         def rm() -> None:
-            try:
-                if self.fs.exists(full):
+            try:  # no existence check first: on an object store that is two more requests
+                if self.is_local:
                     self.fs.rm(full, recursive=True)
-            except FileNotFoundError:  # removed meanwhile by someone else: what we wanted
+                else:  # one listing, then one bulk delete of exactly what it found (a recursive rm lists twice)
+                    found = self.fs.find(full)
+                    if found:
+                        self.fs.rm(found)
+            except FileNotFoundError:  # not there, or removed meanwhile by someone else: what we wanted
                 pass
 
         self._io(rm, rel)
@@ -455,9 +463,12 @@ class RunRoot:
     def marker(self, rel: str) -> dict[str, Any]:
         """The _SUCCESS record of a committed directory (refused when it is missing or malformed)."""
         marker = posixpath.join(rel, SUCCESS)
-        if not self.exists(marker):
-            raise InputError(f"{self.path(rel)}: not committed (no {SUCCESS})")
-        record = self.read_json(marker)
+        try:  # read, not asked for first: one request on an object store instead of two or three
+            record = self.read_json(marker)
+        except InputError:
+            if self.exists(marker):
+                raise
+            raise InputError(f"{self.path(rel)}: not committed (no {SUCCESS})") from None
         files = record.get("files")
         if not isinstance(files, dict) or not all(_is_file_record(r) for r in files.values()):
             raise CorruptStateError(
@@ -468,11 +479,17 @@ class RunRoot:
         return record
 
     def read_committed(
-        self, rel_dir: str, name: str, writable: bool = False, max_bytes: int | None = None
+        self,
+        rel_dir: str,
+        name: str,
+        writable: bool = False,
+        max_bytes: int | None = None,
+        marker: dict[str, Any] | None = None,
     ) -> bytes | bytearray:
         """Read a file of a committed directory, refusing it unless it matches its checksum (and,
-        with `max_bytes`, when its record or the file is longer than that)."""
-        expected = self.marker(rel_dir)["files"].get(name)
+        with `max_bytes`, when its record or the file is longer than that). `marker`: the
+        directory's record, when the caller has just read it (get_dir: once for all its files)."""
+        expected = (marker or self.marker(rel_dir))["files"].get(name)
         full = self.path(rel_dir, name)
         if not isinstance(expected, dict):
             raise CorruptStateError(f"{full}: not listed in its directory's {SUCCESS}")
@@ -598,8 +615,9 @@ class RunRoot:
         token = f"{final}.published"
         won = self.create(token, json.dumps({"staged": staged}).encode()) is not None
         if not self.is_committed(final):
-            source = self.read_json(token).get("staged", staged)
-            if self.is_committed(source):
+            # the winner copies what it just checked; a latecomer finishes the copy the token names
+            source = staged if won else self.read_json(token).get("staged", staged)
+            if won or self.is_committed(source):
                 base = self.path(source).rstrip("/") + "/"
                 found = self._io(lambda: self.fs.find(self.path(source)), source)
                 names = [p[len(base) :] for p in found if p.startswith(base)]

@@ -12,6 +12,7 @@ import argparse
 import logging
 import math
 import os
+import posixpath
 import sys
 import tempfile
 import time
@@ -232,13 +233,15 @@ def publish_path(
     or another attempt published first; a discarded output is removed and logged, never mixed in."""
     rel = layout.path_dir(round_index, path_id)
     published = (may_publish is None or may_publish()) and root.publish_dir(staging, rel)
+    committed = published or root.is_committed(rel)
     if not published:
-        why = "another attempt published first" if root.is_committed(rel) else "it lost its lease"
+        why = "another attempt published first" if committed else "it lost its lease"
         log.warning("path %s round %d: %s; %s is discarded", path_id, round_index, why, staging)
+        drop_staging(root, layout.inner_state_dir(round_index, path_id, posixpath.basename(staging)))
     # Once the path is committed, no staged attempt is ever read (crashed attempts' leftovers too).
-    drop_staging(root, layout.staging_dir(round_index, path_id) if root.is_committed(rel) else staging)
+    drop_staging(root, layout.staging_dir(round_index, path_id) if committed else staging)
     if published:
-        prune_inner_state(root, round_index, path_id)
+        prune_inner_state(root, round_index, path_id, kept=posixpath.basename(staging))
     return published
 
 
@@ -367,12 +370,13 @@ def resume_inner_state(
     end of an earlier round; the merged modules of this round must replace them. A path without
     usable state (new worker, preempted, corrupted file) restarts its optimizer and still trains.
     """
-    source = latest_inner_state(root, round_index, path_id)
-    if source is None:
+    found = latest_inner_state(root, round_index, path_id)
+    if found is None:
         return None
-    rel = f"{layout.path_dir(source, path_id)}/{CKPT}"
+    source, rel = found
     try:
-        root.verify(rel)
+        if root.is_local:
+            root.verify(rel)  # elsewhere get_dir below checks each file as it downloads it: read once
     except DipacoError as exc:
         log.warning("ignoring inner optimizer state: %s", exc)
         return None
@@ -408,10 +412,24 @@ def resume_inner_state(
     return source
 
 
-def latest_inner_state(root: RunRoot, round_index: int, path_id: str) -> int | None:
+def inner_state_of(root: RunRoot, round_index: int, path_id: str) -> str | None:
+    """The committed inner state a published path kept (its `_SUCCESS` names the attempt), or None."""
+    rel = layout.path_dir(round_index, path_id)
+    if not root.is_committed(rel):
+        return None
+    attempt = root.marker(rel).get("inner_state")
+    if not isinstance(attempt, str) or not attempt or "/" in attempt or attempt.startswith("."):
+        return None
+    inner = layout.inner_state_dir(round_index, path_id, attempt)
+    return inner if root.is_committed(inner) else None
+
+
+def latest_inner_state(root: RunRoot, round_index: int, path_id: str) -> tuple[int, str] | None:
+    """The newest earlier round whose published path kept an inner state, and where it lies."""
     for earlier in range(round_index - 1, -1, -1):
-        if root.is_committed(f"{layout.path_dir(earlier, path_id)}/{CKPT}"):
-            return earlier
+        inner = inner_state_of(root, earlier, path_id)
+        if inner is not None:
+            return earlier, inner
     return None
 
 
@@ -437,19 +455,26 @@ def commit_path(
     import torch.distributed as dist
 
     rel = staging or layout.path_dir(round_index, path_id)
+    attempt = posixpath.basename(rel) if staging else "direct"
+    inner = layout.inner_state_dir(round_index, path_id, attempt)
     if rank == 0:
         root.remove(rel)  # a crashed run of this same attempt name left files: never mixed in
+        root.remove(inner)
     dist.barrier()
     state = full_state(engine)  # collective under ZeRO-3
     with tempfile.TemporaryDirectory(prefix="dipaco-path-") as scratch:
-        ckpt_local = root.local_path(rel, CKPT) if root.is_local else Path(scratch) / CKPT
+        ckpt_local = root.local_path(inner) if root.is_local else Path(scratch) / CKPT
         engine.save_checkpoint(str(ckpt_local), tag=f"round-{round_index}", save_latest=False)  # collective
+        if not root.is_local:  # every rank its own files (ZeRO's optimizer partitions; rank 0 the rest)
+            root.put_dir(ckpt_local, inner)
         dist.barrier()
         if rank == 0:
-            if not root.is_local:
-                root.put_dir(ckpt_local, f"{rel}/{CKPT}")
+            # What DeepSpeed wrote, named without listing the store where this rank saw every file.
+            whole = root.is_local or dist.get_world_size() == 1
+            saved = sorted(f.relative_to(ckpt_local).as_posix() for f in ckpt_local.rglob("*") if f.is_file())
             root.commit(
-                f"{rel}/{CKPT}",
+                inner,
+                files=saved if whole else None,
                 info={
                     "round": round_index,
                     "path": path_id,
@@ -471,7 +496,7 @@ def commit_path(
             root.write_json(f"{rel}/metrics.json", metrics)
             root.commit(
                 rel,
-                info={**info, **({"outer_grad": grads} if grads else {})},
+                info={**info, "inner_state": attempt, **({"outer_grad": grads} if grads else {})},
                 files=[
                     "config.json",
                     "model.safetensors",
@@ -504,13 +529,18 @@ def write_outer_gradients(
     return written
 
 
-def prune_inner_state(root: RunRoot, round_index: int, path_id: str) -> None:
-    """Only the newest inner state is ever resumed; older ones go (marker first, then files)."""
-    for earlier in range(round_index):
-        rel = f"{layout.path_dir(earlier, path_id)}/{CKPT}"
-        if root.exists(rel):
-            root.remove(f"{rel}/_SUCCESS")
-            root.remove(rel)
+def prune_inner_state(root: RunRoot, round_index: int, path_id: str, kept: str) -> None:
+    """Only the newest inner state is ever resumed: once round r's path is published with attempt
+    `kept`'s state, round r-1's states go (nothing reads them again: round r's is found first; the
+    rounds before were pruned when r-1 published), and so do round r's other attempts' (crashed or
+    cancelled ones), marker first. A few requests on an object store, whatever the round."""
+    if round_index > 0:
+        root.remove(layout.inner_state_dir(round_index - 1, path_id))
+    base = layout.inner_state_dir(round_index, path_id)
+    for attempt in root.listdir(base):
+        if attempt != kept:
+            root.remove(f"{base}/{attempt}/_SUCCESS")
+            root.remove(f"{base}/{attempt}")
 
 
 def main(argv: list[str] | None = None) -> int:
