@@ -239,18 +239,29 @@ def test_a_corrupted_path_output_stops_the_merge_naming_the_file(run_root):
     assert not root.is_committed(layout.round_dir(0)) and not root.exists(layout.modules_dir(1))
 
 
-def test_a_corrupted_inner_state_is_not_loaded_and_the_path_still_trains(run_root, caplog):
-    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]")
+def test_a_corrupted_inner_state_is_not_loaded_and_the_path_still_trains(any_root, caplog):
+    config = tiny_config(any_root, "model.grid=[1]", "model.blocks_per_level=[1]")
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     train_path(config, 0, "p0")
     merge_round(config, 0)
-    optim = next((run_root / inner_state_of(root, 0, "p0")).rglob("*optim_states.pt"))
-    _corrupt(optim, "flip")
+    inner = inner_state_of(root, 0, "p0")
+    optim = next(n for n in root.files_under(inner) if n.endswith("optim_states.pt"))
+    data = root.read_bytes(f"{inner}/{optim}")  # one byte flipped behind its marker's back (local or S3)
+    root.write_bytes(f"{inner}/{optim}", data[:-9] + bytes([data[-9] ^ 0xFF]) + data[-8:])
     with caplog.at_level(logging.WARNING):
         metrics = train_path(config, 1, "p0")
     assert metrics["resumed_inner_state_from"] is None
     assert "optim_states.pt" in caplog.text and "checksum" in caplog.text
+
+    # a path marker that points its inner state out of its place (whoever can write the run root)
+    merge_round(config, 1)
+    rel = layout.path_dir(1, "p0")
+    root.write_json(f"{rel}/_SUCCESS", {**root.marker(rel), "inner_state": ".."})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert train_path(config, 2, "p0")["resumed_inner_state_from"] is None
+    assert "refusing unsafe file name '..'" in caplog.text
 
 
 def test_unsafe_names_in_a_commit_record_are_refused(run_root):

@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from models.grid import parse_job_id
 from models.modular import ModelShape, ModuleState, build_path_model, split_path_state
 from pipeline.core.config import Config, add_own_config_args, own_config
-from pipeline.core.errors import ConfigError, DipacoError, InputError
+from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, InputError
 from pipeline.outer import compression
 from pipeline.state import layout
 from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_rows
-from pipeline.state.storage import RunRoot
+from pipeline.state.storage import SUCCESS, RunRoot, safe_relative
 from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
@@ -370,37 +370,38 @@ def resume_inner_state(
     end of an earlier round; the merged modules of this round must replace them. A path without
     usable state (new worker, preempted, corrupted file) restarts its optimizer and still trains.
     """
-    found = latest_inner_state(root, round_index, path_id)
-    if found is None:
-        return None
-    source, rel = found
-    try:
-        if root.is_local:
-            root.verify(rel)  # elsewhere get_dir below checks each file as it downloads it: read once
-    except DipacoError as exc:
-        log.warning("ignoring inner optimizer state: %s", exc)
-        return None
     import torch.distributed as dist
 
-    saved = root.marker(rel)
     here = {"world_size": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage()}
-    if any(key in saved and saved[key] != value for key, value in here.items()):
-        # Islands may differ in ranks and ZeRO stage; a partitioned optimizer state only loads
-        # into the layout that saved it, so the path restarts its inner optimizer here.
-        log.warning(
-            "inner optimizer state of %s was saved by %s ranks at ZeRO-%s, this island has %s at ZeRO-%s: "
-            "restarting it",
-            path_id,
-            saved.get("world_size"),
-            saved.get("zero_stage"),
-            here["world_size"],
-            here["zero_stage"],
-        )
-        return None
     with tempfile.TemporaryDirectory(prefix="dipaco-ckpt-") as scratch:
-        local = root.local_path(rel) if root.is_local else Path(scratch)
-        if not root.is_local:
-            root.get_dir(rel, local)
+        try:  # whatever is wrong with the state (its pointer, marker or files) restarts the optimizer
+            found = latest_inner_state(root, round_index, path_id)
+            if found is None:
+                return None
+            source, rel = found
+            saved = root.marker(rel)
+            if any(key in saved and saved[key] != value for key, value in here.items()):
+                # Islands may differ in ranks and ZeRO stage; a partitioned optimizer state only loads
+                # into the layout that saved it, so the path restarts its inner optimizer here.
+                log.warning(
+                    "inner optimizer state of %s was saved by %s ranks at ZeRO-%s, this island has %s at "
+                    "ZeRO-%s: restarting it",
+                    path_id,
+                    saved.get("world_size"),
+                    saved.get("zero_stage"),
+                    here["world_size"],
+                    here["zero_stage"],
+                )
+                return None
+            if root.is_local:
+                root.verify(rel)
+                local = root.local_path(rel)
+            else:  # each file checked against its record as it downloads: read once
+                local = Path(scratch)
+                root.get_dir(rel, local)
+        except DipacoError as exc:
+            log.warning("ignoring inner optimizer state: %s", exc)
+            return None
         engine.load_checkpoint(
             str(local),
             tag=f"round-{source}",
@@ -413,14 +414,19 @@ def resume_inner_state(
 
 
 def inner_state_of(root: RunRoot, round_index: int, path_id: str) -> str | None:
-    """The committed inner state a published path kept (its `_SUCCESS` names the attempt), or None."""
+    """The committed inner state a published path kept (its `_SUCCESS` names the attempt), or None;
+    a name that is not one safe directory name is refused like a marker's file names."""
     rel = layout.path_dir(round_index, path_id)
-    if not root.is_committed(rel):
+    try:
+        attempt = root.marker(rel).get("inner_state")  # one read: no existence check before it
+    except InputError:  # not published
         return None
-    attempt = root.marker(rel).get("inner_state")
-    if not isinstance(attempt, str) or not attempt or "/" in attempt or attempt.startswith("."):
+    if attempt is None:
         return None
-    inner = layout.inner_state_dir(round_index, path_id, attempt)
+    where = root.path(rel, SUCCESS)
+    if not isinstance(attempt, str) or "/" in attempt:
+        raise CorruptStateError(f"{where}: inner_state must be one attempt's directory name, got {attempt!r}")
+    inner = layout.inner_state_dir(round_index, path_id, safe_relative(attempt, where))
     return inner if root.is_committed(inner) else None
 
 
@@ -470,11 +476,14 @@ def commit_path(
         dist.barrier()
         if rank == 0:
             # What DeepSpeed wrote, named without listing the store where this rank saw every file.
-            whole = root.is_local or dist.get_world_size() == 1
-            saved = sorted(f.relative_to(ckpt_local).as_posix() for f in ckpt_local.rglob("*") if f.is_file())
+            saved = (
+                sorted(f.relative_to(ckpt_local).as_posix() for f in ckpt_local.rglob("*") if f.is_file())
+                if root.is_local or dist.get_world_size() == 1
+                else None
+            )
             root.commit(
                 inner,
-                files=saved if whole else None,
+                files=saved,
                 info={
                     "round": round_index,
                     "path": path_id,
