@@ -103,6 +103,59 @@ def test_a_conditional_create_is_refused_the_second_time_and_compare_and_swap_re
     assert s3.delete_if("queue/x.json", second) and not s3.exists("queue/x.json")
 
 
+def test_a_writer_stopped_inside_its_lock_on_a_disk_blocks_neither_its_neighbours_nor_itself_for_good(
+    tmp_path, monkeypatch
+):
+    """A real process takes a record's compare-and-swap lock and is stopped there (SIGSTOP, as an
+    island stopped mid-heartbeat): the record beside it (a successor's attempt) is replaced at once,
+    and a swap of the held record fails within the bound, naming the file, instead of waiting on."""
+    from pipeline.core.errors import StorageError
+    from pipeline.state import store as store_module
+
+    monkeypatch.setattr(store_module, "LOCK_WAIT_S", 0.5)
+    root = RunRoot(tmp_path / "run")
+    held_version = root.create("queue/leases/train.r0.p0/attempt-1.json", b"zombie")
+    sibling_version = root.create("queue/leases/train.r0.p0/attempt-2.json", b"successor")
+    # The island's own code, stopped right before it writes: inside whatever lock the swap takes.
+    stop_inside = (
+        "import os, signal, sys\n"
+        "from pipeline.state.storage import RunRoot\n"
+        "from pipeline.state.store import LocalStore\n"
+        "write = LocalStore.write\n"
+        "def stopped(self, path, data):\n"
+        "    print('locked', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "    return write(self, path, data)\n"
+        "LocalStore.write = stopped\n"
+        "RunRoot(sys.argv[1]).replace_if('queue/leases/train.r0.p0/attempt-1.json', b'late beat', sys.argv[2])\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", stop_inside, str(tmp_path / "run"), held_version],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        done: list = []
+        sibling = "queue/leases/train.r0.p0/attempt-2.json"
+        beat = threading.Thread(target=lambda: done.append(root.replace_if(sibling, b"beat", sibling_version)))
+        beat.start()
+        beat.join(5)
+        assert done and done[0], "a neighbour's compare-and-swap waited on the stopped writer's lock"
+        assert root.read_bytes("queue/leases/train.r0.p0/attempt-2.json") == b"beat"
+        started = time.monotonic()
+        with pytest.raises(StorageError, match="attempt-1.json.*held its lock"):
+            root.replace_if("queue/leases/train.r0.p0/attempt-1.json", b"x", held_version)
+        assert time.monotonic() - started < 3
+        assert root.read_bytes("queue/leases/train.r0.p0/attempt-1.json") == b"zombie"
+    finally:
+        holder.kill()
+        holder.wait(10)
+    # Its process gone, its lock went with it: the swap goes through.
+    assert root.replace_if("queue/leases/train.r0.p0/attempt-1.json", b"ended", held_version)
+
+
 def test_an_object_replaced_while_it_is_read_is_read_whole_every_time(s3):
     """The island that died on "At least one of the pre-conditions you specified did not hold": a
     lease record rewritten while it was read. 300 reads beside a writer replacing it: every read is

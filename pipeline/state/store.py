@@ -16,7 +16,7 @@ operation and never branch on the kind of store:
   "At least one of the pre-conditions you specified did not hold" (EINVAL) and killed an island;
   one GET returns one whole version, and a read that still races is read again.
 - `replace_if` / `delete_if`: compare-and-swap on the version last read or written (`If-Match` on
-  the ETag, the GCS generation, or a lock on the directory and the inode on a disk). A lease
+  the ETag, the GCS generation, or a lock on the file's inode on a disk). A lease
   heartbeat is one: a holder whose record someone else ended learns it from the store.
 
 Transient errors (5xx, throttling, timeouts, dropped connections) are retried with exponential
@@ -57,6 +57,7 @@ log = logging.getLogger("dipaco.store")
 T = TypeVar("T")
 
 RETRY_S = 60.0  # how long a transient error is retried before it is a StorageError
+LOCK_WAIT_S = 2.0  # a disk's compare-and-swap waits this long at most for another writer's lock
 TMP_TAG = ".tmp-"  # a file being written (a disk only): never listed, never read
 # Object-store options a run may set: everything the filesystem's constructor takes, except what
 # belongs in the standard credential places (never in run.yaml, which is logged and shared).
@@ -332,14 +333,14 @@ class LocalStore(Store):
         return self._version_of(os.stat(path))
 
     def replace_if(self, path: str, data: bytes, version: str) -> str | None:
-        with self._dir_lock(path):
-            if self._current(path) != version:
+        with self._inode_lock(path) as present:
+            if not present or self._current(path) != version:
                 return None
             return self.write(path, data)
 
     def delete_if(self, path: str, version: str) -> bool:
-        with self._dir_lock(path):
-            if self._current(path) != version:
+        with self._inode_lock(path) as present:
+            if not present or self._current(path) != version:
                 return False
             os.unlink(path)
             return True
@@ -371,11 +372,35 @@ class LocalStore(Store):
 
     @staticmethod
     @contextmanager
-    def _dir_lock(path: str) -> Iterator[None]:
-        fd = os.open(posixpath.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    def _inode_lock(path: str) -> Iterator[bool]:
+        """Lock the file now at `path` (False: there is none) for a compare-and-swap.
+
+        The lock is on the file's inode, not its directory: every write renames a new inode into
+        place, and each rename is made by the holder of its predecessor's lock, so a holder that
+        sees `path` still at the inode it locked knows nobody can replace it before it does. A
+        lock on the directory serialised every attempt of a task, and an island stopped (SIGSTOP,
+        a paused VM) inside its heartbeat's few milliseconds of lock blocked its successor's
+        heartbeat for good. A lock still held after LOCK_WAIT_S is an error (a StorageError to the
+        caller, which retries or gives the lease up), never a wait without end."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            yield False
+            return
+        try:
+            deadline, delay = time.monotonic() + LOCK_WAIT_S, 0.001
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            errno.ETIMEDOUT, f"another writer has held its lock for over {LOCK_WAIT_S:g} s"
+                        ) from None
+                    time.sleep(delay)
+                    delay = min(2 * delay, 0.05)
+            yield True
         finally:
             os.close(fd)  # closing releases the flock
 
