@@ -266,3 +266,44 @@ def test_the_checkpoint_itself_routes_at_the_layer_asked(tmp_path, capsys):
 
     stderr = _refused(capsys, tmp_path, str(checkpoint), "router.embedder=model", "router.model_layer=3")
     assert "router.model_layer" in stderr and "0..2" in stderr
+
+
+@pytest.mark.slow  # a dense `dipaco run` with an MLflow store: Beam prepare, a round, eval, register
+def test_a_registered_dense_version_starts_a_dipaco_run_by_alias_and_by_number(tmp_path, capsys):
+    """init_from models:/NAME@ALIAS and models:/NAME/VERSION: the version `dipaco run` registered
+    is downloaded from the registry, and every path of the new run starts from its modules."""
+    from mlflow import MlflowClient
+
+    from pipeline import stages
+    from pipeline.run import Run
+    from pipeline.state.module_store import load_path_model
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    tracking = [f"mlflow.tracking_uri={store}", "mlflow.enabled=true"]
+    dense_sets = [
+        "model.grid=[1]",
+        "model.blocks_per_level=[2]",
+        "mlflow.registered_model=dense-start",
+        "train.launcher=inprocess",
+        "train.rounds=1",
+        "eval.max_docs=8",
+        *tracking,
+    ]
+    _dipaco(capsys, "run", "--config", str(TINY_YAML), *set_args([f"run_root={tmp_path / 'dense'}", *dense_sets]))
+    client = MlflowClient(tracking_uri=store, registry_uri=store)
+    champion = client.get_model_version_by_alias("dense-start", "champion")
+    registered_round = int(champion.tags["dipaco.round"])
+    dense = Run(tiny_config(tmp_path / "dense", *dense_sets, "model.tokenizer=bpe", "model.vocab_size=512"))
+    batch = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))  # tiny.yaml's trained BPE
+    with torch.no_grad():
+        expected = load_path_model(dense.root, dense.config, registered_round, "p0").eval()(batch).logits
+        for name, source in (
+            ("alias", "models:/dense-start@champion"),
+            ("number", f"models:/dense-start/{champion.version}"),
+        ):
+            run = Run(tiny_config(tmp_path / name, f"model.init_from={source}", *tracking))
+            stages.init_run(run)
+            assert run.config.model.tokenizer == "hf"  # the registered version's own tokenizer
+            for path in ("p0-0", "p1-1"):
+                started = load_path_model(run.root, run.config, 0, path).eval()
+                assert torch.equal(started(batch).logits, expected), (source, path)
