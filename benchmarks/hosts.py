@@ -548,8 +548,8 @@ def per_round(result: dict, n_hosts: int) -> list[dict]:
 def predicted_bytes(summary: dict, grid: list[int], n_hosts: int) -> dict[int, list[dict[str, int]]]:
     """Round -> each host's payload bytes (up, down) that the objects its islands' finished tasks
     read and wrote predict, from their sizes in the store: a train task reads its path's modules,
-    the path's inner state of the round before (its DeepSpeed checkpoint) and its shard, and
-    writes its path directory (weights, checkpoint, metrics); a merge reads the trained weights of
+    the path's inner state of the round before (its rank's optimizer file) and its shard, and
+    writes its path directory (weights, metrics) and its inner state; a merge reads the trained weights of
     every path through its module, the module and its momentum, and writes the merged pair; the
     round's commit reads the merged pairs and writes (and reads back) modules/ and outer_state/;
     an evaluation reads its path's modules and validation shard. Attempts that did not finish
@@ -575,7 +575,7 @@ def predicted_bytes(summary: dict, grid: list[int], n_hosts: int) -> dict[int, l
         if kind == "train":
             path = target.split(".w")[0]
             row["down"] += modules(r, path) + under(f"shards/path={path}/")
-            row["down"] += under(f"rounds/round={r - 1}/inner/path={target}/", ".pt") if r else 0
+            row["down"] += under(f"rounds/round={r - 1}/inner/path={target}/", ".safetensors") if r else 0
             row["up"] += under(f"rounds/round={r}/paths/path={target}/")
             row["up"] += under(f"rounds/round={r}/inner/path={target}/")
         elif kind == "merge":

@@ -246,16 +246,27 @@ def test_a_corrupted_inner_state_is_not_loaded_and_the_path_still_trains(any_roo
     train_path(config, 0, "p0")
     merge_round(config, 0)
     inner = inner_state_of(root, 0, "p0")
-    optim = next(n for n in root.files_under(inner) if n.endswith("optim_states.pt"))
+    optim = "optimizer-rank-00000.safetensors"  # AdamW's step and moments, in safetensors (no pickle)
+    assert root.files_under(inner) == [optim]
     data = root.read_bytes(f"{inner}/{optim}")  # one byte flipped behind its marker's back (local or S3)
     root.write_bytes(f"{inner}/{optim}", data[:-9] + bytes([data[-9] ^ 0xFF]) + data[-8:])
     with caplog.at_level(logging.WARNING):
         metrics = train_path(config, 1, "p0")
     assert metrics["resumed_inner_state_from"] is None
-    assert "optim_states.pt" in caplog.text and "checksum" in caplog.text
+    assert optim in caplog.text and "checksum" in caplog.text
+
+    # an inner state an older dipaco saved (a DeepSpeed checkpoint: its marker has no format) restarts too
+    merge_round(config, 1)
+    kept = inner_state_of(root, 1, "p0")
+    marker = root.marker(kept)
+    root.write_json(f"{kept}/_SUCCESS", {k: v for k, v in marker.items() if k != "format"})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert train_path(config, 2, "p0")["resumed_inner_state_from"] is None
+    assert "an older dipaco's DeepSpeed checkpoint" in caplog.text
+    root.write_json(f"{kept}/_SUCCESS", marker)
 
     # a path marker that points its inner state out of its place (whoever can write the run root)
-    merge_round(config, 1)
     rel = layout.path_dir(1, "p0")
     root.write_json(f"{rel}/_SUCCESS", {**root.marker(rel), "inner_state": ".."})
     caplog.clear()

@@ -29,16 +29,25 @@ from pipeline.train.train_path import adamw_for, inner_state_of, lr_at, train_pa
 from pipeline.train.zero import full_state, load_ds_config, set_full_state, wrap_with_zero
 
 
-def reference_inner_loop(config, root, round_index: int, worker: int, workers: int) -> dict:
-    """The same inner loop in plain PyTorch (no DeepSpeed): AdamW, warmup+cosine, clipping."""
+def reference_inner_loop(
+    config, root, round_index: int, worker: int, workers: int, carried: dict | None = None
+) -> dict:
+    """The same inner loop in plain PyTorch (no DeepSpeed): AdamW, warmup+cosine, clipping. With
+    `carried` (an earlier round's result), its model takes the round's merged modules and its
+    optimizer goes on: what a path keeps between rounds."""
     shape = ModelShape.from_config(config.model)
     model = build_path_model(shape, load_path_modules(root, round_index, (0,)))
+    optimizer = adamw_for(model, config.train)
+    if carried is not None:
+        merged, model, optimizer = dict(model.named_parameters()), carried["model"], carried["optimizer"]
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(merged[name])
     docs = read_path_documents(root, "p0")[worker::workers]
     stream = RowStream(
         pack_documents(docs, config.model.seq_len, config.train.seed + worker, eos_token_id(shape.vocab_size)),
         config.train.seed + worker,
     )
-    optimizer = adamw_for(model, config.train)
     train, losses = config.train, []
     for step in range(train.inner_steps):
         global_step = round_index * train.inner_steps + step
@@ -53,7 +62,8 @@ def reference_inner_loop(config, root, round_index: int, worker: int, workers: i
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
         optimizer.step()
         losses.append(loss.item())
-    return {"state": {k: v.detach() for k, v in model.named_parameters()}, "loss": losses}
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return {"state": state, "loss": losses, "model": model, "optimizer": optimizer}
 
 
 def test_grid_1_with_diloco_workers_equals_plain_diloco(run_root):
@@ -114,8 +124,14 @@ def test_zero_stages_give_the_same_loss_curve_on_a_two_process_gloo_launch(run_r
             assert metrics["ds_config"]["zero_optimization"]["memory_efficient_linear"] is True
             assert metrics["ds_config"]["zero_optimization"]["reduce_scatter"] is True
             assert metrics["ds_config"]["zero_optimization"]["reduce_bucket_size"] == config.model.hidden_size**2
-        curves[stage] = metrics["loss"]
-    assert curves[1][-1] < curves[1][0]  # it learns
+        # Round 1 resumes each rank's optimizer partition (its own file) on the merged modules.
+        merge_round(config, 0)
+        again = train_path_job(config, 1, "p0")
+        assert again is not None and again["resumed_inner_state_from"] == 0, f"ZeRO-{stage} did not resume"
+        inner = inner_state_of(root, 1, "p0")
+        assert root.files_under(inner) == ["optimizer-rank-00000.safetensors", "optimizer-rank-00001.safetensors"]
+        curves[stage] = metrics["loss"] + again["loss"]
+    assert curves[1][3] < curves[1][0]  # it learns
     assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= workspaces_before  # both ranks unlinked theirs
     assert curves[2] == pytest.approx(curves[1], rel=1e-5)
     assert curves[3] == pytest.approx(curves[1], rel=1e-5)
@@ -361,6 +377,31 @@ def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(r
     assert fresh["resumed_inner_state_from"] is None
     assert fresh["loss"][0] == pytest.approx(merged_loss, rel=1e-5)
     assert fresh["loss"][1:] != pytest.approx(resumed["loss"][1:], rel=1e-6)
+
+
+def test_round_1_goes_on_with_round_0s_adam_step_and_moments_as_plain_pytorch_carrying_its_optimizer(run_root):
+    """Between rounds a path keeps its optimizer (AdamW's step and moments, saved and loaded as
+    safetensors) and takes the merged modules as its weights: plain PyTorch doing exactly that, one
+    optimizer across the merge, gives round 1 the same losses and trained weights."""
+    config = tiny_config(
+        run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=3", "train.lr=0.01", "outer.lr=0.5"
+    )
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    train_path(config, 0, "p0")
+    merge_round(config, 0)
+    ours = train_path(config, 1, "p0")
+    assert ours["resumed_inner_state_from"] == 0
+
+    carried = reference_inner_loop(config, root, 1, 0, 1, carried=reference_inner_loop(config, root, 0, 0, 1))
+    fresh = reference_inner_loop(config, root, 1, 0, 1)
+    assert ours["loss"] == pytest.approx(carried["loss"], rel=1e-5)
+    assert ours["loss"][1:] != pytest.approx(fresh["loss"][1:], rel=1e-5)  # the carried state is not a no-op
+    trained = load_file(root.path(f"{layout.path_dir(1, 'p0')}/model.safetensors"))
+    for name, tensor in carried["state"].items():
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-4, atol=1e-6)
+    names = root.files_under(inner_state_of(root, 1, "p0"))
+    assert names == ["optimizer-rank-00000.safetensors"]  # data, not a pickle: no weights beside it
 
 
 def test_only_the_newest_inner_state_is_kept(run_root):

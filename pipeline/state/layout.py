@@ -129,7 +129,7 @@ def outer_state_dir(round_index: int) -> str:
 
 
 def path_dir(round_index: int, path_id: str) -> str:
-    """A path's training output in a round: weights, metrics.json (its DeepSpeed checkpoint lies
+    """A path's training output in a round: weights, metrics.json (its inner optimizer state lies
     in inner_state_dir, named by its `_SUCCESS`)."""
     return f"{round_dir(round_index)}/paths/path={path_id}"
 
@@ -143,11 +143,11 @@ def staging_dir(round_index: int, path_id: str, attempt: str | None = None) -> s
 
 
 def inner_state_dir(round_index: int, path_id: str, attempt: str | None = None) -> str:
-    """Where one attempt of a path's train task writes its DeepSpeed checkpoint (the inner
-    optimizer state the path's next round resumes): beside the path, never inside what is
+    """Where one attempt of a path's train task writes its inner optimizer state (what the path's
+    next round resumes: pipeline.train.inner_state): beside the path, never inside what is
     published, so publishing copies only the weights and metrics. The published path's
     `_SUCCESS` names the attempt whose state it kept (`inner_state`); on an object store, where
-    publishing is a copy, the checkpoint (~4x the weights) is uploaded once and never copied."""
+    publishing is a copy, the state (2x the weights) is uploaded once and never copied."""
     base = f"{round_dir(round_index)}/inner/path={path_id}"
     return f"{base}/{attempt}" if attempt else base
 

@@ -33,7 +33,7 @@ from pipeline.state import layout
 from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_rows
 from pipeline.state.storage import SUCCESS, RunRoot, safe_relative
-from pipeline.train import midtask
+from pipeline.train import inner_state, midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
 from pipeline.train.precision import agree
@@ -43,12 +43,10 @@ from pipeline.train.zero import (
     full_state,
     load_ds_config,
     release_engine,
-    set_full_state,
     wrap_with_zero,
 )
 
 log = logging.getLogger("dipaco.train")
-CKPT = "ds_checkpoint"
 
 
 def lr_at(step: int, total_steps: int, train) -> float:
@@ -155,7 +153,7 @@ def train_path(
     attempt = attempt or _launch_attempt(world)
     try:
         progress = resume_midtask(engine, root, round_index, path_id, world) if train.checkpoint_every else None
-        resumed_from = None if progress else resume_inner_state(engine, root, round_index, path_id, start_state)
+        resumed_from = None if progress else resume_inner_state(engine, root, round_index, path_id)
         built = time.perf_counter()
 
         def checkpoint(step: int, losses: torch.Tensor, lrs: list[float]) -> None:
@@ -361,26 +359,32 @@ def _agreed(flag: bool, world: int) -> bool:
     return bool(value.item())
 
 
-def resume_inner_state(
-    engine, root: RunRoot, round_index: int, path_id: str, merged: dict[str, torch.Tensor]
-) -> int | None:
-    """Load the path's newest inner optimizer state, then make the merged modules win.
+def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str) -> int | None:
+    """Load the path's newest inner optimizer state (AdamW's step and moments, pipeline.train.
+    inner_state) into the engine, whose weights stay the merged modules it was built from.
 
-    DeepSpeed's checkpoint restores its fp32 master weights, which are the path's weights at the
-    end of an earlier round; the merged modules of this round must replace them. A path without
-    usable state (new worker, preempted, corrupted file) restarts its optimizer and still trains.
-    """
+    A path without usable state (new worker, preempted, corrupted or missing file, a state saved by
+    another layout of ranks) restarts its optimizer and still trains. Every rank reads and checks
+    its file before any rank loads one, so the ranks of an island resume together or not at all."""
     import torch.distributed as dist
 
+    rank = dist.get_rank()
     here = {"world_size": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage()}
-    with tempfile.TemporaryDirectory(prefix="dipaco-ckpt-") as scratch:
-        try:  # whatever is wrong with the state (its pointer, marker or files) restarts the optimizer
-            found = latest_inner_state(root, round_index, path_id)
-            if found is None:
-                return None
+    state, source = None, None
+    try:  # whatever is wrong with the state (its pointer, marker or files) restarts the optimizer
+        found = latest_inner_state(root, round_index, path_id)
+        if found is not None:
             source, rel = found
             saved = root.marker(rel)
-            if any(key in saved and saved[key] != value for key, value in here.items()):
+            if saved.get("format") != inner_state.FORMAT:
+                log.warning(
+                    "inner optimizer state of %s in %s is not in %s (an older dipaco's DeepSpeed checkpoint): "
+                    "restarting it",
+                    path_id,
+                    root.path(rel),
+                    inner_state.FORMAT,
+                )
+            elif any(key in saved and saved[key] != value for key, value in here.items()):
                 # Islands may differ in ranks and ZeRO stage; a partitioned optimizer state only loads
                 # into the layout that saved it, so the path restarts its inner optimizer here.
                 log.warning(
@@ -392,24 +396,16 @@ def resume_inner_state(
                     here["world_size"],
                     here["zero_stage"],
                 )
-                return None
-            if root.is_local:
-                root.verify(rel)
-                local = root.local_path(rel)
-            else:  # each file checked against its record as it downloads: read once
-                local = Path(scratch)
-                root.get_dir(rel, local)
-        except DipacoError as exc:
-            log.warning("ignoring inner optimizer state: %s", exc)
-            return None
-        engine.load_checkpoint(
-            str(local),
-            tag=f"round-{source}",
-            load_optimizer_states=True,
-            load_lr_scheduler_states=False,
-            load_module_strict=True,
-        )
-    set_full_state(engine, merged)
+            else:
+                name = inner_state.rank_file(rank)
+                data = root.read_committed(rel, name, marker=saved)  # its checksum checked
+                state = inner_state.read(engine, data, root.path(rel, name))
+    except DipacoError as exc:
+        log.warning("ignoring inner optimizer state: %s", exc)
+        state = None
+    if _agreed(state is None, here["world_size"]):  # one rank without its file: none resumes
+        return None
+    inner_state.load(engine, state)
     return source
 
 
@@ -468,25 +464,18 @@ def commit_path(
         root.remove(inner)
     dist.barrier()
     state = full_state(engine)  # collective under ZeRO-3
+    # Every rank its own optimizer partition (AdamW's step and moments: pipeline.train.inner_state).
+    root.write_bytes(f"{inner}/{inner_state.rank_file(rank)}", inner_state.to_bytes(engine))
+    dist.barrier()
     with tempfile.TemporaryDirectory(prefix="dipaco-path-") as scratch:
-        ckpt_local = root.local_path(inner) if root.is_local else Path(scratch) / CKPT
-        engine.save_checkpoint(str(ckpt_local), tag=f"round-{round_index}", save_latest=False)  # collective
-        if not root.is_local:  # every rank its own files (ZeRO's optimizer partitions; rank 0 the rest)
-            root.put_dir(ckpt_local, inner)
-        dist.barrier()
         if rank == 0:
-            # What DeepSpeed wrote, named without listing the store where this rank saw every file.
-            saved = (
-                sorted(f.relative_to(ckpt_local).as_posix() for f in ckpt_local.rglob("*") if f.is_file())
-                if root.is_local or dist.get_world_size() == 1
-                else None
-            )
             root.commit(
                 inner,
-                files=saved,
+                files=inner_state.files(dist.get_world_size()),
                 info={
                     "round": round_index,
                     "path": path_id,
+                    "format": inner_state.FORMAT,
                     "world_size": dist.get_world_size(),
                     "zero_stage": engine.zero_optimization_stage(),
                 },

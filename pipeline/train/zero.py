@@ -203,8 +203,8 @@ def full_state(engine) -> dict[str, torch.Tensor]:
 def set_full_state(engine, state: dict[str, torch.Tensor]) -> None:
     """Write parameters so that they persist: DeepSpeed's master copy and the module's tensors.
 
-    Call on every rank. This is what makes merged modules win over the weights inside a resumed
-    DeepSpeed checkpoint (docs/design.md, known traps).
+    Call on every rank. A plain write into `param.data` is undone at the next step (docs/design.md,
+    known traps); a path's inner state between rounds holds no weights, so resuming needs none.
     """
     from deepspeed.utils import safe_set_full_fp32_param
 
