@@ -331,6 +331,9 @@ def test_a_rank_leaves_no_shared_memory_behind():
 
 
 def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(run_root):
+    """Between rounds a path keeps its optimizer (AdamW's step and moments, in safetensors) and takes
+    the merged modules as its weights: plain PyTorch doing exactly that, one optimizer across the
+    merge, gives round 1 the same losses and trained weights."""
     config = tiny_config(
         run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=3", "train.lr=0.01", "outer.lr=0.5"
     )
@@ -341,8 +344,14 @@ def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(r
     kept = inner_state_of(root, 0, "p0")
     assert kept is not None and root.is_committed(kept)
     assert not root.exists(f"{layout.path_dir(0, 'p0')}/ds_checkpoint")  # beside the path, not published with it
+    assert root.files_under(kept) == ["optimizer-rank-00000.safetensors"]  # data, not a pickle; no weights
     resumed = train_path(config, 1, "p0")
     assert resumed["resumed_inner_state_from"] == 0
+    carried = reference_inner_loop(config, root, 1, 0, 1, carried=reference_inner_loop(config, root, 0, 0, 1))
+    assert resumed["loss"] == pytest.approx(carried["loss"], rel=1e-5)
+    trained = load_file(root.path(f"{layout.path_dir(1, 'p0')}/model.safetensors"))
+    for name, tensor in carried["state"].items():
+        torch.testing.assert_close(trained[name], tensor, rtol=1e-4, atol=1e-6)
 
     # The first loss of round 1 is the merged model's loss on round 1's first batch; the
     # checkpoint's (round-0 trained) weights give a different one.
@@ -377,31 +386,6 @@ def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(r
     assert fresh["resumed_inner_state_from"] is None
     assert fresh["loss"][0] == pytest.approx(merged_loss, rel=1e-5)
     assert fresh["loss"][1:] != pytest.approx(resumed["loss"][1:], rel=1e-6)
-
-
-def test_round_1_goes_on_with_round_0s_adam_step_and_moments_as_plain_pytorch_carrying_its_optimizer(run_root):
-    """Between rounds a path keeps its optimizer (AdamW's step and moments, saved and loaded as
-    safetensors) and takes the merged modules as its weights: plain PyTorch doing exactly that, one
-    optimizer across the merge, gives round 1 the same losses and trained weights."""
-    config = tiny_config(
-        run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=3", "train.lr=0.01", "outer.lr=0.5"
-    )
-    root = stages.init_run(Run(config))
-    write_synthetic_shards(root, config.model.grid)
-    train_path(config, 0, "p0")
-    merge_round(config, 0)
-    ours = train_path(config, 1, "p0")
-    assert ours["resumed_inner_state_from"] == 0
-
-    carried = reference_inner_loop(config, root, 1, 0, 1, carried=reference_inner_loop(config, root, 0, 0, 1))
-    fresh = reference_inner_loop(config, root, 1, 0, 1)
-    assert ours["loss"] == pytest.approx(carried["loss"], rel=1e-5)
-    assert ours["loss"][1:] != pytest.approx(fresh["loss"][1:], rel=1e-5)  # the carried state is not a no-op
-    trained = load_file(root.path(f"{layout.path_dir(1, 'p0')}/model.safetensors"))
-    for name, tensor in carried["state"].items():
-        torch.testing.assert_close(trained[name], tensor, rtol=1e-4, atol=1e-6)
-    names = root.files_under(inner_state_of(root, 1, "p0"))
-    assert names == ["optimizer-rank-00000.safetensors"]  # data, not a pickle: no weights beside it
 
 
 def test_only_the_newest_inner_state_is_kept(run_root):
