@@ -19,7 +19,7 @@ import urllib.parse
 
 import pytest
 
-from conftest import REPO, TINY_YAML, set_args, tiny_config, wait_for
+from conftest import REPO, TINY_YAML, set_args, tiny_config, wait_for, write_synthetic_shards
 from pipeline.core.errors import ConfigError, RunLockedError
 from pipeline.state import lock as lock_module
 from pipeline.state.lock import run_lock
@@ -465,3 +465,40 @@ def test_pruning_an_old_round_on_s3_leaves_every_marker_naming_only_what_is_ther
     assert not s3.exists(f"{path}/outer_grad/level=0.safetensors")
     assert list(s3.marker(path)["files"]) == ["metrics.json"] and s3.marker(path)["pruned"] is True
     s3.verify(path)
+
+
+@pytest.mark.slow  # ~40 s: two 2-rank DeepSpeed launches against the S3 server
+def test_each_rank_of_an_island_keeps_its_own_optimizer_partition_on_s3_and_resumes_it(s3_root):
+    """ZeRO-2 on two ranks, an S3 run root: each rank uploads its own partition of the inner
+    optimizer state, and the next round's two ranks each resume their own."""
+    from pipeline import stages
+    from pipeline.islands.launch import train_path_job
+    from pipeline.outer.merge import merge_round
+    from pipeline.run import Run
+    from pipeline.train.train_path import inner_state_of
+
+    url, storage_set = s3_root
+    config = tiny_config(
+        url,
+        storage_set,
+        "model.grid=[1]",
+        "model.blocks_per_level=[1]",
+        "train.launcher=deepspeed",
+        "train.procs_per_path=2",
+        "train.inner_steps=2",
+        "train.ds_config=ds_configs/zero2.json",
+    )
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    first = train_path_job(config, 0, "p0")
+    assert first is not None and first["world_size"] == 2
+    kept = inner_state_of(root, 0, "p0")
+    assert sorted(root.marker(kept)["files"]) == [
+        "optimizer-rank-00000.safetensors",
+        "optimizer-rank-00001.safetensors",
+    ]
+    root.verify(kept)  # both ranks' files are there, as committed
+    merge_round(config, 0)
+    again = train_path_job(config, 1, "p0")
+    assert again is not None and again["resumed_inner_state_from"] == 0
