@@ -112,18 +112,6 @@ def test_a_missing_input_file_is_named_before_any_work(tmp_path):
     assert not (tmp_path / "run" / "shards").exists()
 
 
-def test_a_vocabulary_smaller_than_the_tokenizers_is_named_before_any_document_is_routed(tmp_path):
-    """GPT-2's 50,257 ids into a 512-row embedding failed at the first train step with torch's
-    "index out of range in self"; prepare names model.vocab_size instead, before routing."""
-    from pipeline.core.errors import ConfigError
-
-    config = _config(tmp_path, [str(GOOD)])
-    config.model.tokenizer, config.model.vocab_size = "gpt2", 512
-    with pytest.raises(ConfigError, match="model.vocab_size 512 is smaller than the gpt2 tokenizer's 50257 ids"):
-        run_prepare(config)
-    assert not (tmp_path / "run" / "shards").exists() and not (tmp_path / "run" / "router" / "_SUCCESS").exists()
-
-
 @pytest.mark.slow
 def test_prepare_killed_mid_way_reruns_to_the_same_manifest_and_no_document_twice(tmp_path):
     overrides = ["--set", "router.embedder=tfidf"]

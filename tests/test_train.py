@@ -388,6 +388,19 @@ def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(r
     assert fresh["loss"][1:] != pytest.approx(resumed["loss"][1:], rel=1e-6)
 
 
+def test_shards_with_ids_past_the_vocabulary_are_named_before_training(run_root):
+    """Shards tokenized with more ids than model.vocab_size (GPT-2's 50,257 into a 512-row table)
+    failed at the first step with torch's "index out of range in self"; the shard is named instead."""
+    from pipeline.core.errors import InputError
+
+    config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]")
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid, vocab=1024)
+    with pytest.raises(InputError, match=r"shards/path=p0: token id \d+ is past model.vocab_size 256 .*at least"):
+        train_path(config, 0, "p0")
+    assert not root.exists(layout.path_dir(0, "p0"))
+
+
 def test_only_the_newest_inner_state_is_kept(run_root):
     config = tiny_config(run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=1")
     root = stages.init_run(Run(config))

@@ -144,8 +144,8 @@ def staging_dir(round_index: int, path_id: str, attempt: str | None = None) -> s
 
 def inner_state_dir(round_index: int, path_id: str, attempt: str | None = None) -> str:
     """Where one attempt of a path's train task writes its inner optimizer state (what the path's
-    next round resumes: pipeline.train.inner_state): beside the path, never inside what is
-    published, so publishing copies only the weights and metrics. The published path's
+    next round resumes: AdamW's moments, pipeline.train.zero): beside the path, never inside what
+    is published, so publishing copies only the weights and metrics. The published path's
     `_SUCCESS` names the attempt whose state it kept (`inner_state`); on an object store, where
     publishing is a copy, the state (2x the weights) is uploaded once and never copied."""
     base = f"{round_dir(round_index)}/inner/path={path_id}"

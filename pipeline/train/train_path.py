@@ -33,15 +33,21 @@ from pipeline.state import layout
 from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_rows
 from pipeline.state.storage import SUCCESS, RunRoot, safe_relative
-from pipeline.train import inner_state, midtask
+from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
 from pipeline.train.precision import agree
 from pipeline.train.precision import resolve as resolve_precision
 from pipeline.train.zero import (
+    OPTIMIZER_STATE_FORMAT,
     compile_forward,
     full_state,
     load_ds_config,
+    load_optimizer_state,
+    optimizer_state_bytes,
+    optimizer_state_file,
+    optimizer_state_files,
+    read_optimizer_state,
     release_engine,
     wrap_with_zero,
 )
@@ -134,6 +140,12 @@ def train_path(
     train, shape = config.train, ModelShape.from_config(config.model)
     torch.manual_seed(train.seed + round_index)
 
+    top = max((int(doc.max()) for doc in docs if len(doc)), default=-1)
+    if top >= shape.vocab_size:  # past the embedding table: torch's "index out of range in self" at the first step
+        raise InputError(
+            f"{root.path(layout.shard_dir(shard_path, shards=shards))}: token id {top} is past model.vocab_size "
+            f"{shape.vocab_size} (the shards were tokenized with more ids); set model.vocab_size to at least {top + 1}"
+        )
     rows = pack_documents(docs, config.model.seq_len, seed=train.seed + worker, eos=shape.eos_id)
     if len(rows) == 0:
         raise InputError(
@@ -360,8 +372,8 @@ def _agreed(flag: bool, world: int) -> bool:
 
 
 def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str) -> int | None:
-    """Load the path's newest inner optimizer state (AdamW's step and moments, pipeline.train.
-    inner_state) into the engine, whose weights stay the merged modules it was built from.
+    """Load the path's newest inner optimizer state (AdamW's step and moments: zero.
+    optimizer_state_bytes) into the engine, whose weights stay the merged modules it was built from.
 
     A path without usable state (new worker, preempted, corrupted or missing file, a state saved by
     another layout of ranks) restarts its optimizer and still trains. Every rank reads and checks
@@ -376,13 +388,13 @@ def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str) ->
         if found is not None:
             source, rel = found
             saved = root.marker(rel)
-            if saved.get("format") != inner_state.FORMAT:
+            if saved.get("format") != OPTIMIZER_STATE_FORMAT:
                 log.warning(
                     "inner optimizer state of %s in %s is not in %s (an older dipaco's DeepSpeed checkpoint): "
                     "restarting it",
                     path_id,
                     root.path(rel),
-                    inner_state.FORMAT,
+                    OPTIMIZER_STATE_FORMAT,
                 )
             elif any(key in saved and saved[key] != value for key, value in here.items()):
                 # Islands may differ in ranks and ZeRO stage; a partitioned optimizer state only loads
@@ -397,15 +409,15 @@ def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str) ->
                     here["zero_stage"],
                 )
             else:
-                name = inner_state.rank_file(rank)
+                name = optimizer_state_file(rank)
                 data = root.read_committed(rel, name, marker=saved)  # its checksum checked
-                state = inner_state.read(engine, data, root.path(rel, name))
+                state = read_optimizer_state(engine, data, root.path(rel, name))
     except DipacoError as exc:
         log.warning("ignoring inner optimizer state: %s", exc)
         state = None
     if _agreed(state is None, here["world_size"]):  # one rank without its file: none resumes
         return None
-    inner_state.load(engine, state)
+    load_optimizer_state(engine, state)
     return source
 
 
@@ -464,18 +476,18 @@ def commit_path(
         root.remove(inner)
     dist.barrier()
     state = full_state(engine)  # collective under ZeRO-3
-    # Every rank its own optimizer partition (AdamW's step and moments: pipeline.train.inner_state).
-    root.write_bytes(f"{inner}/{inner_state.rank_file(rank)}", inner_state.to_bytes(engine))
+    # Every rank its own optimizer partition (AdamW's step and moments: zero.optimizer_state_bytes).
+    root.write_bytes(f"{inner}/{optimizer_state_file(rank)}", optimizer_state_bytes(engine))
     dist.barrier()
     with tempfile.TemporaryDirectory(prefix="dipaco-path-") as scratch:
         if rank == 0:
             root.commit(
                 inner,
-                files=inner_state.files(dist.get_world_size()),
+                files=optimizer_state_files(dist.get_world_size()),
                 info={
                     "round": round_index,
                     "path": path_id,
-                    "format": inner_state.FORMAT,
+                    "format": OPTIMIZER_STATE_FORMAT,
                     "world_size": dist.get_world_size(),
                     "zero_stage": engine.zero_optimization_stage(),
                 },
