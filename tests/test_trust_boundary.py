@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY_YAML, tiny_config, write_synthetic_shards
@@ -438,6 +438,7 @@ EXAMPLES = int(os.environ.get("DIPACO_LAYOUT_EXAMPLES", "25"))
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(entries=st.lists(st.tuples(st.sampled_from(PLACES), NAMES, KINDS), max_size=8))
+@example(entries=[("rounds/round=0", "modules", "file")])  # found by CI's draw: pruning under a file crashed
 def test_no_file_outside_the_run_root_is_written_or_removed_and_no_reader_crashes(entries, caplog):
     from pipeline.tracking.utilisation import island_seconds
 

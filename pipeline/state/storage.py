@@ -416,7 +416,7 @@ class RunRoot:
                     found = self.fs.find(full)
                     if found:
                         self.fs.rm(found)
-            except FileNotFoundError:  # not there, or removed meanwhile by someone else: what we wanted
+            except (FileNotFoundError, NotADirectoryError):  # not there (a parent may be a file), or removed meanwhile
                 pass
 
         self._io(rm, rel)
