@@ -36,13 +36,12 @@ def reference_inner_loop(
     `carried` (an earlier round's result), its model takes the round's merged modules and its
     optimizer goes on: what a path keeps between rounds."""
     shape = ModelShape.from_config(config.model)
-    model = build_path_model(shape, load_path_modules(root, round_index, (0,)))
-    optimizer = adamw_for(model, config.train)
-    if carried is not None:
-        merged, model, optimizer = dict(model.named_parameters()), carried["model"], carried["optimizer"]
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(merged[name])
+    merged = build_path_model(shape, load_path_modules(root, round_index, (0,)))
+    if carried is None:
+        model, optimizer = merged, adamw_for(merged, config.train)
+    else:
+        model, optimizer = carried["model"], carried["optimizer"]
+        model.load_state_dict(merged.state_dict())
     docs = read_path_documents(root, "p0")[worker::workers]
     stream = RowStream(
         pack_documents(docs, config.model.seq_len, config.train.seed + worker, eos_token_id(shape.vocab_size)),
@@ -343,8 +342,8 @@ def test_resumed_inner_state_starts_from_the_merged_modules_not_the_checkpoint(r
     merge_round(config, 0)
     kept = inner_state_of(root, 0, "p0")
     assert kept is not None and root.is_committed(kept)
-    assert not root.exists(f"{layout.path_dir(0, 'p0')}/ds_checkpoint")  # beside the path, not published with it
     assert root.files_under(kept) == ["optimizer-rank-00000.safetensors"]  # data, not a pickle; no weights
+    assert not any(name.startswith("optimizer-") for name in root.marker(layout.path_dir(0, "p0"))["files"])
     resumed = train_path(config, 1, "p0")
     assert resumed["resumed_inner_state_from"] == 0
     carried = reference_inner_loop(config, root, 1, 0, 1, carried=reference_inner_loop(config, root, 0, 0, 1))

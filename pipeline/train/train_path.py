@@ -360,7 +360,7 @@ def resume_midtask(engine, root: RunRoot, round_index: int, path_id: str, world:
 
 
 def _agreed(flag: bool, world: int) -> bool:
-    """Whether any rank says so (a sync point per step, only when an island may cancel the task)."""
+    """Whether any rank says so: one all-reduce (per step only when an island may cancel the task)."""
     if world == 1:
         return flag
     import torch.distributed as dist
@@ -372,8 +372,8 @@ def _agreed(flag: bool, world: int) -> bool:
 
 
 def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str) -> int | None:
-    """Load the path's newest inner optimizer state (AdamW's step and moments: zero.
-    optimizer_state_bytes) into the engine, whose weights stay the merged modules it was built from.
+    """Load the path's newest inner optimizer state (AdamW's step and moments, as
+    zero.optimizer_state_bytes wrote them) into the engine, whose weights stay the merged modules.
 
     A path without usable state (new worker, preempted, corrupted or missing file, a state saved by
     another layout of ranks) restarts its optimizer and still trains. Every rank reads and checks
