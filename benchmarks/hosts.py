@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from benchmarks import netns
 from benchmarks.netns import STORE_IP, Lab, LinkShape
 
@@ -93,12 +95,22 @@ def base_overrides(spec: Spec) -> list[str]:
     10-100x slower; so every island, on a host or in the one-host run, gets its share."""
     threads = max(1, (os.cpu_count() or 1) // (spec.hosts * spec.islands_per_host))
     return [
-        f"data.train={REPO}/tests/data/c4/train/*.json",
-        f"data.eval={REPO}/tests/data/c4/validation/*.json",
+        *absolute_data(spec),
         "train.launcher=deepspeed",
         f"train.lease_seconds={spec.lease_seconds}",
         f"train.threads_per_proc={threads}",
         *spec.overrides,
+    ]
+
+
+def absolute_data(spec: Spec) -> list[str]:
+    """The config's own corpus (the tiny config's test C4, the demo's Wikipedia sample), its
+    relative patterns made absolute: hosts work in their own directories, not the checkout."""
+    data = (yaml.safe_load((REPO / spec.config).read_text()) or {}).get("data", {})
+    return [
+        f"data.{key}={pattern if os.path.isabs(pattern) else REPO / pattern}"
+        for key in ("train", "eval")
+        if isinstance(pattern := data.get(key), str)
     ]
 
 
