@@ -17,10 +17,8 @@ import sys
 import tempfile
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -155,11 +153,6 @@ def train_path(
             f"too few tokens for one row of {config.model.seq_len + 1}"
         )
     stream = RowStream(rows, seed=train.seed + worker)
-    # The inner state's download overlaps the modules' and the engine's build: on an object store it
-    # is a few round trips and the largest object a task reads (AdamW's two moments: 2x the weights).
-    prefetch = ThreadPoolExecutor(1, thread_name_prefix="dipaco-inner-state")
-    inner_state = prefetch.submit(fetch_inner_state, root, round_index, path_id, rank, world)
-    prefetch.shutdown(wait=False)  # the one task runs on; nothing else is submitted
 
     merged = load_path_modules(root, round_index, modules, shape, config.model.grid)
     model = build_path_model(shape, merged, seed=train.seed)
@@ -172,7 +165,7 @@ def train_path(
     attempt = attempt or _launch_attempt(world)
     try:
         progress = resume_midtask(engine, root, round_index, path_id, world) if train.checkpoint_every else None
-        resumed_from = None if progress else resume_inner_state(engine, root, inner_state)
+        resumed_from = None if progress else resume_inner_state(engine, root, round_index, path_id)
         built = time.perf_counter()
 
         def checkpoint(step: int, losses: torch.Tensor, lrs: list[float]) -> None:
@@ -378,35 +371,9 @@ def _agreed(flag: bool, world: int) -> bool:
     return bool(value.item())
 
 
-@dataclass(frozen=True)
-class SavedInnerState:
-    """A path's newest committed inner state as this rank found it: the round that kept it, its
-    directory and `_SUCCESS` record, and this rank's file (None when the record says it is not one
-    this island can load: another format, or another number of ranks)."""
-
-    source: int
-    rel: str
-    marker: dict[str, Any]
-    data: bytes | bytearray | None
-
-
-def fetch_inner_state(root: RunRoot, round_index: int, path_id: str, rank: int, world: int) -> SavedInnerState | None:
-    """Find and download this rank's file of the path's newest inner state (its checksum checked);
-    None when no earlier round kept one. Only I/O, so it runs while the engine is built."""
-    found = latest_inner_state(root, round_index, path_id)
-    if found is None:
-        return None
-    source, rel = found
-    saved = root.marker(rel)
-    loadable = saved.get("format") == OPTIMIZER_STATE_FORMAT and saved.get("world_size", world) == world
-    data = root.read_committed(rel, optimizer_state_file(rank), marker=saved) if loadable else None
-    return SavedInnerState(source, rel, saved, data)
-
-
-def resume_inner_state(engine, root: RunRoot, fetched: Future | None) -> int | None:
+def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str) -> int | None:
     """Load the path's newest inner optimizer state (AdamW's step and moments, as
-    zero.optimizer_state_bytes wrote them; `fetched`: fetch_inner_state's result to come) into
-    the engine, whose weights stay the merged modules.
+    zero.optimizer_state_bytes wrote them) into the engine, whose weights stay the merged modules.
 
     A path without usable state (new worker, preempted, corrupted or missing file, a state saved by
     another layout of ranks) restarts its optimizer and still trains. Every rank reads and checks
@@ -415,24 +382,27 @@ def resume_inner_state(engine, root: RunRoot, fetched: Future | None) -> int | N
 
     rank = dist.get_rank()
     here = {"world_size": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage()}
-    state, found = None, None
+    state, source = None, None
     try:  # whatever is wrong with the state (its pointer, marker or files) restarts the optimizer
-        found = fetched.result() if fetched is not None else None
+        found = latest_inner_state(root, round_index, path_id)
         if found is not None:
-            saved = found.marker
+            source, rel = found
+            saved = root.marker(rel)
             if saved.get("format") != OPTIMIZER_STATE_FORMAT:
                 log.warning(
-                    "inner optimizer state in %s is not in %s (an older dipaco's DeepSpeed checkpoint): restarting it",
-                    root.path(found.rel),
+                    "inner optimizer state of %s in %s is not in %s (an older dipaco's DeepSpeed checkpoint): "
+                    "restarting it",
+                    path_id,
+                    root.path(rel),
                     OPTIMIZER_STATE_FORMAT,
                 )
             elif any(key in saved and saved[key] != value for key, value in here.items()):
                 # Islands may differ in ranks and ZeRO stage; a partitioned optimizer state only loads
                 # into the layout that saved it, so the path restarts its inner optimizer here.
                 log.warning(
-                    "inner optimizer state in %s was saved by %s ranks at ZeRO-%s, this island has %s at "
+                    "inner optimizer state of %s was saved by %s ranks at ZeRO-%s, this island has %s at "
                     "ZeRO-%s: restarting it",
-                    root.path(found.rel),
+                    path_id,
                     saved.get("world_size"),
                     saved.get("zero_stage"),
                     here["world_size"],
@@ -440,14 +410,15 @@ def resume_inner_state(engine, root: RunRoot, fetched: Future | None) -> int | N
                 )
             else:
                 name = optimizer_state_file(rank)
-                state = read_optimizer_state(engine, found.data, root.path(found.rel, name))
+                data = root.read_committed(rel, name, marker=saved)  # its checksum checked
+                state = read_optimizer_state(engine, data, root.path(rel, name))
     except DipacoError as exc:
         log.warning("ignoring inner optimizer state: %s", exc)
         state = None
     if _agreed(state is None, here["world_size"]):  # one rank without its file: none resumes
         return None
     load_optimizer_state(engine, state)
-    return found.source
+    return source
 
 
 def inner_state_of(root: RunRoot, round_index: int, path_id: str) -> str | None:
@@ -505,17 +476,22 @@ def commit_path(
         root.remove(inner)
     dist.barrier()
     state = full_state(engine)  # collective under ZeRO-3
-    # Every rank its own optimizer partition (AdamW's step and moments: zero.optimizer_state_bytes);
-    # rank 0's goes up while it saves and uploads the weights (on an object store, the two largest
-    # uploads of a task at once), and is committed once every rank's is in.
-    saving = ThreadPoolExecutor(1, thread_name_prefix="dipaco-inner-state")
-    saved = saving.submit(root.write_bytes, f"{inner}/{optimizer_state_file(rank)}", optimizer_state_bytes(engine))
-    saving.shutdown(wait=False)
+    # Every rank its own optimizer partition (AdamW's step and moments: zero.optimizer_state_bytes).
+    root.write_bytes(f"{inner}/{optimizer_state_file(rank)}", optimizer_state_bytes(engine))
+    dist.barrier()
     with tempfile.TemporaryDirectory(prefix="dipaco-path-") as scratch:
-        if rank != 0:
-            saved.result()
-            dist.barrier()
-        else:
+        if rank == 0:
+            root.commit(
+                inner,
+                files=optimizer_state_files(dist.get_world_size()),
+                info={
+                    "round": round_index,
+                    "path": path_id,
+                    "format": OPTIMIZER_STATE_FORMAT,
+                    "world_size": dist.get_world_size(),
+                    "zero_stage": engine.zero_optimization_stage(),
+                },
+            )
             model = build_path_model(shape, None)
             model.load_state_dict(state, strict=False)
             out = Path(scratch) / "model"
@@ -528,19 +504,6 @@ def commit_path(
                 else write_outer_gradients(root, rel, shape, start_state, state, compression_kind, info)
             )
             root.write_json(f"{rel}/metrics.json", metrics)
-            saved.result()  # its error, if any, is this rank's (and the others wait at the barrier)
-            dist.barrier()
-            root.commit(
-                inner,
-                files=optimizer_state_files(dist.get_world_size()),
-                info={
-                    "round": round_index,
-                    "path": path_id,
-                    "format": OPTIMIZER_STATE_FORMAT,
-                    "world_size": dist.get_world_size(),
-                    "zero_stage": engine.zero_optimization_stage(),
-                },
-            )
             root.commit(
                 rel,
                 info={**info, "inner_state": attempt, **({"outer_grad": grads} if grads else {})},
