@@ -394,7 +394,13 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
             now = time.monotonic() - started
             if now > spec.timeout_s:
                 raise TimeoutError(f"{run.name}: not finished after {spec.timeout_s:.0f} s (logs in {logs})")
-            run.samples.append((time.time(), [lab.counters(i) for i in range(lab.n_hosts)]))
+            run.samples.append(
+                (
+                    time.time(),
+                    [lab.counters(i) for i in range(lab.n_hosts)],
+                    [{str(port): list(c) for port, c in lab.port_counters(i).items()} for i in range(lab.n_hosts)],
+                )
+            )
             if "error" in line:
                 continue
             if line.get("held") and first_claim is None:
@@ -526,14 +532,26 @@ def goodput(result: dict) -> float:
     return result["summary"]["tokens"] / train_span(result)
 
 
-def counters_at(samples: list, t: float) -> list[tuple[int, int]]:
-    """The counters of the sample nearest before t (the first one when t precedes them all)."""
-    best = samples[0][1]
-    for when, values in samples:
-        if when > t:
+def counters_at(samples: list, t: float, which: int = 1) -> list:
+    """The counters of the sample nearest before t (the first one when t precedes them all):
+    `which` 1, each host's link (up, down); 2, each host's relay's {port: [up, down]}."""
+    best = samples[0][which] if len(samples[0]) > which else []
+    for sample in samples:
+        if sample[0] > t:
             break
-        best = values
+        best = sample[which] if len(sample) > which else []
     return best
+
+
+def port_bytes(samples: list, begin: float, end: float, host: int, port: int) -> dict[str, int] | None:
+    """Payload bytes host's relay carried to and from the store's `port` between two times; None
+    without relay counters (an unshaped link)."""
+    a, b = counters_at(samples, begin, 2), counters_at(samples, end, 2)
+    if len(b) <= host or str(port) not in b[host]:
+        return None
+    before = a[host].get(str(port), [0, 0]) if len(a) > host else [0, 0]
+    after = b[host][str(port)]
+    return {"up": after[0] - before[0], "down": after[1] - before[1]}
 
 
 def per_round(result: dict, n_hosts: int) -> list[dict]:
@@ -552,19 +570,24 @@ def per_round(result: dict, n_hosts: int) -> list[dict]:
         if result.get("samples"):
             a, b = counters_at(result["samples"], begin), counters_at(result["samples"], end)
             row["hosts"] = [{"up": b[i][0] - a[i][0], "down": b[i][1] - a[i][1]} for i in range(n_hosts)]
+            row["s3"] = [port_bytes(result["samples"], begin, end, i, S3_PORT) for i in range(n_hosts)]
+            row["mlflow"] = [port_bytes(result["samples"], begin, end, i, MLFLOW_PORT) for i in range(n_hosts)]
         rows.append(row)
         begin = end
     return rows
 
 
-def predicted_bytes(summary: dict, grid: list[int], n_hosts: int) -> dict[int, list[dict[str, int]]]:
+def predicted_bytes(
+    summary: dict, grid: list[int], n_hosts: int, tracking: bool = False
+) -> dict[int, list[dict[str, int]]]:
     """Round -> each host's payload bytes (up, down) that the objects its islands' finished tasks
     read and wrote predict, from their sizes in the store: a train task reads its path's modules,
     the path's inner state of the round before (its rank's optimizer file) and its shard, and
     writes its path directory (weights, metrics) and its inner state; a merge reads the trained weights of
     every path through its module, the module and its momentum, and writes the merged pair; the
-    round's commit reads the merged pairs and writes (and reads back) modules/ and outer_state/;
-    an evaluation reads its path's modules and validation shard. Attempts that did not finish
+    round's commit copies the merged pairs into modules/ and outer_state/ on the server (no bytes);
+    an evaluation reads its path's modules and validation shard; with `tracking`, host 0 reads each
+    committed round's bundle (modules, router, tokenizer) to register it in MLflow. Attempts that did not finish
     moved bytes no record tells: they count on the measured side only."""
     from models.grid import ModuleKey, parse_path_id, path_id, path_modules, paths_through
 
@@ -577,6 +600,16 @@ def predicted_bytes(summary: dict, grid: list[int], n_hosts: int) -> dict[int, l
         keys = path_modules(parse_path_id(path, grid))
         return sum(sizes.get(f"rounds/round={r}/modules/{k}.safetensors", 0) for k in keys)
 
+    def inner(target: str) -> int:
+        """A job's inner state (its ranks' optimizer files): the same size every round, and only the
+        newest round's is kept (prune_inner_state), so its size stands for the pruned rounds' too."""
+        kept = {}
+        for key, size in sizes.items():
+            head, sep, tail = key.partition(f"/inner/path={target}/")
+            if sep and tail.endswith(".safetensors"):
+                kept[head] = kept.get(head, 0) + size
+        return max(kept.values(), default=0)
+
     out: dict[int, list[dict[str, int]]] = {}
     for a in summary["attempts"]:
         if a.get("state") != "done":
@@ -587,9 +620,8 @@ def predicted_bytes(summary: dict, grid: list[int], n_hosts: int) -> dict[int, l
         if kind == "train":
             path = target.split(".w")[0]
             row["down"] += modules(r, path) + under(f"shards/path={path}/")
-            row["down"] += under(f"rounds/round={r - 1}/inner/path={target}/", ".safetensors") if r else 0
-            row["up"] += under(f"rounds/round={r}/paths/path={target}/")
-            row["up"] += under(f"rounds/round={r}/inner/path={target}/")
+            row["down"] += inner(target) if r else 0
+            row["up"] += under(f"rounds/round={r}/paths/path={target}/") + inner(target)
         elif kind == "merge":
             level, index = (int(x) for x in target.lstrip("l").split("m"))
             key = ModuleKey(level, index)
@@ -598,14 +630,54 @@ def predicted_bytes(summary: dict, grid: list[int], n_hosts: int) -> dict[int, l
             row["down"] += sizes.get(f"rounds/round={r}/modules/{key}.safetensors", 0)
             row["down"] += sizes.get(f"rounds/round={r}/outer_state/{key}.safetensors", 0)
             row["up"] += under(f"rounds/round={r + 1}/merged/{key}/")
-        elif kind == "commit":
-            merged = under(f"rounds/round={r + 1}/merged/")
-            published = under(f"rounds/round={r + 1}/modules/") + under(f"rounds/round={r + 1}/outer_state/")
-            row["down"] += merged + published
-            row["up"] += published
+        elif kind == "commit":  # the merged modules are copied on the server (RunRoot.copy_committed)
+            row["up"] += sizes.get(f"rounds/round={r}/merge.json", 0)
         elif kind == "eval":
             row["down"] += modules(r, target) + under(f"shards/validation/path={target}/")
+    if tracking:  # host 0's `dipaco run` registers each committed round: its bundle is read from the store
+        for r in range(len(summary["rounds"])):
+            row = out.setdefault(r, [{"up": 0, "down": 0} for _ in range(n_hosts)])[0]
+            row["down"] += under(f"rounds/round={r + 1}/modules/") + under("router/") + under("tokenizer/")
     return out
+
+
+def rest(row: dict) -> float | None:
+    """A round's wall time past its mean train task (inner loop, load, engine, commit): the merges,
+    the round's commit, the evaluations and the queue's hand-overs between them."""
+    parts = [row.get(k) for k in ("inner_s", "load_s", "engine_s", "commit_s")]
+    return None if any(p is None for p in parts) else row["wall_s"] - sum(parts)
+
+
+def whole_run_bytes(res: dict, grid: list[int], spec: Spec) -> list[str]:
+    """The run's bytes on each host's link from its first train claim to its end: all of them
+    (interface counters), the object store's and MLflow's payload (the delay relay's counters;
+    shaped links only), and the object-store payload the objects' sizes predict (predicted_bytes)."""
+    if "sizes" not in res["summary"] or not res.get("samples"):
+        return []
+    mb, samples = 1e6, res["samples"]
+    begin, end = res.get("first_claim") or samples[0][0], samples[-1][0]
+    tracking = spec.mlflow and spec.store == "s3"
+    predicted = predicted_bytes(res["summary"], grid, spec.hosts, tracking)
+    a, b = counters_at(samples, begin), counters_at(samples, end)
+    lines = [
+        "",
+        f"Whole run, {res['run']}, from the first train claim (MB; payload: what the delay relay carried, without "
+        "TCP/IP headers):",
+        "",
+        "| host | link up / down | S3 payload up / down | predicted up / down | S3 / predicted | "
+        "MLflow payload up / down |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for i in range(spec.hosts):
+        want = {d: sum(p[i][d] for p in predicted.values()) for d in ("up", "down")}
+        s3, ml = port_bytes(samples, begin, end, i, S3_PORT), port_bytes(samples, begin, end, i, MLFLOW_PORT)
+        pair = lambda x: "-" if x is None else f"{x['up'] / mb:.2f} / {x['down'] / mb:.2f}"  # noqa: E731
+        ratio = (
+            "-" if s3 is None else " / ".join("-" if not want[d] else f"{s3[d] / want[d]:.3f}" for d in ("up", "down"))
+        )
+        link = {"up": b[i][0] - a[i][0], "down": b[i][1] - a[i][1]}
+        lines.append(f"| h{i} | {pair(link)} | {pair(s3)} | {pair(want)} | {ratio} | {pair(ml)} |")
+    return lines
 
 
 def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> str:
@@ -631,37 +703,17 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
         lines += ["", f"Per round, {res['run']} (bytes from each host's link counters; seconds per train task):", ""]
         hosts = " | ".join(f"h{i} up / down MB" for i in range(spec.hosts))
         lines += [
-            f"| round | wall s | {hosts} | inner s | load s | engine s | commit s | utilisation |",
-            "| ---: | ---: |" + " ---: |" * spec.hosts + " ---: | ---: | ---: | ---: | ---: |",
+            f"| round | wall s | {hosts} | inner s | load s | engine s | commit s | rest s | utilisation |",
+            "| ---: | ---: |" + " ---: |" * spec.hosts + " ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for row in per_round(res, spec.hosts):
             cells = " | ".join(f"{h['up'] / mb:.2f} / {h['down'] / mb:.2f}" for h in row["hosts"])
             fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             lines.append(
                 f"| {row['round']} | {row['wall_s']:.1f} | {cells} | {fmt(row['inner_s'])} | {fmt(row['load_s'])} | "
-                f"{fmt(row['engine_s'])} | {fmt(row['commit_s'])} | {fmt(row['utilisation'])} |"
+                f"{fmt(row['engine_s'])} | {fmt(row['commit_s'])} | {fmt(rest(row))} | {fmt(row['utilisation'])} |"
             )
-        predicted = predicted_bytes(res["summary"], grid, spec.hosts) if "sizes" in res["summary"] else {}
-        measured = [
-            sum(row["hosts"][i][d] for row in per_round(res, spec.hosts))
-            for i in range(spec.hosts)
-            for d in ("up", "down")
-        ]
-        expected = [sum(p[i][d] for p in predicted.values()) for i in range(spec.hosts) for d in ("up", "down")]
-        lines += (
-            []
-            if not predicted
-            else [
-                "",
-                "Whole run, measured on the link / predicted from what each host's finished tasks read and wrote: "
-                + "; ".join(
-                    f"h{i} up {measured[2 * i] / mb:.2f} / {expected[2 * i] / mb:.2f} MB, "
-                    f"down {measured[2 * i + 1] / mb:.2f} / {expected[2 * i + 1] / mb:.2f} MB"
-                    for i in range(spec.hosts)
-                )
-                + ".",
-            ]
-        )
+        lines += whole_run_bytes(res, grid, spec)
         if res.get("events"):
             lines += [
                 "",

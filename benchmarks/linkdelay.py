@@ -7,6 +7,10 @@ shaped link), holding every chunk back `--one-way-ms` in each direction, so a re
 answer take one round trip more, as they would on a slow link. A new connection waits one round
 trip before its first byte goes out (the handshake a real link would cost). The link's rate is the
 kernel's (tbf on the veth); this relay only delays, in order, chunk by chunk.
+
+With `--counters FILE` it also counts the payload bytes it carries on each port, each way, and
+rewrites FILE (JSON, `{"<port>": [up, down]}`) every half second: benchmarks.hosts splits a host's
+link traffic into the object store's and MLflow's with it, which the interface counters cannot.
 """
 
 from __future__ import annotations
@@ -14,14 +18,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
+import os
 import signal
 import sys
 
 CHUNK = 256 * 1024
+COUNTS: dict[str, list[int]] = {}  # port -> [payload bytes up (host to store), down]
 
 
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
-    """Copy reader to writer, each chunk sent `delay_s` after it arrived, in arrival order."""
+async def pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float, count: list[int], way: int
+) -> None:
+    """Copy reader to writer, each chunk sent `delay_s` after it arrived, in arrival order; each
+    chunk's length is added to count[way]."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -42,6 +52,7 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay
     try:
         while True:
             data = await reader.read(CHUNK)
+            count[way] += len(data)
             await queue.put((loop.time() + delay_s, data or None))
             if not data:
                 break
@@ -60,10 +71,20 @@ async def relay(upstream: str, port: int, delay_s: float, client_r, client_w) ->
     except (OSError, asyncio.TimeoutError):
         client_w.close()
         return
-    await asyncio.gather(pipe(client_r, server_w, delay_s), pipe(server_r, client_w, delay_s))
+    count = COUNTS.setdefault(str(port), [0, 0])
+    await asyncio.gather(pipe(client_r, server_w, delay_s, count, 0), pipe(server_r, client_w, delay_s, count, 1))
 
 
-async def serve(listen: str, upstream: str, ports: list[int], delay_s: float) -> None:
+async def write_counts(path: str) -> None:
+    """COUNTS to `path` every half second, through a temporary name (a reader never sees half)."""
+    while True:
+        with open(f"{path}.tmp", "w") as out:
+            json.dump(COUNTS, out)
+        os.replace(f"{path}.tmp", path)
+        await asyncio.sleep(0.5)
+
+
+async def serve(listen: str, upstream: str, ports: list[int], delay_s: float, counters: str | None = None) -> None:
     servers = [
         await asyncio.start_server(lambda r, w, p=port: relay(upstream, p, delay_s, r, w), listen, port)
         for port in ports
@@ -73,7 +94,10 @@ async def serve(listen: str, upstream: str, ports: list[int], delay_s: float) ->
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     print(f"linkdelay: {listen}:{ports} -> {upstream}, {delay_s * 1000:g} ms each way", flush=True)
+    writer = asyncio.create_task(write_counts(counters)) if counters else None
     await stop.wait()
+    if writer is not None:
+        writer.cancel()
     for server in servers:
         server.close()
 
@@ -84,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--ports", required=True, help="comma-separated")
     parser.add_argument("--one-way-ms", type=float, required=True)
+    parser.add_argument("--counters", help="where to keep each port's payload bytes (JSON)")
     args = parser.parse_args(argv)
     ports = [int(p) for p in args.ports.split(",") if p]
-    asyncio.run(serve(args.listen, args.upstream, ports, args.one_way_ms / 1000))
+    asyncio.run(serve(args.listen, args.upstream, ports, args.one_way_ms / 1000, args.counters))
     return 0
 
 

@@ -299,6 +299,8 @@ class Lab:
                     ",".join(str(p) for p in self.store_ports),
                     "--one-way-ms",
                     f"{rtt / 2:g}",
+                    "--counters",
+                    str(self.relay_counters_file(i)),
                 ],
                 log_path=self.host_dir(i) / "linkdelay.log",
                 isolate=False,
@@ -312,6 +314,18 @@ class Lab:
     def host_dir(self, i: int) -> Path:
         """Host i's own local disk: its working directory, TMPDIR, caches, logs."""
         return self.base / "hosts" / f"h{i}"
+
+    def relay_counters_file(self, i: int) -> Path:
+        return self.host_dir(i) / "linkdelay-counters.json"
+
+    def port_counters(self, i: int) -> dict[int, tuple[int, int]]:
+        """Host i's payload bytes (up, down) to each of the store's ports so far, as its delay relay
+        counted them; empty without a relay (an unshaped link, or sch_netem)."""
+        try:
+            found = json.loads(self.relay_counters_file(i).read_text())
+        except (OSError, ValueError):
+            return {}
+        return {int(port): (int(up), int(down)) for port, (up, down) in found.items()}
 
     def store_dir(self) -> Path:
         return self.base / "store"

@@ -127,16 +127,27 @@ def test_commit_checksums_the_bytes_on_disk_not_the_writers_own(tmp_path):
     assert a.read_committed_json("d", "metrics.json") == {"attempt": 2, "longer": True}
 
 
-@pytest.mark.parametrize("where", ["local", "memory"])
-def test_a_committed_file_under_a_second_name_keeps_its_bytes_and_stays_checked(tmp_path, where):
-    """finish_round gathers staged modules this way: linked on a local root (no byte copied, the
-    record carried over), copied elsewhere (the record read again). Rewriting one name never
-    changes the other, and a later change to the bytes is refused when read, as for any file."""
-    root = RunRoot(tmp_path if where == "local" else f"memory://dipaco-copy-{tmp_path.name}/run")
+@pytest.mark.parametrize("where", ["local", "memory", "s3"])
+def test_a_committed_file_under_a_second_name_keeps_its_bytes_and_stays_checked(tmp_path, where, request):
+    """finish_round gathers staged modules this way: linked on a local root, copied on the server
+    by an object store (no byte crosses the host's link), the record carried over in both. Rewriting
+    one name never changes the other, and a later change to the bytes is refused when read, as for
+    any file."""
+    if where == "s3":
+        from pipeline.state.store import configure
+
+        url, _ = request.getfixturevalue("s3_root")
+        configure(url, {"endpoint_url": request.getfixturevalue("s3_server").endpoint})
+    else:
+        url = tmp_path if where == "local" else f"memory://dipaco-copy-{tmp_path.name}/run"
+    root = RunRoot(url)
     root.write_bytes("staged/m.bin", b"module")
     root.commit("staged")
+    read = []
+    root.read_bytes = lambda rel, *a, **k: read.append(rel) or RunRoot.read_bytes(root, rel, *a, **k)
     record = root.copy_committed("staged", "m.bin", "final/m.bin")
-    assert record == (root.marker("staged")["files"]["m.bin"] if where == "local" else None)
+    assert record == root.marker("staged")["files"]["m.bin"]
+    assert "staged/m.bin" not in read  # not downloaded to be copied
     root.write_bytes("staged/m.bin", b"rewritten")  # a write renames a new file over the name
     root.commit("final", linked={"m.bin": record})
     assert root.read_committed("final", "m.bin") == b"module"

@@ -511,9 +511,15 @@ class RunRoot:
         """A committed file at a second name, atomically. A local root links it, copying no byte,
         and returns the record its `_SUCCESS` keeps of it (for commit's `linked`): no write ever
         changes a file in place (each renames a new file over its name), so the two names hold
-        the bytes that record was read from. Elsewhere, or where links fail, the file is copied,
-        checked against its record as it is read, and None is returned (commit reads the copy)."""
+        the bytes that record was read from. An object store copies it on the server (CopyObject:
+        no byte crosses this host's link, where a round's commit once moved every module down and up
+        again) and returns the record too: a copy is byte for byte, and a reader checks it against
+        the record as always. Where links fail, the file is copied through this host, checked
+        against its record as it is read, and None is returned (commit reads the copy)."""
         record = self.marker(rel_dir)["files"].get(name)
+        if not self.is_local and isinstance(record, dict):
+            self._copy(posixpath.join(rel_dir, name), rel)
+            return record
         if self.is_local and isinstance(record, dict):
             self._refuse_link(rel_dir, name)
             try:
