@@ -139,6 +139,38 @@ def test_a_module_is_merged_as_soon_as_its_paths_are_in_and_round_1_starts_befor
     assert metrics["round"] == 1
 
 
+def test_an_idle_islands_poll_asks_an_object_store_its_questions_at_once_and_a_disk_one_by_one(any_root):
+    """ready() is asked twice a second by every idle island: on an object store each existence
+    check is a round trip, so they go out together (seconds a poll over a 40 ms link, one by one);
+    the answer is the same either way."""
+    config = tiny_config(any_root, "train.rounds=2", "train.inner_steps=2")
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 2)
+    for job in ("p0-0", "p0-1"):
+        train_path(config, 0, job)
+    queue = TaskQueue(root, config)
+    asked = RunRoot.is_committed
+    in_flight, most = [0], [0]
+
+    def slow_is_committed(rel: str) -> bool:
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        time.sleep(0.05)  # a round trip over a slow link
+        try:
+            return asked(root, rel)
+        finally:
+            in_flight[0] -= 1
+
+    root.is_committed = slow_is_committed
+    ready = {t.name for t in queue.ready(2)}
+    assert ready == {"train.r0.p1-0", "train.r0.p1-1", "merge.r0.l0m0"}  # p1-* still to train
+    if root.is_local:
+        assert most[0] == 1
+    else:
+        assert most[0] >= 4, f"at most {most[0]} existence checks in flight at once"
+
+
 @pytest.mark.slow  # ~40 s: three island processes
 def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root):
     config = tiny_config(run_root, "train.rounds=1", "train.inner_steps=400", "train.max_attempts=1")

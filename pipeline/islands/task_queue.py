@@ -50,7 +50,7 @@ from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError, DipacoError, StorageError
 from pipeline.islands.attempts import Attempts
 from pipeline.state import layout
-from pipeline.state.storage import RunRoot
+from pipeline.state.storage import RunRoot, map_io
 
 log = logging.getLogger("dipaco.queue")
 PLAN = "queue/plan.json"
@@ -230,6 +230,8 @@ class TaskQueue:
         self._medians: dict[int, TaskTimes | None] = {}
         self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
         self._shards_ready: set[str] = set()
+        self._done_rounds: set[int] = set()  # committed rounds and written round evaluations never change
+        self._evaluated: set[int] = set()
 
     def jobs_of(self, round_index: int) -> list[str]:
         """The jobs round r trains: every path's first train.workers_in_round(r) DiLoCo workers."""
@@ -487,39 +489,73 @@ class TaskQueue:
         )
 
     def ready(self, until_round: int) -> list[Task]:
-        """Every task that can start now, in claim order (held ones included: claim() skips them)."""
+        """Every task that can start now, in claim order (held ones included: claim() skips them).
+
+        An idle island asks this twice a second, and each answer takes a few dozen existence checks.
+        On an object store each is a round trip: one after the other they took seconds a poll over a
+        40 ms link, between every task and the next. There they go out at once (each round's, and
+        each job's within a round); a local root answers in microseconds and keeps to one thread."""
         tasks: list[Task] = []
         if self.reroute_pending(until_round) and self.root.is_committed(layout.round_dir(self.after)):
             tasks.append(Task.of("reroute", self.after))
-        for r in range(until_round):
-            if self.root.is_committed(layout.round_dir(r)):
-                continue
-            staged = {key: self.root.is_committed(layout.merged_module_dir(r, key)) for key in self.jobs_through}
-            jobs = self.jobs_of(r)
-            settled = {job: self.job_settled(r, job) for job in jobs}
-            shards_ready = self.shards_ready(r)
-            tasks += [
-                Task.of("train", r, job)
-                for job in jobs
-                if not settled[job] and shards_ready and self.modules_ready(r, self.job_modules[job])
-            ]
-            tasks += [
-                Task.of("merge", r, module_target(key))
-                for key, done in staged.items()
-                if not done and all(settled[j] for j in self.jobs_through[key] if j in settled)
-            ]
-            if all(staged.values()):
-                tasks.append(Task.of("commit", r))
-        for r in range(1, until_round + 1):
-            if self.root.exists(layout.eval_file(r)) or not self.shards_ready(r):
-                continue
-            missing = [p for p in self.eval_paths(r) if not self.root.exists(layout.eval_part(r, p))]
-            for path_id in missing:
-                if self.modules_ready(r, path_modules(parse_job_id(path_id, self.grid, 1)[1], self.grid, self.private)):
-                    tasks.append(Task.of("eval", r, path_id))
-            if not missing and self.root.is_committed(layout.round_dir(r - 1)):
-                tasks.append(Task.of("evalsum", r))
+        threads = 1 if self.root.is_local else self.root.io_threads
+        for found in map_io(lambda r: self._ready_to_train(r, threads), range(until_round), threads):
+            tasks += found
+        for found in map_io(self._ready_to_evaluate, range(1, until_round + 1), threads):
+            tasks += found
         return sorted(tasks)
+
+    def _ready_to_train(self, r: int, threads: int) -> list[Task]:
+        """Round r's train, merge and commit tasks that can start now (none once it is committed)."""
+        if r in self._done_rounds:
+            return []
+        if self.root.is_committed(layout.round_dir(r)):
+            self._done_rounds.add(r)
+            return []
+        keys, jobs = list(self.jobs_through), self.jobs_of(r)
+
+        def job_state(job: str) -> tuple[bool, bool]:
+            """(settled, its modules ready): the modules only asked for while the job is open."""
+            settled = self.job_settled(r, job)
+            return settled, not settled and self.modules_ready(r, self.job_modules[job])
+
+        def check(item: ModuleKey | str) -> bool | tuple[bool, bool]:
+            if isinstance(item, str):
+                return job_state(item)
+            return self.root.is_committed(layout.merged_module_dir(r, item))  # merged on its own
+
+        found = map_io(check, [*keys, *jobs], threads)
+        staged = dict(zip(keys, found[: len(keys)]))
+        settled = {job: state[0] for job, state in zip(jobs, found[len(keys) :])}
+        inputs = {job: state[1] for job, state in zip(jobs, found[len(keys) :])}
+        shards_ready = self.shards_ready(r)
+        tasks = [Task.of("train", r, job) for job in jobs if not settled[job] and shards_ready and inputs[job]]
+        tasks += [
+            Task.of("merge", r, module_target(key))
+            for key, done in staged.items()
+            if not done and all(settled[j] for j in self.jobs_through[key] if j in settled)
+        ]
+        if all(staged.values()):
+            tasks.append(Task.of("commit", r))
+        return tasks
+
+    def _ready_to_evaluate(self, r: int) -> list[Task]:
+        """The evaluations of the modules round r starts from, and their summary, that can start now."""
+        if r in self._evaluated:
+            return []
+        if self.root.exists(layout.eval_file(r)):
+            self._evaluated.add(r)
+            return []
+        if not self.shards_ready(r):
+            return []
+        tasks = []
+        missing = [p for p in self.eval_paths(r) if not self.root.exists(layout.eval_part(r, p))]
+        for path_id in missing:
+            if self.modules_ready(r, path_modules(parse_job_id(path_id, self.grid, 1)[1], self.grid, self.private)):
+                tasks.append(Task.of("eval", r, path_id))
+        if not missing and self.root.is_committed(layout.round_dir(r - 1)):
+            tasks.append(Task.of("evalsum", r))
+        return tasks
 
     def eval_paths(self, round_index: int) -> list[str]:
         """The paths with held-out documents in the validation shards round r is evaluated on."""
