@@ -394,13 +394,7 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
             now = time.monotonic() - started
             if now > spec.timeout_s:
                 raise TimeoutError(f"{run.name}: not finished after {spec.timeout_s:.0f} s (logs in {logs})")
-            run.samples.append(
-                (
-                    time.time(),
-                    [lab.counters(i) for i in range(lab.n_hosts)],
-                    [{str(port): list(c) for port, c in lab.port_counters(i).items()} for i in range(lab.n_hosts)],
-                )
-            )
+            run.samples.append(sample(lab))
             if "error" in line:
                 continue
             if line.get("held") and first_claim is None:
@@ -420,6 +414,7 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
         driver = procs["h0-driver"][1]
         driver.wait(timeout=180)  # it reports the last round and prints the summary
         wall = time.monotonic() - started
+        run.samples.append(sample(lab))  # the last rounds' registrations (host 0) count too
     finally:
         if faults is not None:
             faults.close()
@@ -443,6 +438,15 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
         "killed": sorted(faults.killed) if faults else [],
         "faults_not_reached": list(faults.steps) if faults else [],
     }
+
+
+def sample(lab: Lab) -> tuple[float, list[tuple[int, int]], list[dict[str, list[int]]]]:
+    """Now, each host's link counters (up, down), and each host's relay's {port: [up, down]}."""
+    return (
+        time.time(),
+        [lab.counters(i) for i in range(lab.n_hosts)],
+        [{str(port): list(c) for port, c in lab.port_counters(i).items()} for i in range(lab.n_hosts)],
+    )
 
 
 def restart_failed(lab: Lab, procs: dict, run: HostRun, faults: Faults | None) -> None:
@@ -590,6 +594,7 @@ def predicted_bytes(
     committed round's bundle (modules, router, tokenizer) to register it in MLflow. Attempts that did not finish
     moved bytes no record tells: they count on the measured side only."""
     from models.grid import ModuleKey, parse_path_id, path_id, path_modules, paths_through
+    from pipeline.state.layout import outer_grad_file
 
     sizes = summary["sizes"]
 
@@ -626,10 +631,15 @@ def predicted_bytes(
             level, index = (int(x) for x in target.lstrip("l").split("m"))
             key = ModuleKey(level, index)
             through = [path_id(p) for p in paths_through(key, grid)]
-            row["down"] += sum(sizes.get(f"rounds/round={r}/paths/path={p}/model.safetensors", 0) for p in through)
+            # each path's compressed outer gradient at the module's level (outer.compression), else its weights
+            grads = [f"rounds/round={r}/paths/path={p}/{outer_grad_file(level)}" for p in through]
+            weights = [f"rounds/round={r}/paths/path={p}/model.safetensors" for p in through]
+            row["down"] += sum(sizes.get(f, 0) for f in (grads if all(f in sizes for f in grads) else weights))
             row["down"] += sizes.get(f"rounds/round={r}/modules/{key}.safetensors", 0)
             row["down"] += sizes.get(f"rounds/round={r}/outer_state/{key}.safetensors", 0)
-            row["up"] += under(f"rounds/round={r + 1}/merged/{key}/")
+            # what it commits in merged/ (pruned once the round is gathered): round r+1's copies of it
+            row["up"] += sizes.get(f"rounds/round={r + 1}/modules/{key}.safetensors", 0)
+            row["up"] += sizes.get(f"rounds/round={r + 1}/outer_state/{key}.safetensors", 0)
         elif kind == "commit":  # the merged modules are copied on the server (RunRoot.copy_committed)
             row["up"] += sizes.get(f"rounds/round={r}/merge.json", 0)
         elif kind == "eval":
