@@ -574,8 +574,6 @@ def per_round(result: dict, n_hosts: int) -> list[dict]:
         if result.get("samples"):
             a, b = counters_at(result["samples"], begin), counters_at(result["samples"], end)
             row["hosts"] = [{"up": b[i][0] - a[i][0], "down": b[i][1] - a[i][1]} for i in range(n_hosts)]
-            row["s3"] = [port_bytes(result["samples"], begin, end, i, S3_PORT) for i in range(n_hosts)]
-            row["mlflow"] = [port_bytes(result["samples"], begin, end, i, MLFLOW_PORT) for i in range(n_hosts)]
         rows.append(row)
         begin = end
     return rows
@@ -588,7 +586,8 @@ def predicted_bytes(
     read and wrote predict, from their sizes in the store: a train task reads its path's modules,
     the path's inner state of the round before (its rank's optimizer file) and its shard, and
     writes its path directory (weights, metrics) and its inner state; a merge reads the trained weights of
-    every path through its module, the module and its momentum, and writes the merged pair; the
+    every path through its module (their compressed outer gradients at its level, with
+    outer.compression), the module and its momentum, and writes the merged pair; the
     round's commit copies the merged pairs into modules/ and outer_state/ on the server (no bytes);
     an evaluation reads its path's modules and validation shard; with `tracking`, host 0 reads each
     committed round's bundle (modules, router, tokenizer) to register it in MLflow. Attempts that did not finish
@@ -678,10 +677,10 @@ def whole_run_bytes(res: dict, grid: list[int], spec: Spec) -> list[str]:
         "MLflow payload up / down |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
+    pair = lambda x: "-" if x is None else f"{x['up'] / mb:.2f} / {x['down'] / mb:.2f}"  # noqa: E731
     for i in range(spec.hosts):
         want = {d: sum(p[i][d] for p in predicted.values()) for d in ("up", "down")}
         s3, ml = port_bytes(samples, begin, end, i, S3_PORT), port_bytes(samples, begin, end, i, MLFLOW_PORT)
-        pair = lambda x: "-" if x is None else f"{x['up'] / mb:.2f} / {x['down'] / mb:.2f}"  # noqa: E731
         ratio = (
             "-" if s3 is None else " / ".join("-" if not want[d] else f"{s3[d] / want[d]:.3f}" for d in ("up", "down"))
         )
