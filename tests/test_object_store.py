@@ -467,6 +467,60 @@ def test_pruning_an_old_round_on_s3_leaves_every_marker_naming_only_what_is_ther
     s3.verify(path)
 
 
+@pytest.fixture
+def s3_requests(monkeypatch):
+    """Every request s3fs's client sends from this process, as (operation, key or prefix), in order:
+    a spy on its one request function (both of its names), the requests still go to the server."""
+    import fsspec.asyn
+    import s3fs.core
+
+    sent: list[tuple[str, str]] = []
+    original = s3fs.core.S3FileSystem._call_s3
+
+    async def counted(self, method, *args, **kwargs):
+        sent.append((method, kwargs.get("Key", kwargs.get("Prefix", ""))))
+        return await original(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "_call_s3", counted)
+    monkeypatch.setattr(s3fs.core.S3FileSystem, "call_s3", fsspec.asyn.sync_wrapper(counted))
+    return sent
+
+
+def test_a_tasks_questions_to_an_object_store_take_one_request_each_and_a_removal_takes_only_its_tree(s3, s3_requests):
+    """Over a 40 ms link every request is a round trip a task waits for (RESULTS.md, "Islands on
+    separate hosts"): an absent directory's removal, a marker that is not there yet, a file's
+    existence and a publish's copies each cost one request, and the one listing a removal makes
+    (its prefix also matches `attempt-10` and `attempt-1.json`) removes only the tree it names."""
+    staged = "rounds/round=0/staging/path=p0/attempt-1"
+    s3.write_bytes(f"{staged}/model.safetensors", b"w" * 1000)
+    s3.write_bytes(f"{staged}/outer_grad/level=0.safetensors", b"g" * 10)
+    s3.commit(staged)
+    siblings = ["rounds/round=0/staging/path=p0/attempt-10/model.safetensors", f"{staged}.json"]
+    for name in siblings:
+        s3.write_bytes(name, b"x")
+    s3_requests.clear()
+
+    s3.remove("rounds/round=0/staging/path=p0/attempt-2")
+    assert [op for op, _ in s3_requests] == ["list_objects_v2"]
+    s3_requests.clear()
+    assert s3.marker_if_committed("rounds/round=0/paths/path=p0") is None
+    assert not s3.has_file("eval/round=1.json")
+    assert [op for op, _ in s3_requests] == ["get_object", "head_object"]
+
+    s3_requests.clear()
+    assert s3.publish_dir(staged, "rounds/round=0/paths/path=p0")
+    ops = [op for op, _ in s3_requests]
+    assert ops.count("copy_object") == 3  # two files, then the marker
+    assert ops.count("head_object") == 2, s3_requests  # is the output there yet, is the staging committed
+    s3.verify("rounds/round=0/paths/path=p0")
+
+    s3_requests.clear()
+    s3.remove(staged)
+    assert [op for op, _ in s3_requests] == ["list_objects_v2", "delete_objects"]
+    assert not s3.exists(staged)
+    assert all(s3.has_file(name) for name in siblings), "a removal took a neighbour its prefix matched"
+
+
 @pytest.mark.slow  # ~40 s: two 2-rank DeepSpeed launches against the S3 server
 def test_each_rank_of_an_island_keeps_its_own_optimizer_partition_on_s3_and_resumes_it(s3_root):
     """ZeRO-2 on two ranks, an S3 run root: each rank uploads its own partition of the inner

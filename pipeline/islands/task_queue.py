@@ -485,7 +485,7 @@ class TaskQueue:
         return (
             self.after is not None
             and self.after < until_round
-            and not self.root.exists(layout.reroute_report(self.after + 1))
+            and not self.root.has_file(layout.reroute_report(self.after + 1))
         )
 
     def ready(self, until_round: int) -> list[Task]:
@@ -543,13 +543,13 @@ class TaskQueue:
         """The evaluations of the modules round r starts from, and their summary, that can start now."""
         if r in self._evaluated:
             return []
-        if self.root.exists(layout.eval_file(r)):
+        if self.root.has_file(layout.eval_file(r)):
             self._evaluated.add(r)
             return []
         if not self.shards_ready(r):
             return []
         tasks = []
-        missing = [p for p in self.eval_paths(r) if not self.root.exists(layout.eval_part(r, p))]
+        missing = [p for p in self.eval_paths(r) if not self.root.has_file(layout.eval_part(r, p))]
         for path_id in missing:
             if self.modules_ready(r, path_modules(parse_job_id(path_id, self.grid, 1)[1], self.grid, self.private)):
                 tasks.append(Task.of("eval", r, path_id))
@@ -574,10 +574,10 @@ class TaskQueue:
     def round_finished(self, round_index: int) -> bool:
         """Round r merged, the modules it wrote evaluated and, when r is router.discriminative_after,
         the splits re-routed: ready to report and register."""
-        rerouted = round_index != self.after or self.root.exists(layout.reroute_report(round_index + 1))
+        rerouted = round_index != self.after or self.root.has_file(layout.reroute_report(round_index + 1))
         return (
             self.root.is_committed(layout.round_dir(round_index))
-            and self.root.exists(layout.eval_file(round_index + 1))
+            and self.root.has_file(layout.eval_file(round_index + 1))
             and rerouted
         )
 
@@ -708,9 +708,10 @@ class Lease:
 
     def _still_mine(self) -> bool:
         """Not superseded, and our record not ended by someone else (fail_running)."""
-        if self._superseded():
+        attempts = self.queue.attempts(self.task)  # one listing and its reads, asked once
+        if any(a.number > self.number and not a.backup for a in attempts):  # _superseded
             return False
-        mine = next((a for a in self.queue.attempts(self.task) if a.number == self.number), None)
+        mine = next((a for a in attempts if a.number == self.number), None)
         return mine is not None and mine.state == "running"
 
     def held(self) -> bool:

@@ -175,9 +175,18 @@ def module_location(root: RunRoot, round_index: int, key: ModuleKey) -> tuple[st
     return None
 
 
-def read_module(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelShape | None = None) -> ModuleState:
-    """A module at the start of a round, wherever it is committed (module_location)."""
-    found = module_location(root, round_index, key)
+def read_module(
+    root: RunRoot,
+    round_index: int,
+    key: ModuleKey,
+    shape: ModelShape | None = None,
+    modules_marker: dict | None = None,
+) -> ModuleState:
+    """A module at the start of a round, wherever it is committed (module_location);
+    `modules_marker`: round r's committed modules/ record, when the caller has just read it."""
+    found = module_location(root, round_index, key) if modules_marker is None else None
+    if modules_marker is not None:
+        found = layout.modules_dir(round_index), layout.module_file(key)
     if found is None:  # never reached through the stages, which check first; a clear error if it is
         raise CorruptStateError(
             f"{root.path(layout.modules_dir(round_index))}: module {key.level}/{key.index} "
@@ -185,14 +194,17 @@ def read_module(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelSha
         )
     rel_dir, name = found
     where = root.path(rel_dir, name)
-    state = decode(root.read_committed(rel_dir, name, writable=True), where)
+    state = decode(root.read_committed(rel_dir, name, writable=True, marker=modules_marker), where)
     return state if shape is None else check_state(state, level_shapes(shape)[key.level], where)
 
 
 def load_modules(
     root: RunRoot, round_index: int, keys: list[ModuleKey], shape: ModelShape | None = None
 ) -> dict[ModuleKey, ModuleState]:
-    return dict(zip(keys, map_io(lambda key: read_module(root, round_index, key, shape), keys)))
+    """Several modules at once. Round r's modules/, once committed, has its marker read once for
+    all of them (on an object store, one request before the files instead of two per module)."""
+    marker = root.marker_if_committed(layout.modules_dir(round_index))  # None: where module_location finds each
+    return dict(zip(keys, map_io(lambda key: read_module(root, round_index, key, shape, marker), keys)))
 
 
 def load_path_modules(

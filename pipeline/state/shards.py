@@ -44,10 +44,13 @@ def write_shard_file(root: RunRoot, rel: str, table: pa.Table) -> None:
     root.write_bytes(rel, buffer.getvalue())
 
 
-def shard_parts(root: RunRoot, path_id: str, split: str = "train", shards: str = layout.SHARDS_DIR) -> list[str]:
-    """Names, relative to `shards` (a Routing's shards dir), of a path's committed Parquet parts."""
+def shard_parts(
+    root: RunRoot, path_id: str, split: str = "train", shards: str = layout.SHARDS_DIR, marker: dict | None = None
+) -> list[str]:
+    """Names, relative to `shards` (a Routing's shards dir), of a path's committed Parquet parts;
+    `marker`: the shards' `_SUCCESS` record, when the caller has just read it."""
     prefix = layout.shard_dir(path_id, split, shards)[len(shards) + 1 :] + "/"
-    files = root.marker(shards)["files"]
+    files = (marker or root.marker(shards))["files"]
     return sorted(n for n in files if n.startswith(prefix) and n.endswith(".parquet"))
 
 
@@ -62,12 +65,13 @@ def read_path_rows(
     root: RunRoot, path_id: str, split: str = "train", shards: str = layout.SHARDS_DIR
 ) -> list[tuple[str, np.ndarray]]:
     """(doc_id, tokens) of every document of a path's shard, sorted by doc_id."""
-    if not root.is_committed(shards):
+    marker = root.marker_if_committed(shards)  # read once, no existence check before it: each part checked against it
+    if marker is None:
         what = "run `dipaco prepare` first" if shards == layout.SHARDS_DIR else "the re-routing has not committed yet"
         raise InputError(f"{root.path(shards)}: shards are not committed; {what}")
     docs: list[tuple[str, np.ndarray]] = []
-    for name in shard_parts(root, path_id, split, shards):
-        data = root.read_committed(shards, name)
+    for name in shard_parts(root, path_id, split, shards, marker):
+        data = root.read_committed(shards, name, marker=marker)
         try:
             table = pq.read_table(io.BytesIO(data), columns=["doc_id", "input_ids"])
         except (pa.ArrowException, OSError) as exc:

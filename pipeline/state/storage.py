@@ -201,6 +201,12 @@ class RunRoot:
     def exists(self, rel: str) -> bool:
         return self._io(lambda: self.fs.exists(self.path(rel)), rel)
 
+    def has_file(self, rel: str) -> bool:
+        """Whether a file (not a directory) is there: on an object store one HEAD, where exists()
+        lists the name as a directory too when the HEAD finds nothing (an idle island's poll asks
+        this of every evaluation it waits for)."""
+        return self._io(lambda: self.store.is_file(self.path(rel)), rel)
+
     def _io(self, op: Callable[[], T], rel: str) -> T:
         """A filesystem call, retried through transient store errors (pipeline.state.store.retrying)."""
         return op() if self.is_local else retrying(op, self.path(rel))
@@ -210,16 +216,20 @@ class RunRoot:
         (read straight into it on local roots). A file longer than `max_bytes` is refused after
         reading no more than that, so a hostile file costs bounded memory."""
         with self._reading(rel):
-            if writable and self.is_local and max_bytes is None:
-                with open(self.path(rel), "rb") as handle:
-                    buffer = bytearray(os.fstat(handle.fileno()).st_size)
-                    del buffer[handle.readinto(buffer) :]  # a file that shrank meanwhile fails its checksum
-                    return buffer
-            if self.is_local:
-                with self.fs.open(self.path(rel), "rb") as handle:
-                    data = handle.read() if max_bytes is None else handle.read(max_bytes + 1)
-            else:  # one GET, one whole version: never a read torn by a writer replacing the object
-                data = self.store.read(self.path(rel), max_bytes).data
+            return self._read(rel, writable, max_bytes)
+
+    def _read(self, rel: str, writable: bool = False, max_bytes: int | None = None) -> bytes | bytearray:
+        """read_bytes without its meaning of a missing file (FileNotFoundError is raised)."""
+        if writable and self.is_local and max_bytes is None:
+            with open(self.path(rel), "rb") as handle:
+                buffer = bytearray(os.fstat(handle.fileno()).st_size)
+                del buffer[handle.readinto(buffer) :]  # a file that shrank meanwhile fails its checksum
+                return buffer
+        if self.is_local:
+            with self.fs.open(self.path(rel), "rb") as handle:
+                data = handle.read() if max_bytes is None else handle.read(max_bytes + 1)
+        else:  # one GET, one whole version: never a read torn by a writer replacing the object
+            data = self.store.read(self.path(rel), max_bytes).data
         self._within(rel, data, max_bytes)
         return bytearray(data) if writable else data
 
@@ -231,11 +241,14 @@ class RunRoot:
         return found
 
     @contextmanager
-    def _reading(self, rel: str) -> Iterator[None]:
-        """What a missing file or a directory in its place means to every reader: one line naming it."""
+    def _reading(self, rel: str, missing_ok: bool = False) -> Iterator[None]:
+        """What a missing file (unless `missing_ok`: raised as it is) or a directory in its place
+        means to every reader: one line naming it."""
         try:
             yield
         except FileNotFoundError:
+            if missing_ok:
+                raise
             raise InputError(f"{self.path(rel)}: file not found") from None
         except IsADirectoryError:
             raise CorruptStateError(f"{self.path(rel)}: is a directory, expected a file") from None
@@ -413,7 +426,7 @@ class RunRoot:
                 if self.is_local:
                     self.fs.rm(full, recursive=True)
                 else:  # one listing, then one bulk delete of exactly what it found (a recursive rm lists twice)
-                    found = self.fs.find(full)
+                    found = self.store.find(full)
                     if found:
                         self.fs.rm(found)
             except (FileNotFoundError, NotADirectoryError):  # not there (a parent may be a file), or removed meanwhile
@@ -462,13 +475,22 @@ class RunRoot:
 
     def marker(self, rel: str) -> dict[str, Any]:
         """The _SUCCESS record of a committed directory (refused when it is missing or malformed)."""
+        record = self.marker_if_committed(rel)
+        if record is None:
+            raise InputError(f"{self.path(rel)}: not committed (no {SUCCESS})")
+        return record
+
+    def marker_if_committed(self, rel: str) -> dict[str, Any] | None:
+        """The _SUCCESS record of a directory, or None while it is not committed; a malformed one is
+        refused. One read, not asked for first: a reader that would check is_committed and then
+        read the marker makes one request on an object store instead of two (three when absent)."""
         marker = posixpath.join(rel, SUCCESS)
-        try:  # read, not asked for first: one request on an object store instead of two or three
-            record = self.read_json(marker)
-        except InputError:
-            if self.exists(marker):
-                raise
-            raise InputError(f"{self.path(rel)}: not committed (no {SUCCESS})") from None
+        try:
+            with self._reading(marker, missing_ok=True):
+                data = self._read(marker, max_bytes=MAX_STATE_JSON_BYTES)
+        except FileNotFoundError:
+            return None
+        record = load_json(data, self.path(marker), dict)
         files = record.get("files")
         if not isinstance(files, dict) or not all(_is_file_record(r) for r in files.values()):
             raise CorruptStateError(
@@ -620,7 +642,7 @@ class RunRoot:
             return False
         token = f"{final}.published"
         won = self.create(token, json.dumps({"staged": staged}).encode()) is not None
-        if not self.is_committed(final):
+        if won or not self.is_committed(final):  # the token's creator is the only one who copies first
             # the winner copies what it just checked; a latecomer finishes the copy the token names
             source = staged if won else self.read_json(token).get("staged", staged)
             if won or self.is_committed(source):
@@ -638,4 +660,4 @@ class RunRoot:
 
     def _copy(self, src_rel: str, dst_rel: str) -> None:
         """A server-side copy on an object store (CopyObject: no byte passes through this host)."""
-        self._put_object(dst_rel, lambda full: retrying(lambda: self.fs.cp_file(self.path(src_rel), full), full))
+        self._put_object(dst_rel, lambda full: self.store.copy(self.path(src_rel), full))

@@ -284,6 +284,17 @@ class Store(ABC):
         except FileNotFoundError:
             return None
 
+    def is_file(self, path: str) -> bool:
+        return self.fs.isfile(path)
+
+    def find(self, path: str) -> list[str]:
+        """Every file at `path` or below it (fsspec's paths, without the protocol); [] when none."""
+        return self.retrying(lambda: self.fs.find(path), path)
+
+    def copy(self, src: str, dst: str) -> None:
+        """`src`'s bytes at `dst`, copied inside the store where it can (no byte through this host)."""
+        self.retrying(lambda: self.fs.cp_file(src, dst), dst)
+
 
 class LocalStore(Store):
     """A disk: temporary name + fsync + rename; link(2) for exclusive creates; compare-and-swap
@@ -449,6 +460,43 @@ class S3Store(Store):
             return str(self.retrying(lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=key), path)["ETag"])
         except FileNotFoundError:
             return None
+
+    def is_file(self, path: str) -> bool:
+        return self.version(path, metadata_only=True) is not None  # one HEAD; isfile lists too when it fails
+
+    def find(self, path: str) -> list[str]:
+        """One listing (a page per 1,000 keys): s3fs's find lists, then HEADs and lists again when
+        nothing is there, three round trips for every removal of a directory that is already gone."""
+        bucket, key = self._split(path.rstrip("/"))
+        found: list[str] = []
+        token: dict[str, str] = {}
+        while True:
+            page = self.retrying(lambda: self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, **token), path)
+            # the prefix also matches siblings (attempt-1 lists attempt-10/...): keep the file and its tree
+            found += [
+                f"{bucket}/{item['Key']}"
+                for item in page.get("Contents", [])
+                if item["Key"] == key or item["Key"].startswith(key + "/")
+            ]
+            if not page.get("IsTruncated"):
+                return found
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def copy(self, src: str, dst: str) -> None:
+        """CopyObject, without the HEAD s3fs's cp_file sends first to choose a multipart copy; an
+        object past CopyObject's 5 GB (refused) is copied by cp_file in parts."""
+        (src_bucket, src_key), (bucket, key) = self._split(src), self._split(dst)
+        try:
+            self.retrying(
+                lambda: self.fs.call_s3(
+                    "copy_object", Bucket=bucket, Key=key, CopySource={"Bucket": src_bucket, "Key": src_key}
+                ),
+                dst,
+            )
+        except OSError as exc:
+            if error_code(exc) not in ("InvalidRequest", "EntityTooLarge"):
+                raise
+            super().copy(src, dst)
 
     def read(self, path: str, max_bytes: int | None = None) -> Versioned:
         bucket, key = self._split(path)

@@ -9,6 +9,7 @@ steps under ZeRO, writes the trained path and its metrics, and commits the path'
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +34,7 @@ from pipeline.outer import compression
 from pipeline.state import layout
 from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_rows
-from pipeline.state.storage import SUCCESS, RunRoot, safe_relative
+from pipeline.state.storage import SUCCESS, RunRoot, map_io, safe_relative
 from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
@@ -249,9 +251,11 @@ def publish_path(
         log.warning("path %s round %d: %s; %s is discarded", path_id, round_index, why, staging)
         drop_staging(root, layout.inner_state_dir(round_index, path_id, posixpath.basename(staging)))
     # Once the path is committed, no staged attempt is ever read (crashed attempts' leftovers too).
-    drop_staging(root, layout.staging_dir(round_index, path_id) if committed else staging)
+    # The two cleanups touch different trees: at once, each a round trip or two on an object store.
+    cleanups = [lambda: drop_staging(root, layout.staging_dir(round_index, path_id) if committed else staging)]
     if published:
-        prune_inner_state(root, round_index, path_id, kept=posixpath.basename(staging))
+        cleanups.append(lambda: prune_inner_state(root, round_index, path_id, kept=posixpath.basename(staging)))
+    map_io(lambda cleanup: cleanup(), cleanups, root.io_threads)
     return published
 
 
@@ -386,8 +390,7 @@ def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str) ->
     try:  # whatever is wrong with the state (its pointer, marker or files) restarts the optimizer
         found = latest_inner_state(root, round_index, path_id)
         if found is not None:
-            source, rel = found
-            saved = root.marker(rel)
+            source, rel, saved = found
             if saved.get("format") != OPTIMIZER_STATE_FORMAT:
                 log.warning(
                     "inner optimizer state of %s in %s is not in %s (an older dipaco's DeepSpeed checkpoint): "
@@ -424,26 +427,36 @@ def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str) ->
 def inner_state_of(root: RunRoot, round_index: int, path_id: str) -> str | None:
     """The committed inner state a published path kept (its `_SUCCESS` names the attempt), or None;
     a name that is not one safe directory name is refused like a marker's file names."""
+    found = _kept_inner_state(root, round_index, path_id)
+    return None if found is None else found[0]
+
+
+def _kept_inner_state(root: RunRoot, round_index: int, path_id: str) -> tuple[str, dict] | None:
+    """inner_state_of's directory with its `_SUCCESS` record, read once (no existence check first:
+    on an object store every request is a round trip before the task's first step)."""
     rel = layout.path_dir(round_index, path_id)
     try:
-        attempt = root.marker(rel).get("inner_state")  # one read: no existence check before it
-    except InputError:  # not published
+        published = root.marker_if_committed(rel)  # one read: no existence check before it
+    except InputError:  # a marker that is not one: no inner state from it (the merge names it)
         return None
+    attempt = None if published is None else published.get("inner_state")  # None: not published
     if attempt is None:
         return None
     where = root.path(rel, SUCCESS)
     if not isinstance(attempt, str) or "/" in attempt:
         raise CorruptStateError(f"{where}: inner_state must be one attempt's directory name, got {attempt!r}")
     inner = layout.inner_state_dir(round_index, path_id, safe_relative(attempt, where))
-    return inner if root.is_committed(inner) else None
+    saved = root.marker_if_committed(inner)
+    return None if saved is None else (inner, saved)
 
 
-def latest_inner_state(root: RunRoot, round_index: int, path_id: str) -> tuple[int, str] | None:
-    """The newest earlier round whose published path kept an inner state, and where it lies."""
+def latest_inner_state(root: RunRoot, round_index: int, path_id: str) -> tuple[int, str, dict] | None:
+    """The newest earlier round whose published path kept an inner state: the round, where the
+    state lies and its `_SUCCESS` record."""
     for earlier in range(round_index - 1, -1, -1):
-        inner = inner_state_of(root, earlier, path_id)
-        if inner is not None:
-            return earlier, inner
+        found = _kept_inner_state(root, earlier, path_id)
+        if found is not None:
+            return earlier, *found
     return None
 
 
@@ -471,15 +484,33 @@ def commit_path(
     rel = staging or layout.path_dir(round_index, path_id)
     attempt = posixpath.basename(rel) if staging else "direct"
     inner = layout.inner_state_dir(round_index, path_id, attempt)
-    if rank == 0:
-        root.remove(rel)  # a crashed run of this same attempt name left files: never mixed in
-        root.remove(inner)
+    if rank == 0:  # a crashed run of this same attempt name left files: never mixed in
+        map_io(root.remove, [rel, inner], root.io_threads)
     dist.barrier()
     state = full_state(engine)  # collective under ZeRO-3
-    # Every rank its own optimizer partition (AdamW's step and moments: zero.optimizer_state_bytes).
-    root.write_bytes(f"{inner}/{optimizer_state_file(rank)}", optimizer_state_bytes(engine))
-    dist.barrier()
+    # Every rank its own optimizer partition (AdamW's step and moments: zero.optimizer_state_bytes),
+    # going up while rank 0 saves and uploads the weights: on an object store the largest object of
+    # a task (2x the weights) and the weights no longer wait for each other.
+    partition = optimizer_state_bytes(engine)
+    uploading = ThreadPoolExecutor(1, thread_name_prefix="dipaco-inner-state")
+    upload = uploading.submit(root.write_bytes, f"{inner}/{optimizer_state_file(rank)}", partition)
+    uploading.shutdown(wait=False)
     with tempfile.TemporaryDirectory(prefix="dipaco-path-") as scratch:
+        if rank == 0:
+            model = build_path_model(shape, None)
+            model.load_state_dict(state, strict=False)
+            out = Path(scratch) / "model"
+            model.save_pretrained(out)  # config.json + model.safetensors: loads anywhere
+            (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")  # as write_json
+            root.put_dir(out, rel)  # the files at once: weights, config and metrics
+            info = {"round": round_index, "path": path_id, "tokens": metrics["tokens"]}
+            grads = (
+                {}
+                if compression_kind == "none"
+                else write_outer_gradients(root, rel, shape, start_state, state, compression_kind, info)
+            )
+        upload.result()  # its failure fails this rank's task, as the write did in line
+        dist.barrier()
         if rank == 0:
             root.commit(
                 inner,
@@ -492,18 +523,6 @@ def commit_path(
                     "zero_stage": engine.zero_optimization_stage(),
                 },
             )
-            model = build_path_model(shape, None)
-            model.load_state_dict(state, strict=False)
-            out = Path(scratch) / "model"
-            model.save_pretrained(out)  # config.json + model.safetensors: loads anywhere
-            root.put_dir(out, rel)
-            info = {"round": round_index, "path": path_id, "tokens": metrics["tokens"]}
-            grads = (
-                {}
-                if compression_kind == "none"
-                else write_outer_gradients(root, rel, shape, start_state, state, compression_kind, info)
-            )
-            root.write_json(f"{rel}/metrics.json", metrics)
             root.commit(
                 rel,
                 info={**info, "inner_state": attempt, **({"outer_grad": grads} if grads else {})},
@@ -543,14 +562,21 @@ def prune_inner_state(root: RunRoot, round_index: int, path_id: str, kept: str) 
     """Only the newest inner state is ever resumed: once round r's path is published with attempt
     `kept`'s state, round r-1's states go (nothing reads them again: round r's is found first; the
     rounds before were pruned when r-1 published), and so do round r's other attempts' (crashed or
-    cancelled ones), marker first. A few requests on an object store, whatever the round."""
-    if round_index > 0:
-        root.remove(layout.inner_state_dir(round_index - 1, path_id))
+    cancelled ones), marker first. A few requests on an object store, whatever the round: the
+    older round's and the other attempts' at once."""
     base = layout.inner_state_dir(round_index, path_id)
-    for attempt in root.listdir(base):
-        if attempt != kept:
-            root.remove(f"{base}/{attempt}/_SUCCESS")
-            root.remove(f"{base}/{attempt}")
+
+    def older_round() -> None:
+        if round_index > 0:
+            root.remove(layout.inner_state_dir(round_index - 1, path_id))
+
+    def other_attempts() -> None:
+        for attempt in root.listdir(base):
+            if attempt != kept:
+                root.remove(f"{base}/{attempt}/_SUCCESS")
+                root.remove(f"{base}/{attempt}")
+
+    map_io(lambda prune: prune(), [older_round, other_attempts], root.io_threads)
 
 
 def main(argv: list[str] | None = None) -> int:
