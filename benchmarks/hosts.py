@@ -18,13 +18,14 @@ island process that exits with an error is started again, as a service manager w
 
 Runs, in order: the same config on one host with a local root (`dipaco run`, as many islands as
 the hosts have together: the goodput reference and the bitwise reference), then across the hosts
-without faults, then (unless `--no-faults`) with faults: host 1 partitioned (link down) for
-`--partition-leases` x the lease once it holds a train task, then reconnected; the store
-throttled (503 SlowDown) for `--throttle-s` seconds; the last host (of three or more) killed for
-good once it holds a train task. Per round it prints each host's bytes up and down (its link's
-interface counters), the islands' training seconds against their load/commit seconds (what the
-transfers cost them), utilisation, and goodput against the one-host run; last, whether each run's
-final modules and momentum are bitwise equal to the one-host run's.
+without faults, then (unless `--no-faults`) with faults: the first host but host 0 (which runs
+`dipaco run`) seen holding a train task partitioned (link down) for `--partition-leases` x the
+lease, then reconnected; the store throttled (503 SlowDown) for `--throttle-s` seconds; another
+host but host 0 (of three or more) killed for good once it holds a train task. Per round it
+prints each host's bytes up and down (its link's interface counters), the islands' training
+seconds against their load/commit seconds (what the transfers cost them), utilisation, and
+goodput against the one-host run; last, whether each run's final modules and momentum are
+bitwise equal to the one-host run's.
 
 `--store local` is a stand-in for machines whose pipeline has no object-store run roots yet: the
 run root is a directory every host sees (so not "no shared filesystem"), a partition also freezes
@@ -229,8 +230,11 @@ class HostRun:
 
 
 class Faults:
-    """The fault schedule of a run, one step at a time: partition host 1 once it trains, then
-    reconnect; throttle the store; kill the last host once it trains (three or more hosts)."""
+    """The fault schedule of a run, one step at a time: partition the first host but host 0 seen
+    training, then reconnect; throttle the store; kill another host but host 0 once it trains
+    (three or more hosts). Whichever trains first is cut off: with three hosts and two paths a
+    round, a fixed host could wait minutes for a task (a demo-size run cut host 1 off on the
+    fallback timer while it held none, so nothing was taken over)."""
 
     def __init__(self, lab: Lab, store: Store | None, spec: Spec, run: HostRun, procs: dict):
         self.lab, self.store, self.spec, self.run, self.procs = lab, store, spec, run, procs
@@ -242,9 +246,17 @@ class Faults:
         self.since = time.monotonic()
         self.killed: set[int] = set()
         self.frozen: set[int] = set()
+        self.cut = 1  # the host partitioned (or to be): the first of hosts 1.. seen training
 
     def trains(self, host: int, line: dict) -> bool:
         return any(island_host(name) == host and tasks for name, tasks in line.get("held", {}).items())
+
+    def training(self, line: dict, hosts: list[int]) -> int | None:
+        """The first of `hosts` that holds a train task now, or None."""
+        return next((host for host in hosts if self.trains(host, line)), None)
+
+    def kill_candidates(self) -> list[int]:
+        return [host for host in range(1, self.lab.n_hosts) if host != self.cut]
 
     def step(self, line: dict, elapsed: float) -> None:
         if not self.steps:
@@ -252,23 +264,25 @@ class Faults:
         what, waited = self.steps[0], time.monotonic() - self.since
         if what in ("partition", "kill") and not line.get("held"):  # they hit a host while islands train
             return
-        lease = self.spec.lease_seconds
-        if what == "partition" and (self.trains(1, line) or waited > 120):
-            self.lab.partition(1)
+        lease, host = self.spec.lease_seconds, None
+        training = self.training(line, list(range(1, self.lab.n_hosts))) if what == "partition" else None
+        if what == "partition" and (training is not None or waited > 120):
+            self.cut = host = 1 if training is None else training
+            self.lab.partition(self.cut)
             if self.spec.store == "local":  # a shared directory is no network: freeze the host too
-                self._signal_host(1, signal.SIGSTOP)
-                self.frozen.add(1)
-        elif what == "reconnect" and waited >= self.spec.partition_leases * lease and self.taken_over(1, line):
-            self.lab.reconnect(1)
-            if 1 in self.frozen:
-                self._signal_host(1, signal.SIGCONT)
-                self.frozen.discard(1)
+                self._signal_host(self.cut, signal.SIGSTOP)
+                self.frozen.add(self.cut)
+        elif what == "reconnect" and waited >= self.spec.partition_leases * lease and self.taken_over(self.cut, line):
+            self.lab.reconnect(host := self.cut)
+            if self.cut in self.frozen:
+                self._signal_host(self.cut, signal.SIGCONT)
+                self.frozen.discard(self.cut)
         elif what == "throttle" and waited >= 2 * lease:
             self.store.throttle(True)
         elif what == "unthrottle" and waited >= self.spec.throttle_s:
             self.store.throttle(False)
-        elif what == "kill" and (self.trains(self.lab.n_hosts - 1, line) or waited > 120):
-            host = self.lab.n_hosts - 1
+        elif what == "kill" and (self.training(line, self.kill_candidates()) is not None or waited > 120):
+            host = self.training(line, self.kill_candidates()) or self.kill_candidates()[-1]
             self.killed.add(host)
             self.lab.kill_host(host)
             self.lab.partition(host)  # its link goes with it: nothing of it comes back
@@ -276,8 +290,10 @@ class Faults:
             return
         self.steps.pop(0)
         self.since = time.monotonic()
-        self.run.events.append({"fault": what, "at_s": round(elapsed, 1), "held": line.get("held", {})})
-        log.info("%s: t=%.0f s: %s", self.run.name, elapsed, what)
+        self.run.events.append(
+            {"fault": what, "at_s": round(elapsed, 1), "held": line.get("held", {}), **({"host": host} if host else {})}
+        )
+        log.info("%s: t=%.0f s: %s%s", self.run.name, elapsed, what, f" host {host}" if host else "")
 
     def taken_over(self, host: int, line: dict) -> bool:
         """Every train task `host` held when it was cut off has a newer attempt by another island
@@ -300,13 +316,18 @@ class Faults:
 
     def close(self) -> None:
         """Undo what is still in force (a run that ended or failed mid-fault)."""
-        if self.steps[:1] == ["reconnect"]:  # the run finished while host 1 was cut off
-            self.lab.reconnect(1)
+        if self.steps[:1] == ["reconnect"]:  # the run finished while a host was cut off
+            self.lab.reconnect(self.cut)
             self.run.events.append({"fault": "reconnect", "at_s": None, "held": {}, "after_the_run": True})
         for host in list(self.frozen):
             self._signal_host(host, signal.SIGCONT)
         if self.store is not None:
             self.store.throttle(False)
+
+
+def fault_name(event: dict) -> str:
+    """`partition host 2`: a fault event and the host it hit, where it names one."""
+    return f"{event['fault']} host {event['host']}" if "host" in event else event["fault"]
 
 
 def island_host(name: str) -> int:
@@ -456,7 +477,7 @@ def restart_failed(lab: Lab, procs: dict, run: HostRun, faults: Faults | None) -
         code = proc.poll()
         if code in (None, 0) or key == "h0-driver":
             continue
-        if faults is not None and (host in faults.killed or (faults.steps[:1] == ["reconnect"] and host == 1)):
+        if faults is not None and (host in faults.killed or (faults.steps[:1] == ["reconnect"] and host == faults.cut)):
             continue
         if run.restarts.get(key, 0) >= MAX_RESTARTS:
             continue
@@ -728,7 +749,7 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
                 "",
                 "Faults: "
                 + "; ".join(
-                    f"{e['fault']} " + ("after the run ended" if e["at_s"] is None else f"at {e['at_s']} s")
+                    fault_name(e) + (" after the run ended" if e["at_s"] is None else f" at {e['at_s']} s")
                     for e in res["events"]
                 )
                 + ".",
@@ -803,6 +824,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
     parser.add_argument("--partition-leases", type=float, default=3.0, help="the partition lasts this many leases")
     parser.add_argument("--throttle-s", type=float, default=10.0, help="seconds of 503 SlowDown (0: none)")
     parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--faults-only", action="store_true", help="no fault-free run across the hosts")
     parser.add_argument("--no-mlflow", action="store_true", help="no MLflow server; host 0 tracks nothing")
     parser.add_argument("--timeout", type=float, default=1200.0, help="each run's limit, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the lab's directories (logs) after the run")
@@ -846,7 +868,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     base = Path(tempfile.mkdtemp(prefix="dipaco-hosts-"))
     try:
-        found = benchmark(spec, base, runs=("fault-free",) if args.no_faults else ("fault-free", "faults"))
+        runs = ("fault-free",) if args.no_faults else ("faults",) if args.faults_only else ("fault-free", "faults")
+        found = benchmark(spec, base, runs=runs)
     except KeyboardInterrupt:
         print("benchmarks.hosts: interrupted; every namespace and process it made is gone", file=sys.stderr)
         return 130
