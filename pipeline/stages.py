@@ -154,9 +154,10 @@ def register(run: Run, round_index: int, result: dict) -> str | None:
     return run.tracker.register(round_index, result)
 
 
-def list_islands(config: Config) -> list[str]:
-    """The islands a run starts on this machine (`train.islands`); the DAG maps over this list."""
-    return island_names(config.train)
+def list_islands(config: Config, queue: str | None = None) -> list[str]:
+    """The islands a run starts on this machine (`train.islands`), or on the workers of one of
+    airflow.queues (a host); the DAG maps over this list."""
+    return island_names(config.train, queue)
 
 
 def plan_rounds(run: Run, rounds: int | None = None) -> range:

@@ -124,6 +124,40 @@ def test_islands_are_mapped_pooled_and_retried(dag):
     assert set(dag.params) == {"config", "overrides", "project_dir"}
 
 
+def test_islands_on_several_hosts_each_go_to_their_hosts_celery_queue(tmp_path, monkeypatch):
+    """airflow.queues: one islands -> island pair per host queue, each island task on its queue
+    (a worker started with `airflow celery worker --queues <queue>` runs it), named after its host."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    from pipeline import stages
+    from pipeline.core.config import load_config
+    from pipeline.core.errors import ConfigError
+
+    raw = {**_raw, "airflow": {**_raw["airflow"], "queues": ["host-a", "host-b"]}}
+    raw["train"] = {**raw.get("train", {}), "islands": 2}
+    config = tmp_path / "hosts.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("DIPACO_CONFIG", str(config))
+    dag = DagBag(dag_folder=str(DAGS)).dags["dipaco_train"]
+    downstream = {t.task_id: set(t.downstream_task_ids) for t in dag.tasks}
+    assert "island" not in downstream and "islands" not in downstream
+    for queue in ("host-a", "host-b"):
+        island = dag.task_dict[f"island_{queue}"]
+        assert island.queue == queue and island.pool == POOL
+        assert island.op_kwargs_expand_input.value["name"].operator.task_id == f"islands_{queue}"
+        assert dag.task_dict[f"islands_{queue}"].op_kwargs["queue"] == queue
+        assert downstream[f"islands_{queue}"] == {f"island_{queue}"} and downstream[f"island_{queue}"] == {"report"}
+        assert f"islands_{queue}" in downstream["evaluate_initial"]
+        assert dag.task_dict["configure"].queue != queue  # the other tasks stay on the default queue
+    loaded = load_config(config)
+    assert stages.list_islands(loaded, "host-b") == ["host-b-island-0", "host-b-island-1"]
+    assert stages.list_islands(loaded) == ["island-0", "island-1"]
+    raw["airflow"]["queues"] = ["host-a", "host a"]
+    config.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="airflow.queues must be a non-empty list of Celery queue names"):
+        load_config(config)
+
+
 def test_each_round_group_waits_for_its_round_with_a_rescheduling_sensor(dag):
     from airflow.sdk import BaseSensorOperator
 

@@ -14,6 +14,12 @@ done. The pool `airflow.pool` caps how many islands run at once. There are no pa
 whose island crashed is retaken by another island when its attempt is failed or its lease expires
 (up to train.max_attempts), and an Airflow retry of an island task starts that island again.
 
+Islands on several hosts (docs/operations.md, "Run across hosts"): with `airflow.queues` set, one
+`islands_<queue>` -> `island_<queue>` pair per queue replaces `islands` -> `island`, each island task
+sent to its Celery queue (the operator's `queue`): a Celery worker started on a host with
+`airflow celery worker --queues <queue>` runs that host's islands, `<queue>-island-<i>`, and only
+the object store and the MLflow server are shared. The other tasks go to the default queue.
+
 Beside the islands there is one task group per round of `train.rounds`, named after the round it
 trains: in `round_1`, `finished` (a sensor) waits until the islands merged round 1 and evaluated
 the modules it wrote, then `register` logs the round to MLflow and registers those modules as a
@@ -34,7 +40,7 @@ pokes again once ROUND_POKE_S has passed (a sensor in mode="poke" would block it
 timeout). If every island fails for good, the round's sensor keeps waiting (until ROUND_TIMEOUT_S):
 clear the failed island tasks to start them again, and the waiting groups register what they train.
 
-The DAG's shape (schedule, pool, retries, one group per round) is read from the config named by
+The DAG's shape (schedule, pool, retries, queues, one group per round) is read from the config named by
 $DIPACO_CONFIG when the file is parsed, and a config that cannot be read fails the parse with a
 one-line message; what a run trains is read at run time from the `config` and `overrides` params.
 Tasks pass a config reference, never data. Nothing heavy is imported here at parse time: pipeline
@@ -202,13 +208,14 @@ def _skip_outside(window: dict | None, round_index: int) -> None:
 
 
 @task(trigger_rule="none_failed")
-def islands(ref: dict, window: dict | None) -> list[str]:
-    """The islands this DAG run starts (`train.islands`), or a skip when it trains nothing."""
+def islands(ref: dict, window: dict | None, queue: str | None = None) -> list[str]:
+    """The islands this DAG run starts (`train.islands`; on one host's queue of airflow.queues,
+    named after it), or a skip when it trains nothing."""
     from pipeline import stages
 
     if window is None:
         raise AirflowSkipException("nothing to train in this DAG run (see plan)")
-    return stages.list_islands(_config(ref))
+    return stages.list_islands(_config(ref), queue)
 
 
 @task(
@@ -327,9 +334,13 @@ def dipaco_train():
     prepared >> window
     initial = evaluate_initial(ref)
     window >> initial
-    names = islands(ref, window)
-    initial >> names
-    trained = island.partial(ref=ref).expand(name=names)
+    trained = []
+    for queue in SETTINGS.queues or [None]:  # airflow.queues: one host's islands on its own Celery queue
+        listed = islands.override(task_id=f"islands_{queue}") if queue else islands
+        names = listed(ref, window, queue=queue)
+        initial >> names
+        launch = island.override(task_id=f"island_{queue}", queue=queue) if queue else island
+        trained.append(launch.partial(ref=ref).expand(name=names))
     previous = initial  # the round groups wait beside the islands, one round after the other
     for k in range(ROUNDS):
         done = outer_round.override(group_id=f"round_{k}")(ref, window, k)
@@ -337,7 +348,7 @@ def dipaco_train():
         previous = done
     exported = export(ref)
     previous >> exported
-    [exported, trained] >> report(ref)
+    [exported, *trained] >> report(ref)
 
 
 dipaco_train()

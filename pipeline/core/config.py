@@ -227,6 +227,8 @@ class AirflowConfig:
     retries: int = 2  # Airflow retries of an island task (a path's retries are the queue's lease attempts)
     retry_delay_s: int = 60  # seconds between those retries
     trigger_run_roots: str | None = None  # a DAG trigger may set run_root only under this prefix; null: never
+    queues: list[str] | None = None  # Celery queues, one per host: each starts train.islands islands named
+    #                                  <queue>-island-<i> on the workers of its queue; null: the default queue
 
 
 @dataclass
@@ -767,6 +769,13 @@ def validate(config: Config) -> None:
     need(config.airflow.rounds_per_run >= 1, "airflow.rounds_per_run", "must be >= 1")
     need(config.airflow.pool_slots >= 1, "airflow.pool_slots", "must be >= 1")
     need(config.airflow.retries >= 0, "airflow.retries", "must be >= 0")
+    queues = config.airflow.queues
+    need(
+        queues is None or (bool(queues) and all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", q) for q in queues)),
+        "airflow.queues",
+        f"must be a non-empty list of Celery queue names (letters, digits, '_', '.', '-'), got {queues!r}",
+    )
+    need(queues is None or len(set(queues)) == len(queues), "airflow.queues", f"names a queue twice: {queues!r}")
     for key in ("train", "eval"):
         globs = getattr(config.data, key)
         need(globs is None or bool(globs), f"data.{key}", "must not be empty")

@@ -116,9 +116,11 @@ def shell_args(args: list[str]) -> list[str]:
     return [shlex.quote(value) for value in args]
 
 
-def island_names(train) -> list[str]:
-    """The islands a run starts on this machine: `train.islands` (default `train.parallel_paths`)."""
-    return [f"island-{i}" for i in range(train.islands or train.parallel_paths)]
+def island_names(train, host: str | None = None) -> list[str]:
+    """The islands a run starts on this machine: `train.islands` (default `train.parallel_paths`);
+    on `host` (a Celery queue of airflow.queues), named after it: island names are the run's own."""
+    prefix = f"{host}-" if host else ""
+    return [f"{prefix}island-{i}" for i in range(train.islands or train.parallel_paths)]
 
 
 def island_command(
