@@ -230,7 +230,9 @@ def report(state: str, seconds: float, rows: list[tuple], leases: dict, links: l
         "- Train attempts' lease records, by island: "
         + "; ".join(f"{island} on {', '.join(sorted(names))}" for island, names in sorted(leases.items())),
     ]
-    lines += [f"- Host {i}'s link: {up / 1e6:.1f} MB up, {down / 1e6:.1f} MB down" for i, (up, down) in enumerate(links)]
+    lines += [
+        f"- Host {i}'s link: {up / 1e6:.1f} MB up, {down / 1e6:.1f} MB down" for i, (up, down) in enumerate(links)
+    ]
     text = "\n".join(lines)
     print(text)
     out = REPO / "benchmarks" / "out"
