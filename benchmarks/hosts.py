@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -232,9 +232,10 @@ class HostRun:
 class Faults:
     """The fault schedule of a run, one step at a time: partition the first host but host 0 seen
     training, then reconnect; throttle the store; kill another host but host 0 once it trains a
-    task the partition did not cut off (three or more hosts). Whichever trains first is cut off: with three hosts and two paths a
-    round, a fixed host could wait minutes for a task (a demo-size run cut host 1 off on the
-    fallback timer while it held none, so nothing was taken over)."""
+    task the partition did not cut off (three or more hosts). Whichever trains first is cut off:
+    with three hosts and two paths a round, a fixed host could wait minutes for a task (a
+    demo-size run cut host 1 off on the fallback timer while it held none, so nothing was taken
+    over)."""
 
     def __init__(self, lab: Lab, store: Store | None, spec: Spec, run: HostRun, procs: dict):
         self.lab, self.store, self.spec, self.run, self.procs = lab, store, spec, run, procs
@@ -522,6 +523,19 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 # -- the one-host reference ---------------------------------------------------------------------------
 
 
+def resolved_choices(summary: dict) -> list[str]:
+    """`train.precision` and `train.compile` as the one-host run resolved them, as overrides. Both
+    are measured on each host when `auto` (a few timed steps, cached per host), and on this busy
+    machine the lab's hosts can measure differently from the one-host run (bf16 0.42 against fp32
+    0.48 s a step once): a host that picked otherwise trains other numbers, and the bitwise
+    comparison would compare those choices, not the runs. A real deployment's hosts may choose
+    differently; its islands then agree on nothing bitwise either."""
+    paths = [p for r in summary["rounds"].values() for p in r.get("paths", {}).values() if p.get("precision")]
+    if not paths:
+        return []
+    return [f"train.precision={paths[0]['precision']}", f"train.compile={str(bool(paths[0]['compiled'])).lower()}"]
+
+
 def run_one_host(spec: Spec, base: Path, islands: int) -> dict:
     """The same config on this machine with a local root and `islands` islands: the reference."""
     root = base / "one-host" / "root"
@@ -728,7 +742,12 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
     lines = [
         f"Hosts benchmark (`python -m benchmarks.hosts`, {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}): "
         f"{spec.config} {' '.join(spec.overrides)}, {spec.hosts} hosts x {spec.islands_per_host} island, "
-        f"links {lab_info['links']}, store {spec.store}, lease {spec.lease_seconds:g} s.",
+        f"links {lab_info['links']}, store {spec.store}, lease {spec.lease_seconds:g} s."
+        + (
+            f" The runs across the hosts pin what the one-host run resolved: {', '.join(lab_info['pinned'])}."
+            if lab_info.get("pinned")
+            else ""
+        ),
         "",
         "| run | wall s | train s | committed tokens | goodput vs one host | final modules = one host's | "
         "island restarts | isolation breaches |",
@@ -796,9 +815,11 @@ def s3_ready(spec: Spec) -> str | None:
 def benchmark(spec: Spec, base: Path, runs: tuple[str, ...] = ("fault-free", "faults"), reference: bool = True) -> dict:
     """The runs of the module docstring in a lab under `base` (`runs`: which of the two across the
     hosts); every figure."""
-    results = []
+    results, pinned = [], []
     if reference:
         results.append(run_one_host(spec, base, spec.hosts * spec.islands_per_host))
+        pinned = resolved_choices(results[0]["summary"])
+        spec = replace(spec, overrides=[*spec.overrides, *pinned])
     with Lab(spec.hosts, spec.shape, base / "lab", store_ports=(S3_PORT, MLFLOW_PORT)) as lab:
         store = None
         if spec.store == "s3":
@@ -816,7 +837,8 @@ def benchmark(spec: Spec, base: Path, runs: tuple[str, ...] = ("fault-free", "fa
             results.append(run_across_hosts(lab, store, spec, run))
         info = {
             "links": spec.shape.describe()
-            + (" (netem)" if lab.netem else " (tbf + relay)" if spec.shape.shaped else "")
+            + (" (netem)" if lab.netem else " (tbf + relay)" if spec.shape.shaped else ""),
+            "pinned": pinned,
         }
     return {"results": results, "lab": info}
 

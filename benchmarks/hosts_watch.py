@@ -102,7 +102,12 @@ def summary(config: Config, root: RunRoot) -> dict:
             if root.is_committed(rel):
                 metrics = root.read_json(f"{rel}/metrics.json")
                 tokens += int(metrics["tokens"])
-                paths[job] = {"bytes": tree_bytes(root, rel), "inner_seconds": metrics["seconds"]}
+                paths[job] = {
+                    "bytes": tree_bytes(root, rel),
+                    "inner_seconds": metrics["seconds"],
+                    "precision": metrics.get("precision"),  # what the island that trained it resolved
+                    "compiled": metrics.get("compiled"),
+                }
         merge = (
             root.read_json(f"{layout.round_dir(r)}/merge.json")
             if root.exists(f"{layout.round_dir(r)}/merge.json")
