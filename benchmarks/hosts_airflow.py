@@ -246,9 +246,9 @@ def report(state: str, seconds: float, rows: list[tuple], leases: dict, links: l
 
 
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python -m benchmarks.hosts_airflow", description=__doc__.split("\n")[0]).parse_args(
-        argv
-    )
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hosts_airflow", description=__doc__.split("\n")[0])
+    parser.add_argument("--keep", action="store_true", help="keep the lab's directories (logs) after the run")
+    args = parser.parse_args(argv)
     why = netns.can_make_namespaces()
     if why:
         print(f"benchmarks.hosts_airflow: {why}", file=sys.stderr)
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return show(base)
     finally:
-        if os.environ.get("DIPACO_KEEP"):
+        if args.keep:
             print(f"kept {base}", file=sys.stderr)
         else:
             shutil.rmtree(base, ignore_errors=True)
