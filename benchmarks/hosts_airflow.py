@@ -41,10 +41,9 @@ GATEWAY_IP = f"{netns.SUBNET}.254"  # this machine's address on the lab's bridge
 REDIS_DB = 11  # a Redis database of its own (`make services` uses 1)
 QUEUES = ["host-0", "host-1"]
 RUN_TIMEOUT_S = 1200.0
-log = logging.getLogger("dipaco.bench.hosts_airflow")
 
 
-def attach_gateway(lab: netns.Lab) -> str:
+def attach_gateway(lab: netns.Lab) -> None:
     """A veth from this namespace onto the lab's bridge, GATEWAY_IP on our end. Its other end lives
     in the lab's switch namespace, so deleting the lab deletes the pair."""
     ours = f"dph{os.getpid() % 100000}"
@@ -53,7 +52,6 @@ def attach_gateway(lab: netns.Lab) -> str:
     netns.ip("-n", lab.switch, "link", "set", "gw", "up")
     netns.ip("addr", "add", f"{GATEWAY_IP}/24", "dev", ours)
     netns.ip("link", "set", ours, "up")
-    return ours
 
 
 def write_config(path: Path, spec: hosts.Spec) -> Path:
@@ -96,10 +94,12 @@ def worker_env(lab: netns.Lab, i: int, env: dict[str, str]) -> dict[str, str]:
     through the gateway's relay."""
     home = lab.host_dir(i)
     mine = {k: v for k, v in env.items() if k.startswith("AIRFLOW__") or k in ("DIPACO_CONFIG", *hosts.DUMMY_AWS)}
-    local = "127.0.0.1"
-    mine["AIRFLOW__CELERY__BROKER_URL"] = env["AIRFLOW__CELERY__BROKER_URL"].replace(local, GATEWAY_IP)
-    mine["AIRFLOW__CELERY__RESULT_BACKEND"] = env["AIRFLOW__CELERY__RESULT_BACKEND"].replace(local, GATEWAY_IP)
-    mine["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].replace(local, GATEWAY_IP)
+    for key in (
+        "AIRFLOW__CELERY__BROKER_URL",
+        "AIRFLOW__CELERY__RESULT_BACKEND",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
+    ):
+        mine[key] = env[key].replace(svc.HOST, GATEWAY_IP)  # Redis and PostgreSQL through the gateway's relay
     extra = {"AIRFLOW_HOME": str(home / "airflow"), "PYTHONPATH": env["PYTHONPATH"], **mine}
     return hosts.host_env(home, extra)
 
@@ -183,14 +183,9 @@ def show(base: Path) -> int:
             port = svc.free_port()
             default_queue = f"dipaco-hosts-{os.getpid()}"
             env = airflow_env(home, config, pg, database, port, default_queue)
-            svc.airflow(env, "db", "migrate")
-            svc.airflow(env, "pools", "set", "dipaco_paths", "2", "islands of the hosts")
+            # `make services`' components but the worker: each host runs its own, below
+            svc.start_airflow(deployment, env, "dipaco_paths", 2, default_queue, home / "logs", worker=False)
             command = str(svc.BIN / "airflow")
-            api = svc.spawn(deployment, "airflow-api-server", [command, "api-server"], env, home / "logs")
-            for component in ("scheduler", "dag-processor"):
-                svc.spawn(deployment, f"airflow-{component}", [command, component], env, home / "logs")
-            svc.spawn(deployment, "airflow-triggerer", [command, "triggerer", "--skip-serve-logs"], env, home / "logs")
-            svc.wait_until(lambda: svc.http_ok(f"http://{GATEWAY_IP}:{port}/api/v2/monitor/health"), api, 180, "answer")
             for i, queue in enumerate(QUEUES):
                 queues = f"{default_queue},{queue}" if i == 0 else queue
                 script = f"hostname dipaco-h{i} && exec {command} celery worker --queues {queues} --skip-serve-logs"

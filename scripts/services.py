@@ -561,14 +561,15 @@ def start_airflow(
     logs: Path,
     timeout_s: float = 180,
     task_env: dict[str, str] | None = None,
+    worker: bool = True,
 ) -> str:
-    """Migrate the metadata DB, create the path trainers' pool, start the five components. The
+    """Migrate the metadata DB, create the path trainers' pool, start the five components (the
+    Celery worker only with `worker`: benchmarks.hosts_airflow starts one inside each host). The
     Celery worker, which runs the DAG's tasks, also gets `task_env` (the MLflow server's credentials:
     without them the tasks' tracking calls are answered 401)."""
     airflow(env, "db", "migrate")
     airflow(env, "pools", "set", pool, str(pool_slots), "dipaco path trainers")
-    port = int(env["AIRFLOW__API__PORT"])
-    address = f"http://{HOST}:{port}"
+    address = env["AIRFLOW__API__BASE_URL"]
     command = str(BIN / "airflow")
     api = spawn(deployment, "airflow-api-server", [command, "api-server"], env, logs, address)
     for component in ("scheduler", "dag-processor"):
@@ -576,22 +577,23 @@ def start_airflow(
     # one machine, one AIRFLOW_HOME: the api-server reads task logs from disk, so neither the worker
     # nor the triggerer serves its own (they would listen on every interface)
     spawn(deployment, "airflow-triggerer", [command, "triggerer", "--skip-serve-logs"], env, logs)
-    spawn(
-        deployment,
-        "airflow-celery-worker",
-        [
-            command,
-            "celery",
-            "worker",
-            "--queues",
-            queue,
-            "--skip-serve-logs",
-            "--concurrency",
-            env["AIRFLOW__CELERY__WORKER_CONCURRENCY"],
-        ],
-        {**env, **(task_env or {})},
-        logs,
-    )
+    if worker:
+        spawn(
+            deployment,
+            "airflow-celery-worker",
+            [
+                command,
+                "celery",
+                "worker",
+                "--queues",
+                queue,
+                "--skip-serve-logs",
+                "--concurrency",
+                env["AIRFLOW__CELERY__WORKER_CONCURRENCY"],
+            ],
+            {**env, **(task_env or {})},
+            logs,
+        )
     wait_until(lambda: http_ok(f"{address}/api/v2/monitor/health"), api, timeout_s, "answer on /api/v2/monitor/health")
     return address
 

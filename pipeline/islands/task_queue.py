@@ -702,14 +702,16 @@ class Lease:
         if step > since_step and inner_s > since_s:
             self._progress["step_s"] = round((inner_s - since_s) / (step - since_step), 6)
 
-    def _superseded(self) -> bool:
-        """A later attempt that is not a backup of this one exists: a reader expired this one."""
-        return any(a.number > self.number and not a.backup for a in self.queue.attempts(self.task))
+    def _superseded(self, attempts: list | None = None) -> bool:
+        """A later attempt that is not a backup of this one exists: a reader expired this one.
+        `attempts`: the task's attempts, when the caller has just listed them."""
+        attempts = self.queue.attempts(self.task) if attempts is None else attempts
+        return any(a.number > self.number and not a.backup for a in attempts)
 
     def _still_mine(self) -> bool:
         """Not superseded, and our record not ended by someone else (fail_running)."""
         attempts = self.queue.attempts(self.task)  # one listing and its reads, asked once
-        if any(a.number > self.number and not a.backup for a in attempts):  # _superseded
+        if self._superseded(attempts):
             return False
         mine = next((a for a in attempts if a.number == self.number), None)
         return mine is not None and mine.state == "running"

@@ -184,8 +184,9 @@ def read_module(
 ) -> ModuleState:
     """A module at the start of a round, wherever it is committed (module_location);
     `modules_marker`: round r's committed modules/ record, when the caller has just read it."""
-    found = module_location(root, round_index, key) if modules_marker is None else None
-    if modules_marker is not None:
+    if modules_marker is None:
+        found = module_location(root, round_index, key)
+    else:
         found = layout.modules_dir(round_index), layout.module_file(key)
     if found is None:  # never reached through the stages, which check first; a clear error if it is
         raise CorruptStateError(

@@ -205,7 +205,7 @@ class RunRoot:
         """Whether a file (not a directory) is there: on an object store one HEAD, where exists()
         lists the name as a directory too when the HEAD finds nothing (an idle island's poll asks
         this of every evaluation it waits for)."""
-        return self._io(lambda: self.store.is_file(self.path(rel)), rel)
+        return self.store.is_file(self.path(rel))  # the store retries
 
     def _io(self, op: Callable[[], T], rel: str) -> T:
         """A filesystem call, retried through transient store errors (pipeline.state.store.retrying)."""

@@ -285,11 +285,12 @@ class Store(ABC):
             return None
 
     def is_file(self, path: str) -> bool:
-        return self.fs.isfile(path)
+        return self.retrying(lambda: self.fs.isfile(path), path)
 
     def find(self, path: str) -> list[str]:
-        """Every file at `path` or below it (fsspec's paths, without the protocol); [] when none."""
-        return self.retrying(lambda: self.fs.find(path), path)
+        """Every file at `path` or below it (fsspec's paths, without the protocol); [] when none.
+        Not retried here: RunRoot.remove retries the listing together with the delete it feeds."""
+        return self.fs.find(path)
 
     def copy(self, src: str, dst: str) -> None:
         """`src`'s bytes at `dst`, copied inside the store where it can (no byte through this host)."""
@@ -471,7 +472,7 @@ class S3Store(Store):
         found: list[str] = []
         token: dict[str, str] = {}
         while True:
-            page = self.retrying(lambda: self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, **token), path)
+            page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, **token)
             # the prefix also matches siblings (attempt-1 lists attempt-10/...): keep the file and its tree
             found += [
                 f"{bucket}/{item['Key']}"
