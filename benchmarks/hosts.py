@@ -638,41 +638,63 @@ def predicted_bytes(
     round's commit copies the merged pairs into modules/ and outer_state/ on the server (no bytes);
     an evaluation reads its path's modules and validation shard; with `tracking`, host 0 reads each
     committed round's bundle (modules, router, tokenizer) to register it in MLflow. Attempts that did not finish
-    moved bytes no record tells: they count on the measured side only."""
+    moved bytes no record tells: they count on the measured side only.
+
+    A read of what the same island process wrote or read before (files of 64 KiB and more, copies
+    on the server included: pipeline.state.recent_files) moves no byte; each island's tasks are
+    played in claim order to tell. The demo's islands never fill the memory's budget."""
     from models.grid import ModuleKey, parse_path_id, path_id, path_modules, paths_through
     from pipeline.state.layout import outer_grad_file
+    from pipeline.state.recent_files import SMALLEST_BYTES
 
-    sizes = summary["sizes"]
+    sizes = dict(summary["sizes"])
 
-    def under(prefix: str, suffix: str = "") -> int:
-        return sum(v for k, v in sizes.items() if k.startswith(prefix) and k.endswith(suffix) and "_SUCCESS" not in k)
+    def under(prefix: str, suffix: str = "") -> list[str]:
+        return [k for k in sizes if k.startswith(prefix) and k.endswith(suffix) and "_SUCCESS" not in k]
 
-    def modules(r: int, path: str) -> int:
+    def modules(r: int, path: str) -> list[str]:
         keys = path_modules(parse_path_id(path, grid))
-        return sum(sizes.get(f"rounds/round={r}/modules/{k}.safetensors", 0) for k in keys)
+        return [f"rounds/round={r}/modules/{k}.safetensors" for k in keys]
 
-    def inner(target: str) -> int:
-        """A job's inner state (its ranks' optimizer files): the same size every round, and only the
-        newest round's is kept (prune_inner_state), so its size stands for the pruned rounds' too."""
-        kept = {}
-        for key, size in sizes.items():
+    def inner(target: str, r: int) -> str:
+        """A job's inner state of round r (its ranks' optimizer files) under one name: the same size
+        every round, and only the newest round's is kept (prune_inner_state), so its size stands
+        for the pruned rounds' too."""
+        kept: dict[str, int] = {}
+        for key, size in summary["sizes"].items():
             head, sep, tail = key.partition(f"/inner/path={target}/")
             if sep and tail.endswith(".safetensors"):
                 kept[head] = kept.get(head, 0) + size
-        return max(kept.values(), default=0)
+        name = f"inner:{target}:{r}"
+        sizes[name] = max(kept.values(), default=0)
+        return name
+
+    held: dict[str, set[str]] = {}  # island process -> the files it keeps in memory
+
+    def read(island: str, names: list[str]) -> int:
+        mine, moved = held.setdefault(island, set()), 0
+        for name in names:
+            if name not in mine:
+                moved += sizes.get(name, 0)
+                if sizes.get(name, 0) >= SMALLEST_BYTES:
+                    mine.add(name)
+        return moved
+
+    def wrote(island: str, names: list[str]) -> int:
+        held.setdefault(island, set()).update(n for n in names if sizes.get(n, 0) >= SMALLEST_BYTES)
+        return sum(sizes.get(n, 0) for n in names)
 
     out: dict[int, list[dict[str, int]]] = {}
-    for a in summary["attempts"]:
-        if a.get("state") != "done":
-            continue
+    done = sorted((a for a in summary["attempts"] if a.get("state") == "done"), key=lambda a: a.get("claimed_at") or 0)
+    for a in done:
         kind, rnd, *rest = a["task"].split(".", 2)
-        r, target = int(rnd.lstrip("r")), rest[0] if rest else ""
-        row = out.setdefault(r, [{"up": 0, "down": 0} for _ in range(n_hosts)])[island_host(str(a["island"]))]
+        r, target, island = int(rnd.lstrip("r")), rest[0] if rest else "", str(a["island"])
+        row = out.setdefault(r, [{"up": 0, "down": 0} for _ in range(n_hosts)])[island_host(island)]
         if kind == "train":
             path = target.split(".w")[0]
-            row["down"] += modules(r, path) + under(f"shards/path={path}/")
-            row["down"] += inner(target) if r else 0
-            row["up"] += under(f"rounds/round={r}/paths/path={target}/") + inner(target)
+            row["down"] += read(island, modules(r, path) + under(f"shards/path={path}/"))
+            row["down"] += read(island, [inner(target, r - 1)]) if r else 0
+            row["up"] += wrote(island, under(f"rounds/round={r}/paths/path={target}/") + [inner(target, r)])
         elif kind == "merge":
             level, index = (int(x) for x in target.lstrip("l").split("m"))
             key = ModuleKey(level, index)
@@ -680,20 +702,30 @@ def predicted_bytes(
             # each path's compressed outer gradient at the module's level (outer.compression), else its weights
             grads = [f"rounds/round={r}/paths/path={p}/{outer_grad_file(level)}" for p in through]
             weights = [f"rounds/round={r}/paths/path={p}/model.safetensors" for p in through]
-            row["down"] += sum(sizes.get(f, 0) for f in (grads if all(f in sizes for f in grads) else weights))
-            row["down"] += sizes.get(f"rounds/round={r}/modules/{key}.safetensors", 0)
-            row["down"] += sizes.get(f"rounds/round={r}/outer_state/{key}.safetensors", 0)
+            row["down"] += read(island, grads if all(f in sizes for f in grads) else weights)
+            row["down"] += read(
+                island,
+                [f"rounds/round={r}/modules/{key}.safetensors", f"rounds/round={r}/outer_state/{key}.safetensors"],
+            )
             # what it commits in merged/ (pruned once the round is gathered): round r+1's copies of it
-            row["up"] += sizes.get(f"rounds/round={r + 1}/modules/{key}.safetensors", 0)
-            row["up"] += sizes.get(f"rounds/round={r + 1}/outer_state/{key}.safetensors", 0)
+            merged = [
+                f"rounds/round={r + 1}/modules/{key}.safetensors",
+                f"rounds/round={r + 1}/outer_state/{key}.safetensors",
+            ]
+            row["up"] += wrote(island, [f"merged:{name}" for name in merged])
+            sizes.update({f"merged:{name}": sizes.get(name, 0) for name in merged})
         elif kind == "commit":  # the merged modules are copied on the server (RunRoot.copy_committed)
             row["up"] += sizes.get(f"rounds/round={r}/merge.json", 0)
+            mine = held.setdefault(island, set())
+            mine.update(n.removeprefix("merged:") for n in list(mine) if n.startswith(f"merged:rounds/round={r + 1}/"))
         elif kind == "eval":
-            row["down"] += modules(r, target) + under(f"shards/validation/path={target}/")
+            row["down"] += read(island, modules(r, target) + under(f"shards/validation/path={target}/"))
     if tracking:  # host 0's `dipaco run` registers each committed round: its bundle is read from the store
         for r in range(len(summary["rounds"])):
             row = out.setdefault(r, [{"up": 0, "down": 0} for _ in range(n_hosts)])[0]
-            row["down"] += under(f"rounds/round={r + 1}/modules/") + under("router/") + under("tokenizer/")
+            row["down"] += read(
+                "dipaco run", under(f"rounds/round={r + 1}/modules/") + under("router/") + under("tokenizer/")
+            )
     return out
 
 

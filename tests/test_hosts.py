@@ -112,3 +112,30 @@ def test_without_root_it_says_so_in_one_line_and_exits_2(monkeypatch, capsys):
     assert hosts.main(["--hosts", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "root" in err
+
+
+def test_the_predicted_bytes_count_no_download_of_what_the_island_wrote_or_read_before():
+    """What a host's link should carry: an island that trains its path again reads neither the inner
+    state it wrote nor the shard it read (pipeline.state.recent_files); another island reads both."""
+    mb = 1 << 20
+    sizes = {
+        "shards/path=p0/part-0.parquet": 2 * mb,
+        "rounds/round=0/modules/level=0/module=0.safetensors": 4 * mb,
+        "rounds/round=1/modules/level=0/module=0.safetensors": 4 * mb,
+        "rounds/round=0/paths/path=p0/model.safetensors": 4 * mb,
+        "rounds/round=1/paths/path=p0/model.safetensors": 4 * mb,
+        "rounds/round=1/inner/path=p0/attempt-1/optimizer-rank-00000.safetensors": 8 * mb,
+    }
+
+    def summary(second: str) -> dict:
+        attempts = [
+            {"task": "train.r0.p0", "island": "h1-island-0", "state": "done", "claimed_at": 1.0},
+            {"task": "train.r1.p0", "island": second, "state": "done", "claimed_at": 2.0},
+        ]
+        return {"sizes": sizes, "attempts": attempts, "rounds": {}}
+
+    same = hosts.predicted_bytes(summary("h1-island-0"), [1], 2)
+    other = hosts.predicted_bytes(summary("island-0"), [1], 2)
+    assert same[0][1] == {"up": 12 * mb, "down": 6 * mb}  # weights and inner state up; shard and modules down
+    assert same[1][1] == {"up": 12 * mb, "down": 4 * mb}  # the new modules only
+    assert other[1][0] == {"up": 12 * mb, "down": 14 * mb}  # modules, shard and the inner state, on host 0

@@ -513,6 +513,14 @@ def test_a_tasks_questions_to_an_object_store_take_one_request_each_and_a_remova
     assert ops.count("copy_object") == 3  # two files, then the marker
     assert ops.count("head_object") == 2, s3_requests  # is the output there yet, is the staging committed
     s3.verify("rounds/round=0/paths/path=p0")
+    other = "rounds/round=0/staging/path=p1/attempt-1"
+    s3.write_bytes(f"{other}/model.safetensors", b"v" * 1000)
+    record = s3.commit(other)
+    s3_requests.clear()  # the marker its trainer just committed names the files: no HEAD of it, no listing
+    assert s3.publish_dir(other, "rounds/round=0/paths/path=p1", record)
+    ops = [op for op, _ in s3_requests]
+    assert ops == ["head_object", "put_object", "copy_object", "copy_object"], s3_requests
+    s3.verify("rounds/round=0/paths/path=p1")
 
     s3_requests.clear()
     s3.remove(staged)
@@ -556,3 +564,85 @@ def test_each_rank_of_an_island_keeps_its_own_optimizer_partition_on_s3_and_resu
     merge_round(config, 0)
     again = train_path_job(config, 1, "p0")
     assert again is not None and again["resumed_inner_state_from"] == 0
+
+
+def test_what_a_process_wrote_or_read_it_reads_again_from_memory_only_while_the_stores_marker_certifies_it(
+    s3, s3_requests
+):
+    """The next round's inner state, a merge of the island's own path, its shard: bytes this process
+    wrote or read a moment ago come back from memory, never over the link; but the store's
+    `_SUCCESS` decides what the file is: once another writer's version is committed there, that
+    version is read."""
+    from pipeline.state.recent_files import RECENT
+
+    rel = "rounds/round=0/inner/path=p0/attempt-1"
+    ours, theirs = os.urandom(200_000), os.urandom(200_000)
+    s3.write_bytes(f"{rel}/optimizer-rank-00000.safetensors", ours)
+    s3.commit(rel)
+    s3.publish_dir(rel, "rounds/round=0/inner/path=p0/published")  # a server-side copy keeps its bytes too
+    s3_requests.clear()
+    assert s3.read_committed(rel, "optimizer-rank-00000.safetensors") == ours
+    assert s3.read_committed("rounds/round=0/inner/path=p0/published", "optimizer-rank-00000.safetensors") == ours
+    assert [op for op, _ in s3_requests] == ["get_object", "get_object"]  # the two markers, no file
+
+    s3.store.write(s3.path(rel, "optimizer-rank-00000.safetensors"), theirs)  # another process's attempt
+    s3.commit(rel)  # its marker now certifies their bytes
+    s3_requests.clear()
+    assert s3.read_committed(rel, "optimizer-rank-00000.safetensors", writable=True) == theirs
+    assert [op for op, _ in s3_requests] == ["get_object", "get_object"]  # the marker, then the file
+
+    s3_requests.clear()  # what it read is kept the same way (a shard, a shared module: read every round)
+    assert s3.read_committed(rel, "optimizer-rank-00000.safetensors") == theirs
+    assert [op for op, _ in s3_requests] == ["get_object"]
+
+    s3.remove(rel)  # what is removed is forgotten, and memory stays bounded
+    assert RECENT.get(s3.path(rel, "optimizer-rank-00000.safetensors")) is None
+
+
+def test_the_memory_of_recent_files_keeps_large_files_within_its_budget_least_recently_used_first():
+    from pipeline.state.recent_files import RecentFiles
+
+    recent = RecentFiles(budget=1 << 20)
+    recent.keep("s3://b/small.json", b"x" * 1000)  # a record: not worth a slot
+    recent.keep("s3://b/huge", b"x" * (300 << 10))  # over a quarter of the budget
+    for name in "abcd":
+        recent.keep(f"s3://b/d/{name}", name.encode() * (250 << 10))  # four fill 1000 of its 1024 KiB
+    assert recent.get("s3://b/small.json") is None and recent.get("s3://b/huge") is None
+    assert recent.get("s3://b/d/a") is not None  # a read makes it the most recently used
+    recent.keep("s3://b/d/e", b"e" * (250 << 10))  # over budget: b, the least recently used, goes
+    assert recent.get("s3://b/d/b") is None and all(recent.get(f"s3://b/d/{n}") for n in "acde")
+    assert recent.holds_under("s3://b/d") and not recent.holds_under("s3://b/dd")
+    recent.forget_under("s3://b/d")
+    assert not recent.holds_under("s3://b/d")
+
+
+@pytest.mark.slow  # ~20 s: a round of the tiny pipeline and one task of the next, on the S3 server
+def test_an_island_claims_the_path_whose_inner_state_it_holds_and_reads_none_of_it_over_the_link(s3_root, s3_requests):
+    """Islands on separate hosts: the train task an island claims first is the path it trained last
+    round, whose inner state (2x the weights) it still holds; that task resumes it from memory.
+    Which island trains a path changes nothing in what it trains (the run is bitwise the same)."""
+    from pipeline import stages
+    from pipeline.island_rank import reshard
+    from pipeline.islands.island import Island, run_task
+    from pipeline.islands.task_queue import TaskQueue, write_plan
+    from pipeline.run import Run
+    from pipeline.state import layout
+    from pipeline.state.recent_files import RECENT
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "model.grid=[2]", "model.blocks_per_level=[1]", "train.inner_steps=2")
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 1)
+    Island(config, "island-0", reshard=reshard).run()  # round 0: both paths, their merges and the commit
+    RECENT.forget_under(root.path(layout.inner_state_dir(0, "p0")))  # as an island that trained only p1
+    write_plan(root, 2)
+    lease = TaskQueue(root, config).next_claim("island-1", 2)
+    assert lease is not None and lease.task.name == "train.r1.p1"  # p0 sorts first otherwise
+    s3_requests.clear()
+    run_task(config, lease.task, 0, lease.number, lease)
+    lease.finish("done", seconds=1.0)
+    read = [key for op, key in s3_requests if op == "get_object"]
+    assert not [key for key in read if "/inner/" in key and key.endswith(".safetensors")], read
+    assert root.read_json(f"{layout.path_dir(1, 'p1')}/metrics.json")["resumed_inner_state_from"] == 0

@@ -50,6 +50,7 @@ from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError, DipacoError, StorageError
 from pipeline.islands.attempts import Attempts
 from pipeline.state import layout
+from pipeline.state.recent_files import RECENT
 from pipeline.state.storage import RunRoot, map_io
 
 log = logging.getLogger("dipaco.queue")
@@ -586,9 +587,19 @@ class TaskQueue:
         router.discriminative_after): islands may leave."""
         return until_round == 0 or (self.round_finished(until_round - 1) and not self.reroute_pending(until_round))
 
+    def _held_here(self, task: Task) -> bool:
+        """Whether this process still holds what a train task resumes (it trained the path last
+        round, on an object store): claimed first, that task reads its inner state, the largest
+        object of a task, from memory instead of over the link (pipeline.state.recent_files).
+        The task is the same wherever it runs; only who runs it changes."""
+        if task.kind != "train" or task.round == 0 or self.root.is_local:
+            return False
+        return RECENT.holds_under(self.root.path(layout.inner_state_dir(task.round - 1, task.target)))
+
     def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
-        """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler."""
-        ready = self.ready(until_round)
+        """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler.
+        Among a round's train tasks, first those whose inner state this island still holds."""
+        ready = sorted(self.ready(until_round), key=lambda task: (task.round, task.order, not self._held_here(task)))
         self._medians: dict[int, TaskTimes | None] = {}
         for task in ready:
             lease = self.claim(task, island, island_id)

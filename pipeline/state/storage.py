@@ -42,6 +42,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.core.bounds import MAX_STATE_JSON_BYTES, load_json
 from pipeline.core.errors import CorruptStateError, InputError, StorageError
+from pipeline.state.recent_files import RECENT
 from pipeline.state.store import TMP_TAG as _TMP_TAG
 from pipeline.state.store import Store, Versioned, retrying, store_for
 
@@ -324,7 +325,9 @@ class RunRoot:
             buffer = io.BytesIO()
             fill(buffer)
             data = buffer.getvalue()
-            return self._put_object(rel, lambda full: self._remember(full, self.store.write(full, data), data=data))
+            full = self._put_object(rel, lambda full: self._remember(full, self.store.write(full, data), data=data))
+            RECENT.keep(full, data)
+            return full
         return self._put(rel, make)
 
     def _put_object(self, rel: str, put: Callable[[str], Any], state: bool = True) -> str:
@@ -385,7 +388,11 @@ class RunRoot:
         """Upload (or copy) a local file into the root, atomically, streaming it in blocks (in parts
         to an object store, where the object appears only once every part is in)."""
         if not self.is_local:
-            self._put_object(rel, lambda full: self._remember(full, self.store.upload(str(local), full), local=local))
+            full = self._put_object(
+                rel, lambda full: self._remember(full, self.store.upload(str(local), full), local=local)
+            )
+            if RECENT.worth_keeping(os.path.getsize(local)):
+                RECENT.keep(full, Path(local).read_bytes())
             return
         with open(local, "rb") as src:
             self._replace(rel, lambda handle: shutil.copyfileobj(src, handle, 1 << 22))
@@ -426,6 +433,7 @@ class RunRoot:
                 if self.is_local:
                     self.fs.rm(full, recursive=True)
                 else:  # one listing, then one bulk delete of exactly what it found (a recursive rm lists twice)
+                    RECENT.forget_under(full)
                     found = self.store.find(full)
                     if found:
                         self.fs.rm(found)
@@ -521,12 +529,17 @@ class RunRoot:
                 f"{full}: its {SUCCESS} record says {expected['bytes']:,} bytes, more than the "
                 f"{max_bytes:,} this file may have; refusing to read it"
             )
+        kept = None if self.is_local else RECENT.get(full)  # what this process wrote there: no transfer
+        if kept is not None and matches_record(kept, expected):
+            return bytearray(kept) if writable else kept
         data = self.read_bytes(posixpath.join(rel_dir, name), writable, max_bytes)
         if not matches_record(data, expected):
             raise CorruptStateError(
                 f"{full}: checksum does not match its {SUCCESS} record "
                 f"({len(data)} bytes, expected {expected.get('bytes')}); refusing to load it"
             )
+        if not self.is_local:  # the shard of a path, a shared module: read again next task, next round
+            RECENT.keep(full, data)
         return data
 
     def copy_committed(self, rel_dir: str, name: str, rel: str) -> dict[str, Any] | None:
@@ -615,15 +628,17 @@ class RunRoot:
         return checksum_bytes(self.read_bytes(rel))
 
     # -- publishing ----------------------------------------------------------------------------
-    def publish_dir(self, staged: str, final: str) -> bool:
+    def publish_dir(self, staged: str, final: str, staged_record: dict[str, Any] | None = None) -> bool:
         """Move the committed directory `staged` to `final` unless `final` exists; True when this
         call put it there. The first publisher wins, like a lease claim: a local root renames the
         directory (rename(2) of a directory fails onto a non-empty one, and is atomic), an object
         store creates `<final>.published` exclusively, then copies and commits; whoever finds that
-        token later finishes the copy of the attempt it names (the copy is idempotent)."""
+        token later finishes the copy of the attempt it names (the copy is idempotent).
+        `staged_record`: the `_SUCCESS` its caller just committed to `staged` (a flat directory),
+        which names the files to copy: two requests fewer than asking the store both things."""
         if self.is_committed(final):
             return False
-        if not self.is_committed(staged):
+        if staged_record is None and not self.is_committed(staged):
             raise CorruptStateError(f"{self.path(staged)}: refusing to publish a directory that is not committed")
         if self.is_local:
             target = Path(self.check_inside(final))  # a link there is debris like any other: renamed, not followed
@@ -645,11 +660,16 @@ class RunRoot:
         if won or not self.is_committed(final):  # the token's creator is the only one who copies first
             # the winner copies what it just checked; a latecomer finishes the copy the token names
             source = staged if won else self.read_json(token).get("staged", staged)
-            if won or self.is_committed(source):
+            if won and staged_record is not None:
+                names = sorted(staged_record["files"])
+            elif won or self.is_committed(source):
                 base = self.path(source).rstrip("/") + "/"
                 found = self._io(lambda: self.fs.find(self.path(source)), source)
                 names = [p[len(base) :] for p in found if p.startswith(base)]
                 names = sorted(n for n in names if n != SUCCESS and _TMP_TAG not in n)  # nested markers too
+            else:
+                names = None
+            if names is not None:
                 map_io(
                     lambda name: self._copy(posixpath.join(source, name), posixpath.join(final, name)),
                     names,
@@ -660,4 +680,5 @@ class RunRoot:
 
     def _copy(self, src_rel: str, dst_rel: str) -> None:
         """A server-side copy on an object store (CopyObject: no byte passes through this host)."""
-        self._put_object(dst_rel, lambda full: self.store.copy(self.path(src_rel), full))
+        full = self._put_object(dst_rel, lambda full: self.store.copy(self.path(src_rel), full))
+        RECENT.alias(self.path(src_rel), full)

@@ -207,7 +207,7 @@ def train_path(
         )
         metrics["resumed_from_step"] = progress["step"] if progress else 0
         staging = layout.staging_dir(round_index, path_id, attempt)
-        commit_path(
+        staged = commit_path(
             engine,
             root,
             round_index,
@@ -220,7 +220,7 @@ def train_path(
             staging=staging,
         )
         if rank == 0:
-            metrics["published"] = publish_path(root, round_index, path_id, staging, may_publish)
+            metrics["published"] = publish_path(root, round_index, path_id, staging, may_publish, staged)
     except AttemptCancelled:
         if rank == 0 and root.is_committed(layout.path_dir(round_index, path_id)):
             drop_staging(root, layout.staging_dir(round_index, path_id))  # what this attempt checkpointed is moot
@@ -239,12 +239,18 @@ def _launch_attempt(world: int) -> str:
 
 
 def publish_path(
-    root: RunRoot, round_index: int, path_id: str, staging: str, may_publish: Callable[[], bool] | None = None
+    root: RunRoot,
+    round_index: int,
+    path_id: str,
+    staging: str,
+    may_publish: Callable[[], bool] | None = None,
+    staged: dict | None = None,
 ) -> bool:
     """Make the committed staging directory the path's output, unless this attempt lost its lease
-    or another attempt published first; a discarded output is removed and logged, never mixed in."""
+    or another attempt published first; a discarded output is removed and logged, never mixed in.
+    `staged`: the staging directory's `_SUCCESS` as commit_path wrote it."""
     rel = layout.path_dir(round_index, path_id)
-    published = (may_publish is None or may_publish()) and root.publish_dir(staging, rel)
+    published = (may_publish is None or may_publish()) and root.publish_dir(staging, rel, staged)
     committed = published or root.is_committed(rel)
     if not published:
         why = "another attempt published first" if committed else "it lost its lease"
@@ -471,9 +477,10 @@ def commit_path(
     start_state: dict[str, torch.Tensor] | None = None,
     compression_kind: str = "none",
     staging: str | None = None,
-) -> None:
+) -> dict | None:
     """Write weights + inner state, then metrics, then `_SUCCESS` into `staging` (default: the
     path's directory itself), rank 0 writes, all ranks gather; publish_path moves it into place.
+    Returns that `_SUCCESS` record on rank 0, None on the others.
 
     With `compression_kind` other than none, also the outer gradient start - end of each level's
     module, compressed: what the merge reads (the full-precision weights stay for the registry and
@@ -501,6 +508,9 @@ def commit_path(
             model.load_state_dict(state, strict=False)
             out = Path(scratch) / "model"
             model.save_pretrained(out)  # config.json + model.safetensors: loads anywhere
+            # and generation_config.json, which no marker lists (nothing reads or ships it): on an
+            # object store one more PUT and one more copy at publish, for nothing
+            (out / "generation_config.json").unlink(missing_ok=True)
             (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")  # as write_json
             root.put_dir(out, rel)  # the files at once: weights, config and metrics
             info = {"round": round_index, "path": path_id, "tokens": metrics["tokens"]}
@@ -512,28 +522,34 @@ def commit_path(
         upload.result()  # its failure fails this rank's task, as the write did in line
         dist.barrier()
         if rank == 0:
-            root.commit(
-                inner,
-                files=optimizer_state_files(dist.get_world_size()),
-                info={
-                    "round": round_index,
-                    "path": path_id,
-                    "format": OPTIMIZER_STATE_FORMAT,
-                    "world_size": dist.get_world_size(),
-                    "zero_stage": engine.zero_optimization_stage(),
-                },
-            )
-            root.commit(
-                rel,
-                info={**info, "inner_state": attempt, **({"outer_grad": grads} if grads else {})},
-                files=[
-                    "config.json",
-                    "model.safetensors",
-                    "metrics.json",
-                    *(layout.outer_grad_file(int(level)) for level in grads),
-                ],
-            )
+            # Both markers at once (a few round trips each on an object store): the path's names
+            # the inner state's attempt, but nothing reads either before publish_path, after both.
+            commits = [
+                lambda: root.commit(
+                    inner,
+                    files=optimizer_state_files(dist.get_world_size()),
+                    info={
+                        "round": round_index,
+                        "path": path_id,
+                        "format": OPTIMIZER_STATE_FORMAT,
+                        "world_size": dist.get_world_size(),
+                        "zero_stage": engine.zero_optimization_stage(),
+                    },
+                ),
+                lambda: root.commit(
+                    rel,
+                    info={**info, "inner_state": attempt, **({"outer_grad": grads} if grads else {})},
+                    files=[
+                        "config.json",
+                        "model.safetensors",
+                        "metrics.json",
+                        *(layout.outer_grad_file(int(level)) for level in grads),
+                    ],
+                ),
+            ]
+            committed = map_io(lambda commit: commit(), commits, root.io_threads)[1]
     dist.barrier()
+    return committed if rank == 0 else None
 
 
 def write_outer_gradients(
