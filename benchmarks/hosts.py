@@ -712,8 +712,8 @@ def predicted_bytes(
                 f"rounds/round={r + 1}/modules/{key}.safetensors",
                 f"rounds/round={r + 1}/outer_state/{key}.safetensors",
             ]
-            row["up"] += wrote(island, [f"merged:{name}" for name in merged])
             sizes.update({f"merged:{name}": sizes.get(name, 0) for name in merged})
+            row["up"] += wrote(island, [f"merged:{name}" for name in merged])
         elif kind == "commit":  # the merged modules are copied on the server (RunRoot.copy_committed)
             row["up"] += sizes.get(f"rounds/round={r}/merge.json", 0)
             mine = held.setdefault(island, set())

@@ -529,7 +529,7 @@ class RunRoot:
                 f"{full}: its {SUCCESS} record says {expected['bytes']:,} bytes, more than the "
                 f"{max_bytes:,} this file may have; refusing to read it"
             )
-        kept = None if self.is_local else RECENT.get(full)  # what this process wrote there: no transfer
+        kept = None if self.is_local else RECENT.get(full)  # what this process wrote or read there: no transfer
         if kept is not None and matches_record(kept, expected):
             return bytearray(kept) if writable else kept
         data = self.read_bytes(posixpath.join(rel_dir, name), writable, max_bytes)
