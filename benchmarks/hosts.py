@@ -652,9 +652,15 @@ def predicted_bytes(
     def under(prefix: str, suffix: str = "") -> list[str]:
         return [k for k in sizes if k.startswith(prefix) and k.endswith(suffix) and "_SUCCESS" not in k]
 
-    def modules(r: int, path: str) -> list[str]:
+    def modules(r: int, path: str, at: float) -> list[str]:
+        """Round r's modules of a path as a task claimed at `at` reads them: from modules/ once round
+        r-1's commit is done, before that from where each was merged (module_location)."""
         keys = path_modules(parse_path_id(path, grid))
-        return [f"rounds/round={r}/modules/{k}.safetensors" for k in keys]
+        return [module(r, k, at) for k in keys]
+
+    def module(r: int, key, at: float) -> str:
+        name = f"rounds/round={r}/modules/{key}.safetensors"
+        return name if r == 0 or committed.get(r - 1, float("inf")) <= at else f"merged:{name}"
 
     def inner(target: str, r: int) -> str:
         """A job's inner state of round r (its ranks' optimizer files) under one name: the same size
@@ -686,13 +692,18 @@ def predicted_bytes(
 
     out: dict[int, list[dict[str, int]]] = {}
     done = sorted((a for a in summary["attempts"] if a.get("state") == "done"), key=lambda a: a.get("claimed_at") or 0)
+    committed = {  # round -> when its commit task was done
+        int(a["task"].split(".")[1].lstrip("r")): a["claimed_at"] + (a.get("seconds") or 0)
+        for a in done
+        if a["task"].startswith("commit.")
+    }
     for a in done:
         kind, rnd, *rest = a["task"].split(".", 2)
         r, target, island = int(rnd.lstrip("r")), rest[0] if rest else "", str(a["island"])
         row = out.setdefault(r, [{"up": 0, "down": 0} for _ in range(n_hosts)])[island_host(island)]
         if kind == "train":
             path = target.split(".w")[0]
-            row["down"] += read(island, modules(r, path) + under(f"shards/path={path}/"))
+            row["down"] += read(island, modules(r, path, a["claimed_at"]) + under(f"shards/path={path}/"))
             row["down"] += read(island, [inner(target, r - 1)]) if r else 0
             row["up"] += wrote(island, under(f"rounds/round={r}/paths/path={target}/") + [inner(target, r)])
         elif kind == "merge":
@@ -705,7 +716,7 @@ def predicted_bytes(
             row["down"] += read(island, grads if all(f in sizes for f in grads) else weights)
             row["down"] += read(
                 island,
-                [f"rounds/round={r}/modules/{key}.safetensors", f"rounds/round={r}/outer_state/{key}.safetensors"],
+                [module(r, key, a["claimed_at"]), f"rounds/round={r}/outer_state/{key}.safetensors"],
             )
             # what it commits in merged/ (pruned once the round is gathered): round r+1's copies of it
             merged = [
@@ -719,7 +730,9 @@ def predicted_bytes(
             mine = held.setdefault(island, set())
             mine.update(n.removeprefix("merged:") for n in list(mine) if n.startswith(f"merged:rounds/round={r + 1}/"))
         elif kind == "eval":
-            row["down"] += read(island, modules(r, target) + under(f"shards/validation/path={target}/"))
+            row["down"] += read(
+                island, modules(r, target, a["claimed_at"]) + under(f"shards/validation/path={target}/")
+            )
     if tracking:  # host 0's `dipaco run` registers each committed round: its bundle is read from the store
         for r in range(len(summary["rounds"])):
             row = out.setdefault(r, [{"up": 0, "down": 0} for _ in range(n_hosts)])[0]

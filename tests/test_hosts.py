@@ -130,6 +130,7 @@ def test_the_predicted_bytes_count_no_download_of_what_the_island_wrote_or_read_
     def summary(second: str) -> dict:
         attempts = [
             {"task": "train.r0.p0", "island": "h1-island-0", "state": "done", "claimed_at": 1.0},
+            {"task": "commit.r0", "island": "h1-island-0", "state": "done", "claimed_at": 1.5, "seconds": 0.1},
             {"task": "train.r1.p0", "island": second, "state": "done", "claimed_at": 2.0},
         ]
         return {"sizes": sizes, "attempts": attempts, "rounds": {}}
