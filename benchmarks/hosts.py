@@ -641,11 +641,11 @@ def predicted_bytes(
     moved bytes no record tells: they count on the measured side only.
 
     A read of what the same island process wrote or read before (files of 64 KiB and more, copies
-    on the server included: pipeline.state.recent_files) moves no byte; each island's tasks are
+    on the server included: pipeline.state.store.RecentFiles) moves no byte; each island's tasks are
     played in claim order to tell. The demo's islands never fill the memory's budget."""
     from models.grid import ModuleKey, parse_path_id, path_id, path_modules, paths_through
     from pipeline.state.layout import outer_grad_file
-    from pipeline.state.recent_files import SMALLEST_BYTES
+    from pipeline.state.store import SMALLEST_BYTES
 
     sizes = dict(summary["sizes"])
 

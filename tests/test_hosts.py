@@ -116,7 +116,7 @@ def test_without_root_it_says_so_in_one_line_and_exits_2(monkeypatch, capsys):
 
 def test_the_predicted_bytes_count_no_download_of_what_the_island_wrote_or_read_before():
     """What a host's link should carry: an island that trains its path again reads neither the inner
-    state it wrote nor the shard it read (pipeline.state.recent_files); another island reads both."""
+    state it wrote nor the shard it read (pipeline.state.store.RecentFiles); another island reads both."""
     mb = 1 << 20
     sizes = {
         "shards/path=p0/part-0.parquet": 2 * mb,

@@ -573,7 +573,7 @@ def test_what_a_process_wrote_or_read_it_reads_again_from_memory_only_while_the_
     wrote or read a moment ago come back from memory, never over the link; but the store's
     `_SUCCESS` decides what the file is: once another writer's version is committed there, that
     version is read."""
-    from pipeline.state.recent_files import RECENT
+    from pipeline.state.store import RECENT
 
     rel = "rounds/round=0/inner/path=p0/attempt-1"
     ours, theirs = os.urandom(200_000), os.urandom(200_000)
@@ -600,7 +600,7 @@ def test_what_a_process_wrote_or_read_it_reads_again_from_memory_only_while_the_
 
 
 def test_the_memory_of_recent_files_keeps_large_files_within_its_budget_least_recently_used_first():
-    from pipeline.state.recent_files import RecentFiles
+    from pipeline.state.store import RecentFiles
 
     recent = RecentFiles(budget=1 << 20)
     recent.keep("s3://b/small.json", b"x" * 1000)  # a record: not worth a slot
@@ -627,7 +627,7 @@ def test_an_island_claims_the_path_whose_inner_state_it_holds_and_reads_none_of_
     from pipeline.islands.task_queue import TaskQueue, write_plan
     from pipeline.run import Run
     from pipeline.state import layout
-    from pipeline.state.recent_files import RECENT
+    from pipeline.state.store import RECENT
 
     url, storage_set = s3_root
     config = tiny_config(url, storage_set, "model.grid=[2]", "model.blocks_per_level=[1]", "train.inner_steps=2")

@@ -50,8 +50,8 @@ from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError, DipacoError, StorageError
 from pipeline.islands.attempts import Attempts
 from pipeline.state import layout
-from pipeline.state.recent_files import RECENT
 from pipeline.state.storage import RunRoot, map_io
+from pipeline.state.store import RECENT
 
 log = logging.getLogger("dipaco.queue")
 PLAN = "queue/plan.json"
@@ -590,7 +590,7 @@ class TaskQueue:
     def _held_here(self, task: Task) -> bool:
         """Whether this process still holds what a train task resumes (it trained the path last
         round, on an object store): claimed first, that task reads its inner state, the largest
-        object of a task, from memory instead of over the link (pipeline.state.recent_files).
+        object of a task, from memory instead of over the link (pipeline.state.store.RecentFiles).
         The task is the same wherever it runs; only who runs it changes."""
         if task.kind != "train" or task.round == 0 or self.root.is_local:
             return False

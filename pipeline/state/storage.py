@@ -42,9 +42,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from pipeline.core.bounds import MAX_STATE_JSON_BYTES, load_json
 from pipeline.core.errors import CorruptStateError, InputError, StorageError
-from pipeline.state.recent_files import RECENT
+from pipeline.state.store import RECENT, Store, Versioned, retrying, store_for
 from pipeline.state.store import TMP_TAG as _TMP_TAG
-from pipeline.state.store import Store, Versioned, retrying, store_for
 
 SUCCESS = "_SUCCESS"
 T, R = TypeVar("T"), TypeVar("R")
