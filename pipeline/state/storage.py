@@ -667,14 +667,13 @@ class RunRoot:
                 names = [p[len(base) :] for p in found if p.startswith(base)]
                 names = sorted(n for n in names if n != SUCCESS and _TMP_TAG not in n)  # nested markers too
             else:
-                names = None
-            if names is not None:
-                map_io(
-                    lambda name: self._copy(posixpath.join(source, name), posixpath.join(final, name)),
-                    names,
-                    self.io_threads,
-                )
-                self._copy(posixpath.join(source, SUCCESS), posixpath.join(final, SUCCESS))  # the marker last
+                return won  # the attempt the token names is not committed: nothing to copy
+            map_io(
+                lambda name: self._copy(posixpath.join(source, name), posixpath.join(final, name)),
+                names,
+                self.io_threads,
+            )
+            self._copy(posixpath.join(source, SUCCESS), posixpath.join(final, SUCCESS))  # the marker last
         return won
 
     def _copy(self, src_rel: str, dst_rel: str) -> None:

@@ -495,6 +495,7 @@ def commit_path(
         map_io(root.remove, [rel, inner], root.io_threads)
     dist.barrier()
     state = full_state(engine)  # collective under ZeRO-3
+    committed: dict | None = None  # rank 0's staging `_SUCCESS`
     # Every rank its own optimizer partition (AdamW's step and moments: zero.optimizer_state_bytes),
     # going up while rank 0 saves and uploads the weights: on an object store the largest object of
     # a task (2x the weights) and the weights no longer wait for each other.
@@ -549,7 +550,7 @@ def commit_path(
             ]
             committed = map_io(lambda commit: commit(), commits, root.io_threads)[1]
     dist.barrier()
-    return committed if rank == 0 else None
+    return committed
 
 
 def write_outer_gradients(
