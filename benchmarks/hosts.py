@@ -177,7 +177,7 @@ class Store:
         self.proxy = lab.spawn(
             lab.store,
             [sys.executable, "-m", "benchmarks.throttleproxy", "--listen", f"0.0.0.0:{S3_PORT}"]
-            + ["--upstream", f"127.0.0.1:{MOTO_PORT}"],
+            + ["--upstream", f"127.0.0.1:{MOTO_PORT}", "--trace", str(self.dir / "requests.jsonl")],
             self.dir / "proxy.log",
             env=env,
             cwd=self.dir,
@@ -227,6 +227,7 @@ class HostRun:
     samples: list[tuple[float, list[tuple[int, int]]]] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
+    cpu: netns.CpuMeter = field(default_factory=netns.CpuMeter)
 
 
 class Faults:
@@ -428,7 +429,7 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
             now = time.monotonic() - started
             if now > spec.timeout_s:
                 raise TimeoutError(f"{run.name}: not finished after {spec.timeout_s:.0f} s (logs in {logs})")
-            run.samples.append(sample(lab))
+            run.samples.append(sample(lab, run.cpu))
             if "error" in line:
                 continue
             if line.get("held") and first_claim is None:
@@ -448,7 +449,7 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
         driver = procs["h0-driver"][1]
         driver.wait(timeout=180)  # it reports the last round and prints the summary
         wall = time.monotonic() - started
-        run.samples.append(sample(lab))  # the last rounds' registrations (host 0) count too
+        run.samples.append(sample(lab, run.cpu))  # the last rounds' registrations (host 0) count too
     finally:
         if faults is not None:
             faults.close()
@@ -474,12 +475,14 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
     }
 
 
-def sample(lab: Lab) -> tuple[float, list[tuple[int, int]], list[dict[str, list[int]]]]:
-    """Now, each host's link counters (up, down), and each host's relay's {port: [up, down]}."""
+def sample(lab: Lab, cpu: netns.CpuMeter) -> tuple:
+    """Now, each host's link counters (up, down), each host's relay's {port: [up, down]}, and the
+    CPU seconds used so far by each group of the lab's processes (Lab.cpu_groups)."""
     return (
         time.time(),
         [lab.counters(i) for i in range(lab.n_hosts)],
         [{str(port): list(c) for port, c in lab.port_counters(i).items()} for i in range(lab.n_hosts)],
+        cpu.read(lab.cpu_groups()),
     )
 
 
@@ -585,7 +588,8 @@ def goodput(result: dict) -> float:
 
 def counters_at(samples: list, t: float, which: int = 1) -> list:
     """The counters of the sample nearest before t (the first one when t precedes them all):
-    `which` 1, each host's link (up, down); 2, each host's relay's {port: [up, down]}."""
+    `which` 1, each host's link (up, down); 2, each host's relay's {port: [up, down]}; 3, the CPU
+    seconds of each group of the lab's processes."""
     best = samples[0][which] if len(samples[0]) > which else []
     for sample in samples:
         if sample[0] > t:
@@ -605,6 +609,13 @@ def port_bytes(samples: list, begin: float, end: float, host: int, port: int) ->
     return {"up": after[0] - before[0], "down": after[1] - before[1]}
 
 
+def cpu_between(samples: list, begin: float, end: float) -> dict[str, float]:
+    """CPU seconds each group of the lab's processes used between two times ({} for samples taken
+    before the meter existed)."""
+    a, b = counters_at(samples, begin, 3), counters_at(samples, end, 3)
+    return {group: used - (a or {}).get(group, 0.0) for group, used in (b or {}).items()}
+
+
 def per_round(result: dict, n_hosts: int) -> list[dict]:
     """Each round: its span, each host's bytes up/down in it, and its tasks' time split."""
     s = result["summary"]
@@ -621,6 +632,7 @@ def per_round(result: dict, n_hosts: int) -> list[dict]:
         if result.get("samples"):
             a, b = counters_at(result["samples"], begin), counters_at(result["samples"], end)
             row["hosts"] = [{"up": b[i][0] - a[i][0], "down": b[i][1] - a[i][1]} for i in range(n_hosts)]
+            row["cpu_s"] = cpu_between(result["samples"], begin, end)
         rows.append(row)
         begin = end
     return rows
@@ -742,6 +754,14 @@ def predicted_bytes(
     return out
 
 
+def cpu_cell(cpu: dict[str, float], hosts: int) -> str:
+    """A round's CPU seconds as "store / relays / h0 + h1 + ...", or "-" where none were sampled."""
+    if not cpu:
+        return "-"
+    own = " + ".join(f"{cpu.get(f'h{i}', 0.0):.0f}" for i in range(hosts))
+    return f"{cpu.get('store', 0.0):.1f} / {cpu.get('relays', 0.0):.1f} / {own}"
+
+
 def rest(row: dict) -> float | None:
     """A round's wall time past its mean train task (inner loop, load, engine, commit): the merges,
     the round's commit, the evaluations and the queue's hand-overs between them."""
@@ -809,15 +829,17 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
         lines += ["", f"Per round, {res['run']} (bytes from each host's link counters; seconds per train task):", ""]
         hosts = " | ".join(f"h{i} up / down MB" for i in range(spec.hosts))
         lines += [
-            f"| round | wall s | {hosts} | inner s | load s | engine s | commit s | rest s | utilisation |",
-            "| ---: | ---: |" + " ---: |" * spec.hosts + " ---: | ---: | ---: | ---: | ---: | ---: |",
+            f"| round | wall s | {hosts} | inner s | load s | engine s | commit s | rest s | utilisation "
+            "| CPU s: store / relays / hosts |",
+            "| ---: | ---: |" + " ---: |" * spec.hosts + " ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for row in per_round(res, spec.hosts):
             cells = " | ".join(f"{h['up'] / mb:.2f} / {h['down'] / mb:.2f}" for h in row["hosts"])
             fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             lines.append(
                 f"| {row['round']} | {row['wall_s']:.1f} | {cells} | {fmt(row['inner_s'])} | {fmt(row['load_s'])} | "
-                f"{fmt(row['engine_s'])} | {fmt(row['commit_s'])} | {fmt(rest(row))} | {fmt(row['utilisation'])} |"
+                f"{fmt(row['engine_s'])} | {fmt(row['commit_s'])} | {fmt(rest(row))} | {fmt(row['utilisation'])} | "
+                f"{cpu_cell(row.get('cpu_s') or {}, spec.hosts)} |"
             )
         lines += whole_run_bytes(res, grid, spec)
         if res.get("events"):
@@ -880,6 +902,9 @@ def benchmark(spec: Spec, base: Path, runs: tuple[str, ...] = ("fault-free", "fa
                 watch_overrides = overrides
             run = HostRun(name, overrides, watch_overrides, faults=name == "faults")
             results.append(run_across_hosts(lab, store, spec, run))
+        if store is not None and (store.dir / "requests.jsonl").exists():
+            OUT.mkdir(parents=True, exist_ok=True)  # every request to the store, for a breakdown by hand
+            shutil.copyfile(store.dir / "requests.jsonl", OUT / "requests.jsonl")
         info = {
             "links": spec.shape.describe()
             + (" (netem)" if lab.netem else " (tbf + relay)" if spec.shape.shaped else ""),

@@ -149,6 +149,38 @@ def sweep_leftovers() -> list[str]:
     return removed
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process `pid` has used so far (its own, not its waited children's:
+    a parent would count a child the meter also sees), or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: fields 14 and 15 of stat
+
+
+class CpuMeter:
+    """CPU seconds by group of processes (the store's, the relays', each host's), summed over
+    every process ever seen in the group at its last reading: a process that exits keeps what it
+    used up to the sample before (at most one poll's worth lost). What tells whether the lab's
+    own processes, which share this machine's cores with the islands, slowed their training."""
+
+    def __init__(self):
+        self.last: dict[str, dict[int, float]] = {}
+
+    def read(self, groups: dict[str, list[int]]) -> dict[str, float]:
+        for group, pids in groups.items():
+            seen = self.last.setdefault(group, {})
+            for pid in pids:
+                used = cpu_seconds(pid)
+                if used is not None:
+                    seen[pid] = used
+        return {group: round(sum(seen.values()), 2) for group, seen in self.last.items()}
+
+
 def pid_alive(pid: int) -> bool:
     """A running process (a zombie waiting for its parent counts as gone)."""
     try:
@@ -396,6 +428,16 @@ class Lab:
 
     def reconnect(self, i: int) -> None:
         ip("-n", self.switch, "link", "set", f"h{i}", "up")
+
+    def cpu_groups(self) -> dict[str, list[int]]:
+        """The lab's processes by what they stand for: "store" (the S3 server, its proxy, MLflow and
+        the watcher), "relays" (the links' delay relays, which a real link would not run on the
+        hosts' cores), and "h<i>" (host i's own: its islands and, on host 0, `dipaco run`)."""
+        relays = {proc.pid for proc in self.relays.values()}
+        groups = {"store": ns_pids(self.store), "relays": sorted(relays)}
+        for i, ns in enumerate(self.hosts):
+            groups[f"h{i}"] = [pid for pid in ns_pids(ns) if pid not in relays]
+        return groups
 
     def counters(self, i: int) -> tuple[int, int]:
         """(bytes up, bytes down) on host i's link so far: its eth0's tx and rx counters."""

@@ -4,16 +4,21 @@ moto cannot throttle by itself. `python -m benchmarks.throttleproxy --listen 0.0
 127.0.0.1:9001` forwards every request unchanged (HTTP/1.1, kept alive, one upstream connection per
 client connection) until it gets SIGUSR1; from then until SIGUSR2 it answers every request with
 the error S3 gives a client that sends too fast (503, code SlowDown), as a throttled bucket does.
-It counts the requests it refused and prints the count when it stops (SIGTERM).
+It counts the requests it refused and prints the count when it stops (SIGTERM). With `--trace
+FILE` it appends one JSON line per request: when it came in and was answered, the client's
+address, method, path, body bytes each way and status (where a task's seconds go, request by
+request; benchmarks.hosts keeps it as benchmarks/out/hosts/requests.jsonl).
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import signal
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 SLOW_DOWN = (
@@ -27,6 +32,16 @@ class State:
     throttling = threading.Event()
     refused = 0
     lock = threading.Lock()
+    trace = None  # the --trace file, open for appending
+
+
+def traced(handler: BaseHTTPRequestHandler, began: float, up: int, down: int, status: int) -> None:
+    if State.trace is None:
+        return
+    line = {"t0": round(began, 4), "t1": round(time.time(), 4), "client": handler.client_address[0]}
+    line |= {"method": handler.command, "path": handler.path, "up": up, "down": down, "status": status}
+    with State.lock:
+        State.trace.write(json.dumps(line) + "\n")
 
 
 def read_body(handler: BaseHTTPRequestHandler) -> bytes:
@@ -53,6 +68,7 @@ def make_handler(upstream: tuple[str, int]):
             pass
 
         def forward(self) -> None:
+            began = time.time()
             body = read_body(self)
             if State.throttling.is_set():
                 with State.lock:
@@ -63,6 +79,7 @@ def make_handler(upstream: tuple[str, int]):
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(SLOW_DOWN)
+                traced(self, began, len(body), 0, 503)
                 return
             headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
             if body or self.command in ("PUT", "POST"):
@@ -90,6 +107,7 @@ def make_handler(upstream: tuple[str, int]):
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
+            traced(self, began, len(body), len(data), response.status)
 
         do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
 
@@ -100,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.throttleproxy", description=__doc__.split("\n")[0])
     parser.add_argument("--listen", required=True, help="HOST:PORT")
     parser.add_argument("--upstream", required=True, help="HOST:PORT of the S3 server")
+    parser.add_argument("--trace", help="append one JSON line per request to this file")
     args = parser.parse_args(argv)
+    if args.trace:
+        State.trace = open(args.trace, "a", buffering=1)  # line-buffered: a killed proxy loses no line
     host, port = args.listen.rsplit(":", 1)
     up_host, up_port = args.upstream.rsplit(":", 1)
     server = ThreadingHTTPServer((host, int(port)), make_handler((up_host, int(up_port))))

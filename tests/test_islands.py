@@ -17,7 +17,7 @@ from pipeline.core.errors import InputError, IslandError
 from pipeline.islands import supervisor
 from pipeline.islands.attempts import Attempts
 from pipeline.islands.task_queue import Task, TaskQueue, write_plan
-from pipeline.outer.merge import merge_module
+from pipeline.outer.merge import merge_module, merge_round
 from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
@@ -137,6 +137,29 @@ def test_a_module_is_merged_as_soon_as_its_paths_are_in_and_round_1_starts_befor
     assert "train.r1.p0-1" not in ready and not root.is_committed(layout.round_dir(0))
     metrics = train_path(config, 1, "p0-0")  # trains from the modules merged on their own
     assert metrics["round"] == 1
+
+
+def test_an_island_claims_the_next_rounds_training_before_the_evaluations_left_of_an_earlier_round(run_root):
+    """Evaluations feed only the round's report: with round 1's evaluations still to do and round 2's
+    training ready, islands train first (the evaluations had delayed every round's start by 2-4 s
+    on two hosts over a slow link), then evaluate when nothing else is ready."""
+    config = tiny_config(run_root, "train.rounds=3", "train.inner_steps=2")
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 3)
+    queue = TaskQueue(root, config)
+    for r in (0, 1):
+        for job in queue.jobs_of(r):
+            train_path(config, r, job)
+        merge_round(config, r)
+    ready = [t.name for t in queue.ready(3)]
+    assert "eval.r1.p0-0" in ready and "train.r2.p0-0" in ready  # sorted by round, the evaluation comes first
+    leases = [queue.next_claim(f"island-{k}", 3, island_id=f"island-{k}-x") for k in range(len(queue.jobs_of(2)) + 1)]
+    for lease in leases:
+        lease.finish("released")
+    claimed = [lease.task for lease in leases]
+    assert [t.kind for t in claimed] == ["train"] * len(queue.jobs_of(2)) + ["eval"]
+    assert {t.target for t in claimed[:-1]} == set(queue.jobs_of(2)) and claimed[-1].round == 1
 
 
 def test_an_idle_islands_poll_asks_an_object_store_its_questions_at_once_and_a_disk_one_by_one(any_root):

@@ -62,6 +62,12 @@ ISLANDS = "queue/islands"
 _ATTEMPT = re.compile(r"attempt-(0|[1-9][0-9]{0,999})\.json")
 # Claim order within a round: what unblocks other work first.
 KIND_ORDER = {"merge": 0, "commit": 1, "reroute": 2, "evalsum": 3, "train": 4, "eval": 5}
+# Evaluations unblock no training, only the round's report: an island claims them after every
+# ready train, merge, commit or reroute task of any round (next_claim), so they fill the gaps
+# while another island finishes its path. Claimed first, the evaluations of the modules round r
+# starts from ran between round r's merges and round r+1's training: 2-4 s a round on two hosts
+# over a 50 Mbit/s link (benchmarks/RESULTS.md, "Islands on separate hosts").
+REPORT_ONLY = frozenset({"eval", "evalsum"})
 STATES = ("running", "done", "failed", "released", "cancelled")
 # Test-only: seconds added to every wall-clock time this process writes into lease records, to
 # show that expiry never compares hosts' clocks (tests, benchmarks.chaos). Unset in real runs.
@@ -598,8 +604,12 @@ class TaskQueue:
 
     def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
         """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler.
-        Among a round's train tasks, first those whose inner state this island still holds."""
-        ready = sorted(self.ready(until_round), key=lambda task: (task.round, task.order, not self._held_here(task)))
+        Evaluations after everything else (REPORT_ONLY); among a round's train tasks, first those
+        whose inner state this island still holds."""
+        ready = sorted(
+            self.ready(until_round),
+            key=lambda task: (task.kind in REPORT_ONLY, task.round, task.order, not self._held_here(task)),
+        )
         self._medians: dict[int, TaskTimes | None] = {}
         for task in ready:
             lease = self.claim(task, island, island_id)
