@@ -32,10 +32,12 @@ finish first (LATE); the first to publish wins, the other is cancelled at its ne
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import os
+import posixpath
 import re
 import socket
 import statistics
@@ -50,7 +52,7 @@ from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError, DipacoError, StorageError
 from pipeline.islands.attempts import Attempts
 from pipeline.state import layout
-from pipeline.state.storage import RunRoot, map_io
+from pipeline.state.storage import ListedRoot, RunRoot, map_io
 from pipeline.state.store import RECENT
 
 log = logging.getLogger("dipaco.queue")
@@ -121,9 +123,10 @@ def write_plan(root: RunRoot, until_round: int) -> dict:
 
 
 def read_plan(root: RunRoot) -> int | None:
-    if not root.exists(PLAN):
+    plan = root.read_json_if_exists(PLAN)
+    if plan is None:
         return None
-    until = root.read_json(PLAN).get("until_round")
+    until = plan.get("until_round")
     if type(until) is not int or until < 0:
         raise CorruptStateError(f"{root.path(PLAN)}: until_round must be a round number, got {shown(until)}")
     return until
@@ -500,8 +503,27 @@ class TaskQueue:
 
         An idle island asks this twice a second, and each answer takes a few dozen existence checks.
         On an object store each is a round trip: one after the other they took seconds a poll over a
-        40 ms link, between every task and the next. There they go out at once (each round's, and
-        each job's within a round); a local root answers in microseconds and keeps to one thread."""
+        40 ms link, between every task and the next. There they are answered from one listing of
+        each open round's directory, the round evaluations' and the leases', taken at once
+        (ListedRoot), and what is left goes out at once (each round's, and each job's within a
+        round); a local root answers in microseconds and keeps to one thread."""
+        if self.root.is_local:
+            return self._ready(until_round)
+        view = copy.copy(self)  # the same caches of what never changes, the root seen through listings
+        view.root = ListedRoot(self.root, self._listed_directories(until_round))
+        return view._ready(until_round)
+
+    def _listed_directories(self, until_round: int) -> list[str]:
+        """What a poll lists on an object store: every round not yet committed or evaluated (its
+        paths, merged modules and modules), their evaluation parts, and the leases."""
+        rounds = [r for r in range(until_round + 1) if r not in self._done_rounds or r not in self._evaluated]
+        return [
+            LEASES,
+            *(layout.round_dir(r) for r in rounds),
+            *(posixpath.dirname(layout.eval_part(r, "p")) for r in rounds if r and r not in self._evaluated),
+        ]
+
+    def _ready(self, until_round: int) -> list[Task]:
         tasks: list[Task] = []
         if self.reroute_pending(until_round) and self.root.is_committed(layout.round_dir(self.after)):
             tasks.append(Task.of("reroute", self.after))

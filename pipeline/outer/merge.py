@@ -459,8 +459,9 @@ def committed_paths(root: RunRoot, config: Config, round_index: int) -> tuple[di
     jobs = round_job_ids(config.model.grid, config.train.workers_per_path, config.train.workers_in_round(round_index))
     for path_id in jobs:  # the round's workers only (train.workers_schedule): its merge averages those that ran
         rel = layout.path_dir(round_index, path_id)
-        if root.is_committed(rel):
-            tokens = root.marker(rel).get("tokens")
+        marker = root.marker_if_committed(rel)  # one read: no existence check before it
+        if marker is not None:
+            tokens = marker.get("tokens")
             if type(tokens) is not int or tokens < 1:  # weights divide by the tokens' sum
                 raise CorruptStateError(f"{root.path(rel, SUCCESS)}: tokens must be a token count, got {shown(tokens)}")
             committed[path_id] = tokens

@@ -281,19 +281,21 @@ class RunRoot:
         bounds; anything else is a CorruptStateError naming the file."""
         return load_json(self.read_bytes(rel, max_bytes=MAX_STATE_JSON_BYTES), self.path(rel), expect)
 
+    def read_json_if_exists(self, rel: str, expect: type | tuple[type, ...] | None = dict) -> Any:
+        """read_json, or None where the file is not there: one GET on an object store, where an
+        existence check first is a second round trip (an idle island reads the plan every poll)."""
+        try:
+            with self._reading(rel, missing_ok=True):
+                data = self._read(rel, max_bytes=MAX_STATE_JSON_BYTES)
+        except FileNotFoundError:
+            return None
+        return load_json(data, self.path(rel), expect)
+
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) in a directory, sorted; empty when it does not exist."""
         full = self.path(rel)
 
-        def names() -> list[str]:
-            if self.is_local and not self.fs.isdir(full):
-                return []
-            try:
-                return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(full, detail=False)]
-            except (FileNotFoundError, NotADirectoryError):  # an object store has no empty directories
-                return []
-
-        found = self._io(names, rel)
+        found = self._io(lambda: [] if self.is_local and not self.fs.isdir(full) else self.store.names(full), rel)
         if not self.is_local:  # some stores list a "directory" placeholder object under its own name
             found = [n for n in found if n != posixpath.basename(full.rstrip("/"))]
         return sorted(n for n in found if _TMP_TAG not in n)
@@ -680,3 +682,47 @@ class RunRoot:
         """A server-side copy on an object store (CopyObject: no byte passes through this host)."""
         full = self._put_object(dst_rel, lambda full: self.store.copy(self.path(src_rel), full))
         RECENT.alias(self.path(src_rel), full)
+
+
+class ListedRoot:
+    """A RunRoot seen through one listing of each of a few directories, taken at once: is_committed,
+    has_file and listdir below them answer from it; everything else (reads, writes, questions
+    about other paths) goes to the root.
+
+    For one look at the queue on an object store (TaskQueue.ready): its few dozen existence checks
+    went out in ~20 waves of HEADs, each a round trip, 1.2-1.5 s a poll over a 40 ms link between
+    every task and the next (benchmarks/RESULTS.md, "Islands on separate hosts"). A listing may
+    miss what is committed while it is taken; the next poll sees it. Nothing it answers is acted on
+    unchecked: a claim is a conditional create, and a train task checks its output afterwards."""
+
+    def __init__(self, root: RunRoot, directories: Iterable[str]):
+        self.root = root
+        self.directories = sorted({d.strip("/") + "/" for d in directories})
+        base = root.root.rstrip("/") + "/"
+
+        def listing(rel: str) -> list[str]:
+            full = root.path(rel).rstrip("/")
+            found = root._io(lambda: [] if root.is_local and not root.fs.isdir(full) else root.store.find(full), rel)
+            return [path[len(base) :] for path in found if path.startswith(base)]
+
+        self.keys = {key for keys in map_io(listing, self.directories, root.io_threads) for key in keys}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.root, name)
+
+    def _listed(self, rel: str) -> bool:
+        return any(rel.startswith(d) for d in self.directories)
+
+    def has_file(self, rel: str) -> bool:
+        return rel in self.keys if self._listed(rel) else self.root.has_file(rel)
+
+    def is_committed(self, rel: str) -> bool:
+        marker = posixpath.join(rel, SUCCESS)
+        return marker in self.keys if self._listed(marker) else self.root.is_committed(rel)
+
+    def listdir(self, rel: str) -> list[str]:
+        inside = rel.strip("/") + "/"
+        if not self._listed(inside):
+            return self.root.listdir(rel)
+        names = {key[len(inside) :].split("/", 1)[0] for key in self.keys if key.startswith(inside)}
+        return sorted(n for n in names if _TMP_TAG not in n)

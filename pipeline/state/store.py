@@ -297,6 +297,14 @@ class Store(ABC):
         Not retried here: RunRoot.remove retries the listing together with the delete it feeds."""
         return self.fs.find(path)
 
+    def names(self, path: str) -> list[str]:
+        """The names of the files and directories right below `path`; [] when there are none.
+        Not retried here: RunRoot.listdir retries it."""
+        try:
+            return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False)]
+        except (FileNotFoundError, NotADirectoryError):  # an object store has no empty directories
+            return []
+
     def copy(self, src: str, dst: str) -> None:
         """`src`'s bytes at `dst`, copied inside the store where it can (no byte through this host)."""
         self.retrying(lambda: self.fs.cp_file(src, dst), dst)
@@ -486,6 +494,21 @@ class S3Store(Store):
             ]
             if not page.get("IsTruncated"):
                 return found
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def names(self, path: str) -> list[str]:
+        """One delimited listing (a page per 1,000 names): s3fs's ls of a prefix with nothing under
+        it lists the parent as well before it answers, a second round trip for every claim of a
+        task that has no attempt yet."""
+        bucket, key = self._split(path.rstrip("/"))
+        found: list[str] = []
+        token: dict[str, str] = {}
+        while True:
+            page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key + "/", Delimiter="/", **token)
+            found += [item["Key"][len(key) + 1 :] for item in page.get("Contents", [])]
+            found += [item["Prefix"][len(key) + 1 :].rstrip("/") for item in page.get("CommonPrefixes", [])]
+            if not page.get("IsTruncated"):
+                return [name for name in found if name]
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
     def copy(self, src: str, dst: str) -> None:
