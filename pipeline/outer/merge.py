@@ -386,7 +386,7 @@ def finish_round(config: Config, round_index: int) -> dict:
     if root.is_committed(rel_round):
         return root.read_json(f"{rel_round}/merge.json")
     keys = all_modules(config.model.grid, private=config.model.path_specific_blocks > 0)
-    markers = {key: root.marker(layout.merged_module_dir(round_index, key)) for key in keys}
+    markers = dict(zip(keys, map_io(lambda key: root.marker(layout.merged_module_dir(round_index, key)), keys)))
     info = merged_info(config, round_index)
     rel_modules, rel_outer = layout.modules_dir(round_index + 1), layout.outer_state_dir(round_index + 1)
     momentum_keys = [key for key in keys if layout.MERGED_MOMENTUM in markers[key]["files"]]
@@ -415,11 +415,9 @@ def finish_round(config: Config, round_index: int) -> dict:
         report["bytes_outer"] / 1e6,
         report["bytes_data_parallel"] / 1e6,
     )
-    if round_index > 0:
-        for key in keys:
-            staged = layout.merged_module_dir(round_index - 1, key)
-            if root.exists(staged):
-                root.remove(f"{staged}/{SUCCESS}")  # the marker first: a half-removed module never counts
+    if round_index > 0:  # the markers first, all at once (no existence check: removing none is a no-op)
+        staged_markers = [f"{layout.merged_module_dir(round_index - 1, key)}/{SUCCESS}" for key in keys]
+        map_io(root.remove, staged_markers, root.io_threads)  # a half-removed module never counts
         root.remove(layout.merged_dir(round_index - 1))
     return report
 
@@ -457,9 +455,11 @@ def committed_paths(root: RunRoot, config: Config, round_index: int) -> tuple[di
     """({path id: tokens trained} for paths that committed, [path ids that did not])."""
     committed, left_out = {}, []
     jobs = round_job_ids(config.model.grid, config.train.workers_per_path, config.train.workers_in_round(round_index))
-    for path_id in jobs:  # the round's workers only (train.workers_schedule): its merge averages those that ran
+    # the round's workers only (train.workers_schedule): its merge averages those that ran; their
+    # markers read at once, each one GET (no existence check before it)
+    found = map_io(lambda job: root.marker_if_committed(layout.path_dir(round_index, job)), jobs, root.io_threads)
+    for path_id, marker in zip(jobs, found):
         rel = layout.path_dir(round_index, path_id)
-        marker = root.marker_if_committed(rel)  # one read: no existence check before it
         if marker is not None:
             tokens = marker.get("tokens")
             if type(tokens) is not int or tokens < 1:  # weights divide by the tokens' sum
