@@ -586,6 +586,23 @@ def goodput(result: dict) -> float:
     return result["summary"]["tokens"] / train_span(result)
 
 
+def span_past_round_0(result: dict) -> float | None:
+    """Seconds from round 0's commit to the last round's: the training phase without round 0, whose
+    first compile (train.compile) every host pays with its own cache, and which the lab's hosts pay
+    on one machine's shared cores at once (none with a single round)."""
+    committed = sorted(r["committed_at"] for r in result["summary"]["rounds"].values())
+    return committed[-1] - committed[0] if len(committed) > 1 else None
+
+
+def goodput_past_round_0(result: dict, ref: dict) -> str:
+    """The one-host run's seconds past round 0 over this run's, where both committed the same
+    tokens (a fault-free run); "-" otherwise."""
+    mine, theirs = span_past_round_0(result), span_past_round_0(ref)
+    if mine is None or theirs is None or result["summary"]["tokens"] != ref["summary"]["tokens"]:
+        return "-"
+    return f"{theirs / mine:.2f}"
+
+
 def counters_at(samples: list, t: float, which: int = 1) -> list:
     """The counters of the sample nearest before t (the first one when t precedes them all):
     `which` 1, each host's link (up, down); 2, each host's relay's {port: [up, down]}; 3, the CPU
@@ -814,15 +831,15 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
             else ""
         ),
         "",
-        "| run | wall s | train s | committed tokens | goodput vs one host | final modules = one host's | "
-        "island restarts | isolation breaches |",
-        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+        "| run | wall s | train s | committed tokens | goodput vs one host | past round 0 | "
+        "final modules = one host's | island restarts | isolation breaches |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     for res in results:
         same = res["summary"]["modules"] == ref["summary"]["modules"] and bool(ref["summary"]["modules"])
         lines.append(
             f"| {res['run']} | {res['wall_s']} | {train_span(res):.1f} | {res['summary']['tokens']:,} | "
-            f"{goodput(res) / goodput(ref):.2f} | {'yes' if same else 'NO'} | "
+            f"{goodput(res) / goodput(ref):.2f} | {goodput_past_round_0(res, ref)} | {'yes' if same else 'NO'} | "
             f"{sum(res.get('restarts', {}).values())} | {len(res.get('violations', []))} |"
         )
     for res in results[1:]:

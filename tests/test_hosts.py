@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,29 @@ def test_the_predicted_bytes_count_no_download_of_what_the_island_wrote_or_read_
     assert same[0][1] == {"up": 12 * mb, "down": 6 * mb}  # weights and inner state up; shard and modules down
     assert same[1][1] == {"up": 12 * mb, "down": 4 * mb}  # the new modules only
     assert other[1][0] == {"up": 12 * mb, "down": 14 * mb}  # modules, shard and the inner state, on host 0
+
+
+def test_the_cpu_meter_counts_a_groups_processes_and_keeps_what_an_exited_one_used():
+    """The lab's store, relays and hosts share this machine's cores: the benchmark's per-round CPU
+    seconds tell whether the store slowed the islands' training. A process that exits keeps what it
+    used up to its last reading."""
+    burner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\ntime.sleep(30)",
+        ]
+    )
+    meter = netns.CpuMeter()
+    try:
+        deadline = time.monotonic() + 20
+        used = 0.0
+        while used < 0.35 and time.monotonic() < deadline:
+            used = meter.read({"store": [burner.pid], "relays": []})["store"]
+            time.sleep(0.1)
+        assert 0.35 <= used < 2.0, used
+    finally:
+        burner.kill()
+        burner.wait()
+    after = meter.read({"store": [burner.pid], "relays": [], "h0": [burner.pid + 10**7]})
+    assert after == {"store": used, "relays": 0, "h0": 0}

@@ -489,8 +489,9 @@ def s3_requests(monkeypatch):
 def test_a_tasks_questions_to_an_object_store_take_one_request_each_and_a_removal_takes_only_its_tree(s3, s3_requests):
     """Over a 40 ms link every request is a round trip a task waits for (RESULTS.md, "Islands on
     separate hosts"): an absent directory's removal, a marker that is not there yet, a file's
-    existence and a publish's copies each cost one request, and the one listing a removal makes
-    (its prefix also matches `attempt-10` and `attempt-1.json`) removes only the tree it names."""
+    existence, an empty listing, a file not written yet and a publish's copies each cost one
+    request, and the one listing a removal makes (its prefix also matches `attempt-10` and
+    `attempt-1.json`) removes only the tree it names."""
     staged = "rounds/round=0/staging/path=p0/attempt-1"
     s3.write_bytes(f"{staged}/model.safetensors", b"w" * 1000)
     s3.write_bytes(f"{staged}/outer_grad/level=0.safetensors", b"g" * 10)
@@ -506,6 +507,10 @@ def test_a_tasks_questions_to_an_object_store_take_one_request_each_and_a_remova
     assert s3.marker_if_committed("rounds/round=0/paths/path=p0") is None
     assert not s3.has_file("eval/round=1.json")
     assert [op for op, _ in s3_requests] == ["get_object", "head_object"]
+    s3_requests.clear()  # a claim lists its task's attempts (none yet), an idle island reads the plan
+    assert s3.listdir("queue/leases/train.r0.p0-0") == [] and s3.read_json_if_exists("queue/plan.json") is None
+    assert [op for op, _ in s3_requests] == ["list_objects_v2", "get_object"]
+    assert s3.listdir("rounds/round=0/staging/path=p0") == ["attempt-1", "attempt-10", "attempt-1.json"]
 
     s3_requests.clear()
     assert s3.publish_dir(staged, "rounds/round=0/paths/path=p0")

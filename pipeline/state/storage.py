@@ -696,7 +696,7 @@ class ListedRoot:
     unchecked: a claim is a conditional create, and a train task checks its output afterwards."""
 
     def __init__(self, root: RunRoot, directories: Iterable[str]):
-        self.root = root
+        self.run_root = root  # not `root`: that is the RunRoot's own path, which callers may ask for
         self.directories = sorted({d.strip("/") + "/" for d in directories})
         base = root.root.rstrip("/") + "/"
 
@@ -708,21 +708,21 @@ class ListedRoot:
         self.keys = {key for keys in map_io(listing, self.directories, root.io_threads) for key in keys}
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.root, name)
+        return getattr(self.run_root, name)
 
     def _listed(self, rel: str) -> bool:
         return any(rel.startswith(d) for d in self.directories)
 
     def has_file(self, rel: str) -> bool:
-        return rel in self.keys if self._listed(rel) else self.root.has_file(rel)
+        return rel in self.keys if self._listed(rel) else self.run_root.has_file(rel)
 
     def is_committed(self, rel: str) -> bool:
         marker = posixpath.join(rel, SUCCESS)
-        return marker in self.keys if self._listed(marker) else self.root.is_committed(rel)
+        return marker in self.keys if self._listed(marker) else self.run_root.is_committed(rel)
 
     def listdir(self, rel: str) -> list[str]:
         inside = rel.strip("/") + "/"
         if not self._listed(inside):
-            return self.root.listdir(rel)
+            return self.run_root.listdir(rel)
         names = {key[len(inside) :].split("/", 1)[0] for key in self.keys if key.startswith(inside)}
         return sorted(n for n in names if _TMP_TAG not in n)
