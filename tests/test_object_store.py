@@ -510,7 +510,7 @@ def test_a_tasks_questions_to_an_object_store_take_one_request_each_and_a_remova
     s3_requests.clear()  # a claim lists its task's attempts (none yet), an idle island reads the plan
     assert s3.listdir("queue/leases/train.r0.p0-0") == [] and s3.read_json_if_exists("queue/plan.json") is None
     assert [op for op, _ in s3_requests] == ["list_objects_v2", "get_object"]
-    assert s3.listdir("rounds/round=0/staging/path=p0") == ["attempt-1", "attempt-10", "attempt-1.json"]
+    assert s3.listdir("rounds/round=0/staging/path=p0") == ["attempt-1", "attempt-1.json", "attempt-10"]
 
     s3_requests.clear()
     assert s3.publish_dir(staged, "rounds/round=0/paths/path=p0")
