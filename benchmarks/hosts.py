@@ -23,8 +23,10 @@ without faults, then (unless `--no-faults`) with faults: the first host but host
 lease, then reconnected; the store throttled (503 SlowDown) for `--throttle-s` seconds; another
 host but host 0 (of three or more) killed for good once it holds a train task. Per round it
 prints each host's bytes up and down (its link's interface counters), the islands' training
-seconds against their load/commit seconds (what the transfers cost them), utilisation, and
-goodput against the one-host run; last, whether each run's final modules and momentum are
+seconds against their load/commit seconds (what the transfers cost them), utilisation, the CPU
+seconds of the lab's store, relays and hosts (which share this machine's cores), and goodput
+against the one-host run (whole, and past round 0); the store's proxy keeps every request
+(benchmarks/out/hosts/requests.jsonl); last, whether each run's final modules and momentum are
 bitwise equal to the one-host run's.
 
 `--store local` is a stand-in for machines whose pipeline has no object-store run roots yet: the
