@@ -37,7 +37,6 @@ import json
 import logging
 import math
 import os
-import posixpath
 import re
 import socket
 import statistics
@@ -520,7 +519,7 @@ class TaskQueue:
         return [
             LEASES,
             *(layout.round_dir(r) for r in rounds),
-            *(posixpath.dirname(layout.eval_part(r, "p")) for r in rounds if r and r not in self._evaluated),
+            *(layout.eval_parts_dir(r) for r in rounds if r and r not in self._evaluated),
         ]
 
     def _ready(self, until_round: int) -> list[Task]:

@@ -176,10 +176,15 @@ MERGED_MODULE = "module.safetensors"
 MERGED_MOMENTUM = "momentum.safetensors"
 
 
+def eval_parts_dir(round_index: int) -> str:
+    """Every path's evaluation of round r's modules, one file each (eval_part)."""
+    return f"{EVAL_DIR}/parts/round={round_index}"
+
+
 def eval_part(round_index: int, path_id: str) -> str:
     """One path's evaluation of round r's modules (an island's eval task); eval/round=<r>.json
     combines them once every path is in."""
-    return f"{EVAL_DIR}/parts/round={round_index}/path={path_id}.json"
+    return f"{eval_parts_dir(round_index)}/path={path_id}.json"
 
 
 def outer_grad_file(level: int) -> str:

@@ -494,12 +494,9 @@ class RunRoot:
         refused. One read, not asked for first: a reader that would check is_committed and then
         read the marker makes one request on an object store instead of two (three when absent)."""
         marker = posixpath.join(rel, SUCCESS)
-        try:
-            with self._reading(marker, missing_ok=True):
-                data = self._read(marker, max_bytes=MAX_STATE_JSON_BYTES)
-        except FileNotFoundError:
+        record = self.read_json_if_exists(marker)
+        if record is None:
             return None
-        record = load_json(data, self.path(marker), dict)
         files = record.get("files")
         if not isinstance(files, dict) or not all(_is_file_record(r) for r in files.values()):
             raise CorruptStateError(
@@ -685,7 +682,7 @@ class RunRoot:
 
 
 class ListedRoot:
-    """A RunRoot seen through one listing of each of a few directories, taken at once: is_committed,
+    """An object-store RunRoot seen through one listing of each of a few directories, taken at once: is_committed,
     has_file and listdir below them answer from it; everything else (reads, writes, questions
     about other paths) goes to the root.
 
@@ -702,7 +699,7 @@ class ListedRoot:
 
         def listing(rel: str) -> list[str]:
             full = root.path(rel).rstrip("/")
-            found = root._io(lambda: [] if root.is_local and not root.fs.isdir(full) else root.store.find(full), rel)
+            found = root._io(lambda: root.store.find(full), rel)
             return [path[len(base) :] for path in found if path.startswith(base)]
 
         self.keys = {key for keys in map_io(listing, self.directories, root.io_threads) for key in keys}

@@ -482,18 +482,22 @@ class S3Store(Store):
         """One listing (a page per 1,000 keys): s3fs's find lists, then HEADs and lists again when
         nothing is there, three round trips for every removal of a directory that is already gone."""
         bucket, key = self._split(path.rstrip("/"))
-        found: list[str] = []
+        # the prefix also matches siblings (attempt-1 lists attempt-10/...): keep the file and its tree
+        return [
+            f"{bucket}/{item['Key']}"
+            for page in self._pages(bucket, Prefix=key)
+            for item in page.get("Contents", [])
+            if item["Key"] == key or item["Key"].startswith(key + "/")
+        ]
+
+    def _pages(self, bucket: str, **params: str) -> Iterator[dict]:
+        """ListObjectsV2's pages for `params` (a page per 1,000 keys), following the continuation token."""
         token: dict[str, str] = {}
         while True:
-            page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key, **token)
-            # the prefix also matches siblings (attempt-1 lists attempt-10/...): keep the file and its tree
-            found += [
-                f"{bucket}/{item['Key']}"
-                for item in page.get("Contents", [])
-                if item["Key"] == key or item["Key"].startswith(key + "/")
-            ]
+            page = self.fs.call_s3("list_objects_v2", Bucket=bucket, **params, **token)
+            yield page
             if not page.get("IsTruncated"):
-                return found
+                return
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
     def names(self, path: str) -> list[str]:
@@ -502,14 +506,10 @@ class S3Store(Store):
         task that has no attempt yet."""
         bucket, key = self._split(path.rstrip("/"))
         found: list[str] = []
-        token: dict[str, str] = {}
-        while True:
-            page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=key + "/", Delimiter="/", **token)
+        for page in self._pages(bucket, Prefix=key + "/", Delimiter="/"):
             found += [item["Key"][len(key) + 1 :] for item in page.get("Contents", [])]
             found += [item["Prefix"][len(key) + 1 :].rstrip("/") for item in page.get("CommonPrefixes", [])]
-            if not page.get("IsTruncated"):
-                return [name for name in found if name]
-            token = {"ContinuationToken": page["NextContinuationToken"]}
+        return [name for name in found if name]
 
     def copy(self, src: str, dst: str) -> None:
         """CopyObject, without the HEAD s3fs's cp_file sends first to choose a multipart copy; an
