@@ -266,9 +266,9 @@ def test_a_corrupted_inner_state_is_not_loaded_and_the_path_still_trains(any_roo
     assert "an older dipaco's DeepSpeed checkpoint" in caplog.text
     root.write_json(f"{kept}/_SUCCESS", marker)
 
-    # a path marker that points its inner state out of its place (whoever can write the run root)
-    rel = layout.path_dir(1, "p0")
-    root.write_json(f"{rel}/_SUCCESS", {**root.marker(rel), "inner_state": ".."})
+    # a record that points the kept inner state out of its place (whoever can write the run root)
+    token = layout.inner_state_kept(1, "p0")
+    root.write_json(token, {"round": 1, "path": "p0", "attempt": ".."})
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         assert train_path(config, 2, "p0")["resumed_inner_state_from"] is None

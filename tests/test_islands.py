@@ -137,6 +137,52 @@ def test_a_module_is_merged_as_soon_as_its_paths_are_in_and_round_1_starts_befor
     assert "train.r1.p0-1" not in ready and not root.is_committed(layout.round_dir(0))
     metrics = train_path(config, 1, "p0-0")  # trains from the modules merged on their own
     assert metrics["round"] == 1
+    # Its inner state of round 0 is pruned (round 1's is resumed next), and round 0 still commits.
+    train_path(config, 0, "p1-1")
+    merge_module(config, 0, ModuleKey(0, 1))
+    merge_module(config, 0, ModuleKey(1, 1))
+    assert "commit.r0" in {t.name for t in queue.ready(2)}
+
+
+def test_a_path_whose_island_died_before_its_inner_state_was_in_is_trained_again_and_keeps_the_same_state(run_root):
+    """An island publishes a path, then keeps its inner state (AdamW's moments, 2x the weights) off
+    the task's critical path. If it dies in between, the merges still go on, but neither the round's
+    commit nor the path's next round starts (it would resume an older state); the task is retaken
+    once the lease expires, and the retake keeps the very state that was lost, byte for byte."""
+    from pipeline.train.train_path import inner_state_of
+
+    config = tiny_config(
+        run_root,
+        "model.grid=[1]",
+        "model.blocks_per_level=[1]",
+        "train.rounds=2",
+        "train.inner_steps=2",
+        "train.lease_seconds=0.3",
+    )
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 2)
+    queue = TaskQueue(root, config)
+    task = Task.of("train", 0, "p0")
+    dies = queue.claim(task, "dies")
+    first = train_path(config, 0, "p0", attempt="attempt-1", may_publish=dies.held, keep_inner_state_later=True)
+    assert first["published"] and not isinstance(first["inner_state"], bool)  # still in the island's memory
+    lost = first["inner_state"].data
+    dies._stop.set()  # the island dies before it uploads it: no more beats
+    dies._thread.join()
+    ready = {t.name for t in queue.ready(2)}
+    assert "merge.r0.l0m0" in ready and "commit.r0" not in ready
+    merge_module(config, 0, ModuleKey(0, 0))
+    ready = {t.name for t in queue.ready(2)}
+    assert not {"commit.r0", "train.r1.p0"} & ready, ready  # round 1 would resume no state, or an older one
+    retake = wait_for(lambda: queue.claim(task, "taker"), 3.0, "the dead holder's lease to expire")
+    again = train_path(config, 0, "p0", attempt="attempt-2", may_publish=retake.held)
+    assert not again["published"] and again["inner_state"] is True  # the path stays the first's; the state is in
+    retake.finish("done")
+    assert root.read_json(layout.inner_state_kept(0, "p0"))["attempt"] == "attempt-2"
+    assert root.read_committed(inner_state_of(root, 0, "p0"), "optimizer-rank-00000.safetensors") == lost
+    assert {"commit.r0", "train.r1.p0"} <= {t.name for t in queue.ready(2)}
+    assert queue.claim(task, "late") is None
 
 
 def test_an_island_claims_the_next_rounds_training_before_the_evaluations_left_of_an_earlier_round(run_root):

@@ -48,8 +48,8 @@ def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readab
     assert root.read_committed_json(rel, "metrics.json")["started_at"] == fresh["started_at"]
     assert not root.exists(layout.staging_dir(0, "p0"))
     # the inner state kept is the publisher's; the late attempt's, written before it lost, is gone
-    assert root.marker(rel)["inner_state"] == "attempt-2"
-    assert root.listdir(layout.inner_state_dir(0, "p0")) == ["attempt-2"]
+    assert root.read_json(layout.inner_state_kept(0, "p0"))["attempt"] == "attempt-2"
+    assert root.listdir(layout.inner_state_dir(0, "p0")) == ["attempt-2", "kept.json"]
     assert b.claim(task, "another") is None  # committed output: never run again, whatever the leases say
     successor.finish("done")
 

@@ -625,7 +625,9 @@ def test_the_memory_of_recent_files_keeps_large_files_within_its_budget_least_re
 def test_an_island_claims_the_path_whose_inner_state_it_holds_and_reads_none_of_it_over_the_link(s3_root, s3_requests):
     """Islands on separate hosts: the train task an island claims first is the path it trained last
     round, whose inner state (2x the weights) it still holds; that task resumes it from memory.
-    Which island trains a path changes nothing in what it trains (the run is bitwise the same)."""
+    Which island trains a path changes nothing in what it trains (the run is bitwise the same).
+    The task publishes the path before its own inner state goes up, which the island keeps while
+    it goes on to its next task."""
     from pipeline import stages
     from pipeline.island_rank import reshard
     from pipeline.islands.island import Island, run_task
@@ -646,8 +648,21 @@ def test_an_island_claims_the_path_whose_inner_state_it_holds_and_reads_none_of_
     lease = TaskQueue(root, config).next_claim("island-1", 2)
     assert lease is not None and lease.task.name == "train.r1.p1"  # p0 sorts first otherwise
     s3_requests.clear()
-    run_task(config, lease.task, 0, lease.number, lease)
-    lease.finish("done", seconds=1.0)
+    outcome = run_task(config, lease.task, 0, lease.number, lease)
     read = [key for op, key in s3_requests if op == "get_object"]
     assert not [key for key in read if "/inner/" in key and key.endswith(".safetensors")], read
     assert root.read_json(f"{layout.path_dir(1, 'p1')}/metrics.json")["resumed_inner_state_from"] == 0
+
+    # Published before its inner state (2x the weights) went up: the island keeps it meanwhile, and
+    # its lease stays held until the state is kept.
+    assert outcome["published"] and not isinstance(outcome["inner_state"], bool)
+    written = [key for op, key in s3_requests if op in ("put_object", "copy_object", "create_multipart_upload")]
+    assert not [key for key in written if "/inner/" in key], written
+    queue = TaskQueue(root, config)
+    assert queue.output_committed(lease.task) and not queue.task_done(lease.task)
+    island = Island(config, "island-1", reshard=reshard)
+    island.keep_later(lease.task, lease, outcome.pop("inner_state"), outcome.pop("published"), 1.0, outcome)
+    island.wait_for_keeping(60.0)
+    record = queue.attempts(lease.task)[-1].record
+    assert record["state"] == "done" and record["seconds"] == 1.0 and record["inner_state_s"] > 0
+    assert queue.task_done(lease.task) and root.read_json(layout.inner_state_kept(1, "p1"))["attempt"] == "attempt-1"

@@ -407,9 +407,10 @@ def test_only_the_newest_inner_state_is_kept(run_root):
     for round_index in range(2):
         train_path(config, round_index, "p0")
         merge_round(config, round_index)
-    assert not root.exists(layout.inner_state_dir(0, "p0"))
+    assert root.listdir(layout.inner_state_dir(0, "p0")) == ["kept.json"]  # it was kept; round 1's is resumed
     assert inner_state_of(root, 1, "p0") is not None
-    assert root.listdir(layout.inner_state_dir(1, "p0")) == [posixpath.basename(inner_state_of(root, 1, "p0"))]
+    kept = posixpath.basename(inner_state_of(root, 1, "p0"))
+    assert root.listdir(layout.inner_state_dir(1, "p0")) == sorted([kept, "kept.json"])
     assert root.is_committed(layout.path_dir(0, "p0"))  # the trained weights stay
 
 

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import socket
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -58,6 +59,7 @@ class Island:
         self.root = RunRoot(config.run_root)
         self.queue = TaskQueue(self.root, config)
         self.lease: Lease | None = None
+        self.keeping: list[tuple[Lease, threading.Thread]] = []  # published tasks whose inner state uploads
         self.leaving = False
         self.done: list[dict] = []
         self.rank, self.world = 0, 1
@@ -79,6 +81,7 @@ class Island:
             message = broadcast_json(self._next_message() if rank == 0 else None, rank, world)
             if "exit" in message:
                 if rank == 0:
+                    self.wait_for_keeping(self.queue.lease_seconds)
                     self._record(state=message["exit"], finished_at=time.time())
                     log.info("island %s leaves: %s (%d tasks done)", self.name, message["exit"], len(self.done))
                 return {"island": self.name, "tasks": self.done, "exit": message["exit"]}
@@ -123,28 +126,72 @@ class Island:
                 self.lease = None
             raise
         if self.rank == 0 and self.lease is not None:
-            finished = time.time()
-            if (outcome or {}).pop("published", True) is False:  # its output was discarded, never mixed in
-                # Cancelled (not counted) only when another attempt's output won; an attempt that
-                # could not publish otherwise (it lost its lease, debris in the way) is a failed
-                # attempt toward train.max_attempts: such attempts once ended cancelled forever.
-                lost_to_peer = self.queue.output_committed(task)
-                self.lease.finish(
-                    "cancelled" if lost_to_peer else "failed",
-                    seconds=finished - claimed,
-                    **({} if lost_to_peer else {"error": "its output could not be published"}),
-                    **(outcome or {}),
-                )
-                self.lease = None
-                return
-            self.lease.finish("done", seconds=finished - claimed, **(outcome or {}))
-            self.lease = None
-            self.done.append({"task": task.name, "seconds": finished - claimed})
-            log.info("island %s: %s done in %.1f s", self.name, task.name, finished - claimed)
+            finished, lease, self.lease = time.time(), self.lease, None
+            outcome = dict(outcome or {})
+            published = outcome.pop("published", True)
+            inner = outcome.pop("inner_state", published)  # kept (True), not (False), or still to keep
+            if isinstance(inner, bool):
+                self._end(task, lease, inner, finished - claimed, outcome)
+            else:
+                self.keep_later(task, lease, inner, published, finished - claimed, outcome)
+
+    def keep_later(self, task: Task, lease: Lease, inner, published: bool, seconds: float, outcome: dict) -> None:
+        """Keep a published path's inner state (train_path.keep_inner_state) in a thread while the
+        island takes its next task: on an object store the state is 2x the weights, and only the
+        path's next round reads it; the round's commit waits for it (TaskQueue). The lease stays
+        held and beating until the state is in, so an island that dies meanwhile has its task taken
+        over: the taker trains the path again and keeps its state. `seconds` (claim to publish) is
+        what the task kept the island busy."""
+        from pipeline.train.train_path import keep_inner_state
+
+        if not published and self.queue.task_done(task):  # a peer's output and state are in: nothing to keep
+            self._end(task, lease, False, seconds, outcome)
+            return
+
+        def keep() -> None:
+            began = time.monotonic()
+            try:
+                kept = keep_inner_state(inner, lease.held)
+            except Exception as exc:  # noqa: BLE001 - a thread's last word: the lease records it, the task is retaken
+                log.warning("island %s: keeping the inner state of %s failed: %s", self.name, task.name, exc)
+                outcome["error"] = f"keeping its inner state: {type(exc).__name__}: {exc}"[:2000]
+                kept = False
+            outcome["inner_state_s"] = round(time.monotonic() - began, 3)
+            self._end(task, lease, kept, seconds, outcome)
+
+        thread = threading.Thread(target=keep, daemon=True, name=f"keep-{task.name}")
+        self.keeping.append((lease, thread))
+        thread.start()
+
+    def _end(self, task: Task, lease: Lease, ok: bool, seconds: float, outcome: dict) -> None:
+        """Record how an attempt ended. A train attempt that published nothing and kept no inner
+        state is cancelled (not counted) only when another attempt did the task; an attempt that
+        could not otherwise (it lost its lease, debris in the way) is a failed attempt toward
+        train.max_attempts: such attempts once ended cancelled forever."""
+        if not ok:
+            lost_to_peer = self.queue.task_done(task)
+            if not lost_to_peer:
+                outcome.setdefault("error", "its output could not be published, or its inner state kept")
+            lease.finish("cancelled" if lost_to_peer else "failed", seconds=seconds, **outcome)
+            return
+        lease.finish("done", seconds=seconds, **outcome)
+        self.done.append({"task": task.name, "seconds": seconds})
+        log.info("island %s: %s done in %.1f s", self.name, task.name, seconds)
+
+    def wait_for_keeping(self, timeout: float) -> None:
+        """Let the inner states still uploading finish (the plan's end needs them anyway); what is
+        still running after `timeout` is released, so another island keeps it."""
+        deadline = time.monotonic() + timeout
+        for lease, thread in self.keeping:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                lease.finish("released")
 
     def on_sigterm(self, signum, frame) -> None:
         """Release the task held (no attempt is lost) and leave; idle, leave at the next poll."""
         self.leaving = True
+        for lease, _ in self.keeping:  # an inner state not in yet: another island trains the path again
+            lease.finish("released")
         if self.rank == 0 and self.lease is not None:
             self.lease.finish("released")
             self._record(state="left", finished_at=time.time())
@@ -210,8 +257,9 @@ def run_task(
     reshard: Reshard | None = None,
 ) -> dict | None:
     """Do one task on this rank; what the lease records of it (rank 0). A train task writes into
-    its attempt's staging directory and publishes only while rank 0's `lease` is held; a reroute
-    task re-shards with `reshard` (the Beam job)."""
+    its attempt's staging directory and publishes only while rank 0's `lease` is held, and under a
+    lease returns its inner state still to keep (`inner_state`, Island.keep_later) on a one-rank
+    island; a reroute task re-shards with `reshard` (the Beam job)."""
     root = RunRoot(config.run_root)
     if task.kind == "train":
         from pipeline.train.train_path import train_path
@@ -225,6 +273,7 @@ def run_task(
             may_publish=lease.held if lease is not None else None,
             should_stop=stop,
             on_step=lease.report_step if lease is not None else None,
+            keep_inner_state_later=lease is not None,
         )
         return {
             "inner_started_at": metrics["started_at"],
@@ -232,6 +281,7 @@ def run_task(
             "inner_seconds": metrics["seconds"],
             "resumed_from_step": metrics.get("resumed_from_step", 0),
             "published": metrics.get("published", True),
+            "inner_state": metrics.get("inner_state", True),  # kept, or an InnerState still to keep
         }
     if rank != 0:
         return None

@@ -303,13 +303,24 @@ class TaskQueue:
         return sum(a.counts_as_failed for a in attempts)
 
     def output_committed(self, task: Task) -> bool:
-        """A train task whose output is committed is never run again (whoever published it)."""
+        """A train task's path is published (whoever published it): the merges may read it."""
         return task.kind == "train" and self.root.is_committed(layout.path_dir(task.round, task.target))
+
+    def inner_kept(self, round_index: int, job: str) -> bool:
+        """A path's inner state of a round is kept (train_path.keep_inner_state): what its next
+        round resumes. It is uploaded after the path is published, off the task's critical path."""
+        return self.root.has_file(layout.inner_state_kept(round_index, job))
+
+    def task_done(self, task: Task) -> bool:
+        """A task that is never run again: a train task once its path is published and its inner
+        state kept (a published path whose holder died before its state was in is trained again,
+        and that attempt keeps the state); any other once its output is committed."""
+        return self.output_committed(task) and (task.kind != "train" or self.inner_kept(task.round, task.target))
 
     def claim(self, task: Task, island: str, island_id: str | None = None) -> "Lease | None":
         """The next attempt of `task` for `island`, or None when it is held, done or given up."""
         attempts = self.attempts(task)
-        if any(a.live or a.state == "done" for a in attempts) or self.output_committed(task):
+        if any(a.live or a.state == "done" for a in attempts) or self.task_done(task):
             return None
         if task.kind in self.limited_kinds and not self.allowed.may_try_again(self._failures(attempts)):
             return None
@@ -475,11 +486,24 @@ class TaskQueue:
 
         return all(module_location(self.root, round_index, key) is not None for key in keys)
 
-    def job_settled(self, round_index: int, job: str) -> bool:
-        """Committed, or given up after max_attempts."""
-        return self.root.is_committed(layout.path_dir(round_index, job)) or self.given_up(
-            Task.of("train", round_index, job)
-        )
+    def job_settled(self, round_index: int, job: str) -> tuple[bool, bool]:
+        """(settled, done): settled once published or given up after max_attempts (the merges may
+        go on without it); done once its inner state is kept too, or given up (the round's commit
+        may go on, and the task is not trained again)."""
+        published = self.root.is_committed(layout.path_dir(round_index, job))
+        if published and self.inner_kept(round_index, job):
+            return True, True
+        given_up = self.given_up(Task.of("train", round_index, job))
+        return published or given_up, given_up
+
+    def resumable(self, round_index: int, job: str) -> bool:
+        """The inner state a job of round r resumes is kept, or never will be: round r-1's (round r
+        may start before round r-1 commits, as soon as its modules are merged, and the state is
+        kept after the path is published, off that task's critical path)."""
+        before = round_index - 1
+        if before < 0 or before in self._done_rounds or job not in self.jobs_of(before):
+            return True
+        return self.inner_kept(before, job) or self.given_up(Task.of("train", before, job))
 
     def shards_ready(self, round_index: int) -> bool:
         """The shards round r trains and is evaluated on are committed (the re-routed ones for
@@ -542,12 +566,12 @@ class TaskQueue:
             return []
         keys, jobs = list(self.jobs_through), self.jobs_of(r)
 
-        def job_state(job: str) -> tuple[bool, bool]:
-            """(settled, its modules ready): the modules only asked for while the job is open."""
-            settled = self.job_settled(r, job)
-            return settled, not settled and self.modules_ready(r, self.job_modules[job])
+        def job_state(job: str) -> tuple[bool, bool, bool]:
+            """(settled, done, its inputs ready): the inputs only asked for while it is not done."""
+            settled, done = self.job_settled(r, job)
+            return settled, done, not done and self.modules_ready(r, self.job_modules[job]) and self.resumable(r, job)
 
-        def check(item: ModuleKey | str) -> bool | tuple[bool, bool]:
+        def check(item: ModuleKey | str) -> bool | tuple[bool, bool, bool]:
             if isinstance(item, str):
                 return job_state(item)
             return self.root.is_committed(layout.merged_module_dir(r, item))  # merged on its own
@@ -555,15 +579,16 @@ class TaskQueue:
         found = map_io(check, [*keys, *jobs], threads)
         staged = dict(zip(keys, found[: len(keys)]))
         settled = {job: state[0] for job, state in zip(jobs, found[len(keys) :])}
-        inputs = {job: state[1] for job, state in zip(jobs, found[len(keys) :])}
+        done = {job: state[1] for job, state in zip(jobs, found[len(keys) :])}
+        inputs = {job: state[2] for job, state in zip(jobs, found[len(keys) :])}
         shards_ready = self.shards_ready(r)
-        tasks = [Task.of("train", r, job) for job in jobs if not settled[job] and shards_ready and inputs[job]]
+        tasks = [Task.of("train", r, job) for job in jobs if not done[job] and shards_ready and inputs[job]]
         tasks += [
             Task.of("merge", r, module_target(key))
-            for key, done in staged.items()
-            if not done and all(settled[j] for j in self.jobs_through[key] if j in settled)
+            for key, merged in staged.items()
+            if not merged and all(settled[j] for j in self.jobs_through[key] if j in settled)
         ]
-        if all(staged.values()):
+        if all(staged.values()) and all(done.values()):  # the next round resumes every kept inner state
             tasks.append(Task.of("commit", r))
         return tasks
 
@@ -680,6 +705,7 @@ class Lease:
         self._recent: deque[tuple[float, int]] = deque()  # (inner seconds, step) of the last reports
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._ended = False  # finish() ends a lease once (a keeping thread and SIGTERM may both try)
         self._thread = threading.Thread(target=self._heartbeat, daemon=True, name=f"lease-{task.name}")
         self._thread.start()
 
@@ -701,8 +727,8 @@ class Lease:
                     log.warning("lost the lease of %s (a later attempt exists, or it was failed)", self.task.name)
                     self.lost.set()
                     return
-                if self.queue.output_committed(self.task):
-                    self.cancelled.set()  # another attempt published first: stop working on it
+                if self.queue.task_done(self.task):
+                    self.cancelled.set()  # another attempt did it first: stop working on it
                 self._write(
                     beats=int(self.record.get("beats", 0)) + 1,
                     heartbeat=time.time() + self.queue.clock_offset,
@@ -775,6 +801,10 @@ class Lease:
     def finish(self, state: str, **fields) -> None:
         """End the lease: `done`, `failed` (counts toward max_attempts), `released` or `cancelled`
         (do not). Written with retries: a transient storage error must not lose the outcome."""
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
         self._stop.set()
         self._thread.join()
         for tries in range(5):

@@ -130,7 +130,7 @@ def outer_state_dir(round_index: int) -> str:
 
 def path_dir(round_index: int, path_id: str) -> str:
     """A path's training output in a round: weights, metrics.json (its inner optimizer state lies
-    in inner_state_dir, named by its `_SUCCESS`)."""
+    in inner_state_dir)."""
     return f"{round_dir(round_index)}/paths/path={path_id}"
 
 
@@ -145,11 +145,17 @@ def staging_dir(round_index: int, path_id: str, attempt: str | None = None) -> s
 def inner_state_dir(round_index: int, path_id: str, attempt: str | None = None) -> str:
     """Where one attempt of a path's train task writes its inner optimizer state (what the path's
     next round resumes: AdamW's moments, pipeline.train.zero): beside the path, never inside what
-    is published, so publishing copies only the weights and metrics. The published path's
-    `_SUCCESS` names the attempt whose state it kept (`inner_state`); on an object store, where
-    publishing is a copy, the state (2x the weights) is uploaded once and never copied."""
+    is published, so publishing copies only the weights and metrics. Which attempt's state the path
+    keeps, inner_state_kept names; on an object store the state (2x the weights) is uploaded once,
+    never copied, and after the path is published, off the task's critical path."""
     base = f"{round_dir(round_index)}/inner/path={path_id}"
     return f"{base}/{attempt}" if attempt else base
+
+
+def inner_state_kept(round_index: int, path_id: str) -> str:
+    """{"attempt": name}: the attempt whose committed inner state the path's next round resumes,
+    created exclusively (the first attempt to keep one wins, as a publish does)."""
+    return f"{inner_state_dir(round_index, path_id)}/kept.json"
 
 
 def attempts_dir(round_index: int, path_id: str) -> str:

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -34,7 +34,7 @@ from pipeline.outer import compression
 from pipeline.state import layout
 from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_rows
-from pipeline.state.storage import SUCCESS, RunRoot, map_io, safe_relative
+from pipeline.state.storage import RunRoot, map_io, safe_relative
 from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
@@ -118,9 +118,14 @@ def train_path(
     may_publish: Callable[[], bool] | None = None,
     should_stop: Callable[[], bool] | None = None,
     on_step: StepReport | None = None,
+    keep_inner_state_later: bool = False,
 ) -> dict:
     """Run on every rank of the island; returns the job's metrics (committed by rank 0), with
-    `published` (rank 0: whether this attempt's output is the one committed).
+    `published` (rank 0: whether this attempt's output is the one committed) and `inner_state`:
+    whether this attempt's inner optimizer state is the one the path keeps (keep_inner_state), or,
+    with `keep_inner_state_later` on a one-rank island, the InnerState still to keep, which the
+    caller keeps while it holds the lease: the task is published without waiting for its largest
+    upload, and the island goes on to its next task meanwhile.
 
     `path_id` is a job id: the path, or `<path>.w<k>` for DiLoCo worker k of the path. `attempt`
     names this attempt's staging directory (an island's lease number; default: one per launch),
@@ -207,7 +212,7 @@ def train_path(
         )
         metrics["resumed_from_step"] = progress["step"] if progress else 0
         staging = layout.staging_dir(round_index, path_id, attempt)
-        staged = commit_path(
+        staged, inner = commit_path(
             engine,
             root,
             round_index,
@@ -221,6 +226,9 @@ def train_path(
         )
         if rank == 0:
             metrics["published"] = publish_path(root, round_index, path_id, staging, may_publish, staged)
+        # Kept after publishing, which is all the merges wait for; a round's commit waits for both.
+        later = keep_inner_state_later and world == 1  # more ranks meet at a barrier: not beside the next task
+        metrics["inner_state"] = inner if later else keep_inner_state(inner, may_publish)
     except AttemptCancelled:
         if rank == 0 and root.is_committed(layout.path_dir(round_index, path_id)):
             drop_staging(root, layout.staging_dir(round_index, path_id))  # what this attempt checkpointed is moot
@@ -255,13 +263,8 @@ def publish_path(
     if not published:
         why = "another attempt published first" if committed else "it lost its lease"
         log.warning("path %s round %d: %s; %s is discarded", path_id, round_index, why, staging)
-        drop_staging(root, layout.inner_state_dir(round_index, path_id, posixpath.basename(staging)))
     # Once the path is committed, no staged attempt is ever read (crashed attempts' leftovers too).
-    # The two cleanups touch different trees: at once, each a round trip or two on an object store.
-    cleanups = [lambda: drop_staging(root, layout.staging_dir(round_index, path_id) if committed else staging)]
-    if published:
-        cleanups.append(lambda: prune_inner_state(root, round_index, path_id, kept=posixpath.basename(staging)))
-    map_io(lambda cleanup: cleanup(), cleanups, root.io_threads)
+    drop_staging(root, layout.staging_dir(round_index, path_id) if committed else staging)
     return published
 
 
@@ -431,39 +434,52 @@ def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str) ->
 
 
 def inner_state_of(root: RunRoot, round_index: int, path_id: str) -> str | None:
-    """The committed inner state a published path kept (its `_SUCCESS` names the attempt), or None;
-    a name that is not one safe directory name is refused like a marker's file names."""
+    """The directory of the inner state a path kept in a round (layout.inner_state_kept names it),
+    or None; a name that is not one safe directory name is refused like a marker's file names."""
     found = _kept_inner_state(root, round_index, path_id)
     return None if found is None else found[0]
 
 
 def _kept_inner_state(root: RunRoot, round_index: int, path_id: str) -> tuple[str, dict] | None:
-    """inner_state_of's directory with its `_SUCCESS` record, read once (no existence check first:
-    on an object store every request is a round trip before the task's first step)."""
-    rel = layout.path_dir(round_index, path_id)
-    try:
-        published = root.marker_if_committed(rel)  # one read: no existence check before it
-    except InputError:  # a marker that is not one: no inner state from it (the merge names it)
+    """inner_state_of's directory with its `_SUCCESS` record, each read once (no existence check
+    first: on an object store every request is a round trip before the task's first step)."""
+    token = layout.inner_state_kept(round_index, path_id)
+    kept = root.read_json_if_exists(token)
+    if kept is None:
         return None
-    attempt = None if published is None else published.get("inner_state")  # None: not published
-    if attempt is None:
-        return None
-    where = root.path(rel, SUCCESS)
+    attempt, where = kept.get("attempt"), root.path(token)
     if not isinstance(attempt, str) or "/" in attempt:
-        raise CorruptStateError(f"{where}: inner_state must be one attempt's directory name, got {attempt!r}")
+        raise CorruptStateError(f"{where}: attempt must be one attempt's directory name, got {attempt!r}")
     inner = layout.inner_state_dir(round_index, path_id, safe_relative(attempt, where))
     saved = root.marker_if_committed(inner)
     return None if saved is None else (inner, saved)
 
 
 def latest_inner_state(root: RunRoot, round_index: int, path_id: str) -> tuple[int, str, dict] | None:
-    """The newest earlier round whose published path kept an inner state: the round, where the
-    state lies and its `_SUCCESS` record."""
+    """The newest earlier round whose path kept an inner state: the round, where the state lies and
+    its `_SUCCESS` record."""
     for earlier in range(round_index - 1, -1, -1):
         found = _kept_inner_state(root, earlier, path_id)
         if found is not None:
             return earlier, *found
     return None
+
+
+@dataclass
+class InnerState:
+    """One rank's inner optimizer state at the end of a train attempt (AdamW's step and moments,
+    zero.optimizer_state_bytes), in memory until keep_inner_state uploads it: nothing reads it
+    before the path's next round, so the path is published without waiting for it (on an object
+    store, 2x the weights and a task's largest upload)."""
+
+    root: RunRoot
+    round_index: int
+    path_id: str
+    attempt: str
+    rank: int
+    world_size: int
+    zero_stage: int
+    data: bytes
 
 
 def commit_path(
@@ -477,10 +493,11 @@ def commit_path(
     start_state: dict[str, torch.Tensor] | None = None,
     compression_kind: str = "none",
     staging: str | None = None,
-) -> dict | None:
-    """Write weights + inner state, then metrics, then `_SUCCESS` into `staging` (default: the
-    path's directory itself), rank 0 writes, all ranks gather; publish_path moves it into place.
-    Returns that `_SUCCESS` record on rank 0, None on the others.
+) -> tuple[dict | None, InnerState]:
+    """Write weights, then metrics, then `_SUCCESS` into `staging` (default: the path's directory
+    itself), rank 0 writes, all ranks gather; publish_path moves it into place. Returns that
+    `_SUCCESS` record on rank 0 (None on the others) and every rank's inner state, for
+    keep_inner_state.
 
     With `compression_kind` other than none, also the outer gradient start - end of each level's
     module, compressed: what the merge reads (the full-precision weights stay for the registry and
@@ -490,19 +507,21 @@ def commit_path(
 
     rel = staging or layout.path_dir(round_index, path_id)
     attempt = posixpath.basename(rel) if staging else "direct"
-    inner = layout.inner_state_dir(round_index, path_id, attempt)
     if rank == 0:  # a crashed run of this same attempt name left files: never mixed in
-        map_io(root.remove, [rel, inner], root.io_threads)
+        map_io(root.remove, [rel, layout.inner_state_dir(round_index, path_id, attempt)], root.io_threads)
     dist.barrier()
     state = full_state(engine)  # collective under ZeRO-3
+    inner = InnerState(
+        root,
+        round_index,
+        path_id,
+        attempt,
+        rank,
+        dist.get_world_size(),
+        engine.zero_optimization_stage(),
+        optimizer_state_bytes(engine),  # this rank's partition
+    )
     committed: dict | None = None  # rank 0's staging `_SUCCESS`
-    # Every rank its own optimizer partition (AdamW's step and moments: zero.optimizer_state_bytes),
-    # going up while rank 0 saves and uploads the weights: on an object store the largest object of
-    # a task (2x the weights) and the weights no longer wait for each other.
-    partition = optimizer_state_bytes(engine)
-    uploading = ThreadPoolExecutor(1, thread_name_prefix="dipaco-inner-state")
-    upload = uploading.submit(root.write_bytes, f"{inner}/{optimizer_state_file(rank)}", partition)
-    uploading.shutdown(wait=False)
     with tempfile.TemporaryDirectory(prefix="dipaco-path-") as scratch:
         if rank == 0:
             model = build_path_model(shape, None)
@@ -520,37 +539,59 @@ def commit_path(
                 if compression_kind == "none"
                 else write_outer_gradients(root, rel, shape, start_state, state, compression_kind, info)
             )
-        upload.result()  # its failure fails this rank's task, as the write did in line
-        dist.barrier()
-        if rank == 0:
-            # Both markers at once (a few round trips each on an object store): the path's names
-            # the inner state's attempt, but nothing reads either before publish_path, after both.
-            commits = [
-                lambda: root.commit(
-                    inner,
-                    files=optimizer_state_files(dist.get_world_size()),
-                    info={
-                        "round": round_index,
-                        "path": path_id,
-                        "format": OPTIMIZER_STATE_FORMAT,
-                        "world_size": dist.get_world_size(),
-                        "zero_stage": engine.zero_optimization_stage(),
-                    },
-                ),
-                lambda: root.commit(
-                    rel,
-                    info={**info, "inner_state": attempt, **({"outer_grad": grads} if grads else {})},
-                    files=[
-                        "config.json",
-                        "model.safetensors",
-                        "metrics.json",
-                        *(layout.outer_grad_file(int(level)) for level in grads),
-                    ],
-                ),
-            ]
-            committed = map_io(lambda commit: commit(), commits, root.io_threads)[1]
+            committed = root.commit(
+                rel,
+                info={**info, **({"outer_grad": grads} if grads else {})},
+                files=[
+                    "config.json",
+                    "model.safetensors",
+                    "metrics.json",
+                    *(layout.outer_grad_file(int(level)) for level in grads),
+                ],
+            )
     dist.barrier()
-    return committed
+    return committed, inner
+
+
+def keep_inner_state(inner: InnerState, may_keep: Callable[[], bool] | None = None) -> bool:
+    """Upload every rank's partition of a finished attempt's inner state, commit it, and keep it as
+    the path's: rank 0 creates layout.inner_state_kept exclusively, naming the attempt, so the first
+    attempt to keep one is the one the next round resumes (the publisher; or, when the publisher
+    died before its state was in, an attempt that trained the path again, which the queue starts
+    for it: the round commits only once every path's state is kept). Skipped when a state is kept
+    already or `may_keep` (the lease) says no. True on rank 0 when this attempt's state is kept.
+
+    Collective when the island has more ranks: every rank calls it, and they meet at a barrier."""
+    import torch.distributed as dist
+
+    root, world = inner.root, inner.world_size
+    token = layout.inner_state_kept(inner.round_index, inner.path_id)
+    rel = layout.inner_state_dir(inner.round_index, inner.path_id, inner.attempt)
+    wanted = inner.rank != 0 or (not root.has_file(token) and (may_keep is None or may_keep()))
+    if _agreed(not wanted, world):
+        if inner.rank == 0:
+            drop_staging(root, rel)
+        return False
+    root.write_bytes(f"{rel}/{optimizer_state_file(inner.rank)}", inner.data)
+    if world > 1:
+        dist.barrier()
+    if inner.rank != 0:
+        return False
+    info = {"round": inner.round_index, "path": inner.path_id}
+    kept = may_keep is None or may_keep()
+    if kept:
+        root.commit(
+            rel,
+            files=optimizer_state_files(world),
+            info={**info, "format": OPTIMIZER_STATE_FORMAT, "world_size": world, "zero_stage": inner.zero_stage},
+        )
+        kept = root.create(token, json.dumps({**info, "attempt": inner.attempt}).encode()) is not None
+    if not kept:
+        log.info("path %s round %d: another attempt's inner state is kept", inner.path_id, inner.round_index)
+        drop_staging(root, rel)
+        return False
+    prune_inner_state(root, inner.round_index, inner.path_id, kept=inner.attempt)
+    return True
 
 
 def write_outer_gradients(
@@ -576,24 +617,21 @@ def write_outer_gradients(
 
 
 def prune_inner_state(root: RunRoot, round_index: int, path_id: str, kept: str) -> None:
-    """Only the newest inner state is ever resumed: once round r's path is published with attempt
-    `kept`'s state, round r-1's states go (nothing reads them again: round r's is found first; the
-    rounds before were pruned when r-1 published), and so do round r's other attempts' (crashed or
-    cancelled ones), marker first. A few requests on an object store, whatever the round: the
-    older round's and the other attempts' at once."""
-    base = layout.inner_state_dir(round_index, path_id)
+    """Only the newest inner state is ever resumed: once round r's path kept attempt `kept`'s
+    state, round r-1's go (nothing reads them again: round r's is found first; the rounds before
+    were pruned when r-1 kept its own), and so do round r's other attempts' (crashed or cancelled
+    ones). Round r-1's kept.json stays: it says the state was kept, which round r-1's commit waits
+    for (round r starts as soon as its modules are merged, before round r-1 commits). A few
+    requests on an object store, whatever the round: two listings, then the removals, at once."""
+    token = posixpath.basename(layout.inner_state_kept(round_index, path_id))
 
-    def older_round() -> None:
-        if round_index > 0:
-            root.remove(layout.inner_state_dir(round_index - 1, path_id))
+    def stale(r: int, keep: str | None) -> list[str]:
+        base = layout.inner_state_dir(r, path_id)
+        return [f"{base}/{name}" for name in root.listdir(base) if name not in (keep, token)]
 
-    def other_attempts() -> None:
-        for attempt in root.listdir(base):
-            if attempt != kept:
-                root.remove(f"{base}/{attempt}/_SUCCESS")
-                root.remove(f"{base}/{attempt}")
-
-    map_io(lambda prune: prune(), [older_round, other_attempts], root.io_threads)
+    rounds = [(round_index, kept)] + ([(round_index - 1, None)] if round_index > 0 else [])
+    found = map_io(lambda item: stale(*item), rounds, root.io_threads)
+    map_io(root.remove, [rel for names in found for rel in names], root.io_threads)
 
 
 def main(argv: list[str] | None = None) -> int:
