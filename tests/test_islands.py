@@ -208,6 +208,23 @@ def test_an_island_claims_the_next_rounds_training_before_the_evaluations_left_o
     assert {t.target for t in claimed[:-1]} == set(queue.jobs_of(2)) and claimed[-1].round == 1
 
 
+def test_islands_claim_the_merge_of_the_module_most_paths_share_first(run_root):
+    """A round's merges, longest first: the shared module reads every path through it, the others
+    one each. Claimed last (its name sorts last), it was the round's last merge alone on one island
+    while the other waited (benchmarks/RESULTS.md, "Islands on separate hosts")."""
+    config = tiny_config(run_root, "model.grid=[2,1]", "model.blocks_per_level=[1,1]", "train.inner_steps=1")
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 1)
+    queue = TaskQueue(root, config)
+    for job in queue.jobs_of(0):
+        train_path(config, 0, job)
+    leases = [queue.next_claim(f"island-{k}", 1) for k in range(3)]
+    assert [lease.task.name for lease in leases] == ["merge.r0.l1m0", "merge.r0.l0m0", "merge.r0.l0m1"]
+    for lease in leases:
+        lease.finish("released")
+
+
 def test_an_idle_islands_poll_lists_an_object_store_at_once_and_asks_a_disk_one_by_one(any_root, monkeypatch):
     """ready() is asked twice a second by every idle island: on an object store each existence
     check is a round trip (seconds a poll over a 40 ms link, one by one; 1.2-1.5 s in ~20 waves at

@@ -95,11 +95,15 @@ class Island:
             if self.leaving:
                 return {"exit": "left"}
             until = read_plan(self.root)
-            if until is None or self.queue.finished(until):
+            if until is None:
                 return {"exit": "finished"}
+            # Ready work first: a finished plan has none, and on an object store every question
+            # before a claim is a round trip between one task and the next.
             self.lease = self.queue.next_claim(self.name, until, self.id)
             if self.lease is not None:
                 return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
+            if self.queue.finished(until):
+                return {"exit": "finished"}
             if self.world > 1 and time.monotonic() - waited > IDLE_BROADCAST_S:
                 return {"idle": True}
             time.sleep(POLL_S)

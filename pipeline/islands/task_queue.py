@@ -639,6 +639,13 @@ class TaskQueue:
         router.discriminative_after): islands may leave."""
         return until_round == 0 or (self.round_finished(until_round - 1) and not self.reroute_pending(until_round))
 
+    def merge_fan_in(self, task: Task) -> int:
+        """How many of its round's jobs a merge task reads (0 for other tasks)."""
+        if task.kind != "merge":
+            return 0
+        jobs = set(self.jobs_of(task.round))
+        return sum(job in jobs for job in self.jobs_through.get(task.module, []))
+
     def _held_here(self, task: Task) -> bool:
         """Whether this process still holds what a train task resumes (it trained the path last
         round, on an object store): claimed first, that task reads its inner state, the largest
@@ -650,11 +657,19 @@ class TaskQueue:
 
     def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
         """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler.
-        Evaluations after everything else (REPORT_ONLY); among a round's train tasks, first those
-        whose inner state this island still holds."""
+        Evaluations after everything else (REPORT_ONLY); among a round's merges, first those of the
+        modules most paths share (the longest, read from the most paths: longest first keeps the
+        round's last merge short); among its train tasks, first those whose inner state this
+        island still holds."""
         ready = sorted(
             self.ready(until_round),
-            key=lambda task: (task.kind in REPORT_ONLY, task.round, task.order, not self._held_here(task)),
+            key=lambda task: (
+                task.kind in REPORT_ONLY,
+                task.round,
+                task.order,
+                -self.merge_fan_in(task),
+                not self._held_here(task),
+            ),
         )
         self._medians: dict[int, TaskTimes | None] = {}
         for task in ready:
