@@ -225,6 +225,33 @@ def test_islands_claim_the_merge_of_the_module_most_paths_share_first(run_root):
         lease.finish("released")
 
 
+def test_a_rounds_commit_is_claimed_after_the_next_rounds_training_and_before_the_next_rounds_commit(run_root):
+    """Nothing trains from what a round's commit gathers (round r+1 starts from its modules merged on
+    their own), so islands train first and commit in the gaps; round r+1's commit waits for round
+    r's, which copies the merged modules round r+1's commit removes."""
+    from pipeline.outer.merge import finish_round
+
+    config = tiny_config(
+        run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=2", "train.inner_steps=1"
+    )
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 2)
+    queue = TaskQueue(root, config)
+    train_path(config, 0, "p0")
+    merge_module(config, 0, ModuleKey(0, 0))
+    leases = [queue.next_claim(name, 2) for name in ("a", "b")]
+    assert [lease.task.name for lease in leases] == ["train.r1.p0", "commit.r0"]
+    for lease in leases:
+        lease.finish("released")
+    train_path(config, 1, "p0")
+    merge_module(config, 1, ModuleKey(0, 0))
+    ready = {t.name for t in queue.ready(2)}
+    assert "commit.r0" in ready and "commit.r1" not in ready
+    finish_round(config, 0)
+    assert "commit.r1" in {t.name for t in queue.ready(2)}
+
+
 def test_an_idle_islands_poll_lists_an_object_store_at_once_and_asks_a_disk_one_by_one(any_root, monkeypatch):
     """ready() is asked twice a second by every idle island: on an object store each existence
     check is a round trip (seconds a poll over a 40 ms link, one by one; 1.2-1.5 s in ~20 waves at

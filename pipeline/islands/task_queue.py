@@ -496,6 +496,9 @@ class TaskQueue:
         given_up = self.given_up(Task.of("train", round_index, job))
         return published or given_up, given_up
 
+    def _committed(self, round_index: int) -> bool:
+        return round_index in self._done_rounds or self.root.is_committed(layout.round_dir(round_index))
+
     def resumable(self, round_index: int, job: str) -> bool:
         """The inner state a job of round r resumes is kept, or never will be: round r-1's (round r
         may start before round r-1 commits, as soon as its modules are merged, and the state is
@@ -588,7 +591,9 @@ class TaskQueue:
             for key, merged in staged.items()
             if not merged and all(settled[j] for j in self.jobs_through[key] if j in settled)
         ]
-        if all(staged.values()) and all(done.values()):  # the next round resumes every kept inner state
+        # The next round resumes every kept inner state; the round before must be gathered first
+        # (finish_round removes its merged modules, which that round's commit copies).
+        if all(staged.values()) and all(done.values()) and (r == 0 or self._committed(r - 1)):
             tasks.append(Task.of("commit", r))
         return tasks
 
@@ -641,10 +646,22 @@ class TaskQueue:
 
     def merge_fan_in(self, task: Task) -> int:
         """How many of its round's jobs a merge task reads (0 for other tasks)."""
+        return len(self._merged_jobs(task))
+
+    def merge_locality(self, task: Task) -> float:
+        """The share of a merge task's jobs whose trained paths this process holds in memory (it
+        trained or read them, on an object store: pipeline.state.store.RecentFiles); 0 otherwise."""
+        jobs = self._merged_jobs(task)
+        if not jobs or self.root.is_local:
+            return 0.0
+        held = sum(RECENT.holds_under(self.root.path(layout.path_dir(task.round, job))) for job in jobs)
+        return held / len(jobs)
+
+    def _merged_jobs(self, task: Task) -> list[str]:
         if task.kind != "merge":
-            return 0
+            return []
         jobs = set(self.jobs_of(task.round))
-        return sum(job in jobs for job in self.jobs_through.get(task.module, []))
+        return [job for job in self.jobs_through.get(task.module, []) if job in jobs]
 
     def _held_here(self, task: Task) -> bool:
         """Whether this process still holds what a train task resumes (it trained the path last
@@ -657,16 +674,23 @@ class TaskQueue:
 
     def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
         """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler.
-        Evaluations after everything else (REPORT_ONLY); among a round's merges, first those of the
-        modules most paths share (the longest, read from the most paths: longest first keeps the
-        round's last merge short); among its train tasks, first those whose inner state this
-        island still holds."""
+
+        Evaluations after everything else (REPORT_ONLY), and a round's commit after every ready
+        train, merge and reroute task of any round: nothing trains from what it gathers (a round
+        starts from its modules merged on their own), and claimed first it held one island back
+        from the next round's training on two hosts (benchmarks/RESULTS.md, "Islands on separate
+        hosts"); it runs in the gaps, while islands wait for a path to be published or a merge.
+        Among a round's merges, first those whose paths' weights this island holds in memory (it
+        trained them: no download), then those of the modules most paths share (the longest);
+        among its train tasks, first those whose inner state this island still holds."""
         ready = sorted(
             self.ready(until_round),
             key=lambda task: (
                 task.kind in REPORT_ONLY,
+                task.kind == "commit",
                 task.round,
                 task.order,
+                -self.merge_locality(task),
                 -self.merge_fan_in(task),
                 not self._held_here(task),
             ),
