@@ -589,11 +589,14 @@ def goodput(result: dict) -> float:
 
 
 def span_past_round_0(result: dict) -> float | None:
-    """Seconds from round 0's commit to the last round's: the training phase without round 0, whose
-    first compile (train.compile) every host pays with its own cache, and which the lab's hosts pay
-    on one machine's shared cores at once (none with a single round)."""
-    committed = sorted(r["committed_at"] for r in result["summary"]["rounds"].values())
-    return committed[-1] - committed[0] if len(committed) > 1 else None
+    """Seconds from round 0's end (its last merge) to the last round's commit: the training phase
+    without round 0, whose first compile (train.compile) every host pays with its own cache, and
+    which the lab's hosts pay on one machine's shared cores at once (none with a single round)."""
+    rounds = result["summary"]["rounds"]
+    if len(rounds) < 2:
+        return None
+    first = rounds[min(rounds, key=int)]
+    return max(r["committed_at"] for r in rounds.values()) - first.get("ended_at", first["committed_at"])
 
 
 def goodput_past_round_0(result: dict, ref: dict) -> str:
@@ -642,7 +645,7 @@ def per_round(result: dict, n_hosts: int) -> list[dict]:
     claims = [a["claimed_at"] for a in s["attempts"] if a["task"].startswith("train.") and a.get("claimed_at")]
     begin, rows = min(claims), []
     for r, info in rounds:
-        end = info["committed_at"]
+        end = info.get("ended_at", info["committed_at"])  # its last merge
         row = {"round": int(r), "wall_s": end - begin, "utilisation": (info["utilisation"] or {}).get("utilisation")}
         for phase in ("load", "engine", "commit"):
             row[f"{phase}_s"] = (info["utilisation"] or {}).get(f"task_{phase}_seconds")

@@ -85,7 +85,7 @@ def tree_bytes(root: RunRoot, rel: str) -> int:
 
 def summary(config: Config, root: RunRoot) -> dict:
     from pipeline.stages import list_paths
-    from pipeline.tracking.utilisation import round_utilisation
+    from pipeline.tracking.utilisation import round_end, round_utilisation
 
     rounds = read_plan(root) or config.train.rounds
     attempts = []
@@ -115,6 +115,7 @@ def summary(config: Config, root: RunRoot) -> dict:
         )
         per_round[r] = {
             "committed_at": float(root.marker(layout.round_dir(r))["committed_at"]),
+            "ended_at": round_end(root, r),  # its last merge: islands commit a round in the gaps
             "utilisation": round_utilisation(config, r),
             "bytes_outer": merge.get("bytes_outer"),
             "paths": paths,

@@ -230,6 +230,7 @@ def test_a_rounds_commit_is_claimed_after_the_next_rounds_training_and_before_th
     their own), so islands train first and commit in the gaps; round r+1's commit waits for round
     r's, which copies the merged modules round r+1's commit removes."""
     from pipeline.outer.merge import finish_round
+    from pipeline.tracking.utilisation import round_end
 
     config = tiny_config(
         run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=2", "train.inner_steps=1"
@@ -248,8 +249,12 @@ def test_a_rounds_commit_is_claimed_after_the_next_rounds_training_and_before_th
     merge_module(config, 1, ModuleKey(0, 0))
     ready = {t.name for t in queue.ready(2)}
     assert "commit.r0" in ready and "commit.r1" not in ready
+    merged_at = root.marker(layout.merged_module_dir(0, ModuleKey(0, 0)))["committed_at"]
     finish_round(config, 0)
     assert "commit.r1" in {t.name for t in queue.ready(2)}
+    # Round 0 ended at its last merge, not at its commit a round later: what utilisation counts to.
+    marker = root.marker(layout.round_dir(0))
+    assert marker["merged_at"] == merged_at < marker["committed_at"] and round_end(root, 0) == merged_at
 
 
 def test_an_idle_islands_poll_lists_an_object_store_at_once_and_asks_a_disk_one_by_one(any_root, monkeypatch):

@@ -405,7 +405,14 @@ def finish_round(config: Config, round_index: int) -> dict:
     commit_states(root, rel_outer, momentum_keys, info, {layout.module_file(k): records[k][1] for k in momentum_keys})
     report = round_report(root, config, round_index, markers)
     root.write_json(f"{rel_round}/merge.json", report)
-    root.commit(rel_round, info={"round": round_index, "next_round": round_index + 1}, files=["merge.json"])
+    # merged_at: when the round's last module was merged, the end of its work (utilisation's end of
+    # the round): islands commit a round in the gaps, after the next round's training is claimed.
+    merged_at = max(float(marker["committed_at"]) for marker in markers.values())
+    root.commit(
+        rel_round,
+        info={"round": round_index, "next_round": round_index + 1, "merged_at": merged_at},
+        files=["merge.json"],
+    )
     log.info(
         "merged round %d: %d paths in, %d left out %s; %.1f MB outer vs %.1f MB data-parallel",
         round_index,

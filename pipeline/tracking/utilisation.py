@@ -1,8 +1,11 @@
 """Compute utilisation of a run: how much of the islands' time went into inner-loop steps.
 
     utilisation(r) = sum of inner-loop seconds of every train task of rounds <= r
-                     / sum over islands of the time each island was running before round r's
-                       `_SUCCESS` committed_at (the union of its lifetimes)
+                     / sum over islands of the time each island was running before round r
+                       ended (the union of its lifetimes)
+
+A round ends when its last module is merged (`merged_at` in the round's `_SUCCESS`; its commit
+time in older runs): islands commit a round in the gaps, after the next round's training.
 
 The rest is overhead: launching, claiming, loading modules and inner state, building engines,
 committing, merging, evaluating, and waiting for work. Counting the islands' lifetimes (each
@@ -49,7 +52,7 @@ def round_utilisation(config: Config, round_index: int) -> dict | None:
                     starts.append(float(metrics["started_at"]))
     if not starts:
         return None
-    end = float(root.marker(layout.round_dir(round_index))["committed_at"])
+    end = round_end(root, round_index)
     running = island_seconds(root, end)
     if running:
         islands, busy = len(running), sum(running.values())
@@ -65,6 +68,14 @@ def round_utilisation(config: Config, round_index: int) -> dict | None:
         "task_overhead_seconds": sum(overheads) / len(overheads) if overheads else None,
         **{f"task_{phase}_seconds": v for phase, v in (overhead_breakdown(config, round_index) or {}).items()},
     }
+
+
+def round_end(root: RunRoot, round_index: int) -> float:
+    """When a committed round's last module was merged (`merged_at`), or, in runs from before it
+    was recorded, when the round was committed."""
+    marker = root.marker(layout.round_dir(round_index))
+    merged_at = marker.get("merged_at")
+    return float(merged_at) if _finite(merged_at) else float(marker["committed_at"])
 
 
 def island_seconds(root: RunRoot, until: float, since: float = float("-inf")) -> dict[str, float]:
