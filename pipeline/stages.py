@@ -39,7 +39,10 @@ _FIXED = ("model", "router")
 
 def init_run(run: Run) -> RunRoot:
     """Write run.yaml and the round-0 modules, unless the run root already holds them (with
-    model.init_from: the checkpoint's shape in run.yaml, its weights and tokenizer: pipeline.init_from)."""
+    model.init_from: the checkpoint's shape in run.yaml, its weights and tokenizer: pipeline.init_from).
+    A resumed run root from before kept.json has its paths' inner-state records adopted
+    (train_path.adopt_legacy_inner_states)."""
+    resumed = run.root.exists(layout.RUN_CONFIG)
     check_same_run(run)
     model = run.config.model
     if model.init_from and model.init_config is None:
@@ -50,6 +53,10 @@ def init_run(run: Run) -> RunRoot:
         init_from.init_modules(run.config, run.root)
     elif init_modules(run.root, run.config.model, run.config.model.grid):
         log.info("initialised round 0: %d modules for %d paths", sum(run.config.model.grid), run.config.n_paths)
+    if resumed:
+        from pipeline.train.train_path import adopt_legacy_inner_states
+
+        adopt_legacy_inner_states(run.root)
     return run.root
 
 

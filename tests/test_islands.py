@@ -185,6 +185,34 @@ def test_a_path_whose_island_died_before_its_inner_state_was_in_is_trained_again
     assert queue.claim(task, "late") is None
 
 
+def test_a_run_root_from_before_kept_json_resumes_with_its_paths_inner_state(run_root):
+    """Before kept.json, a published path's `_SUCCESS` named the attempt whose inner state it kept.
+    Resumed as it was, such a run would never commit a round stopped midway (its commit waits for
+    kept.json) and would start the next round from fresh moments; `dipaco run` (init_run) adopts
+    the old records instead."""
+    from pipeline.train.train_path import latest_inner_state
+
+    config = tiny_config(
+        run_root, "model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=2", "train.inner_steps=2"
+    )
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 2)
+    train_path(config, 0, "p0", attempt="attempt-1")
+    # the older layout: no kept.json; the path's _SUCCESS names the attempt
+    root.remove(layout.inner_state_kept(0, "p0"))
+    marker = root.read_json(f"{layout.path_dir(0, 'p0')}/_SUCCESS")
+    root.write_json(f"{layout.path_dir(0, 'p0')}/_SUCCESS", {**marker, "inner_state": "attempt-1"})
+    merge_module(config, 0, ModuleKey(0, 0))
+    queue = TaskQueue(root, config)
+    assert "commit.r0" not in {t.name for t in queue.ready(2)} and latest_inner_state(root, 1, "p0") is None
+
+    stages.init_run(Run(config))  # what a resumed `dipaco run` does first
+    assert root.read_json(layout.inner_state_kept(0, "p0"))["attempt"] == "attempt-1"
+    assert {"commit.r0", "train.r1.p0"} <= {t.name for t in TaskQueue(root, config).ready(2)}
+    assert latest_inner_state(root, 1, "p0")[1] == layout.inner_state_dir(0, "p0", "attempt-1")
+
+
 def test_an_island_claims_the_next_rounds_training_before_the_evaluations_left_of_an_earlier_round(run_root):
     """Evaluations feed only the round's report: with round 1's evaluations still to do and round 2's
     training ready, islands train first (the evaluations had delayed every round's start by 2-4 s

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import posixpath
+import re
 import sys
 import tempfile
 import time
@@ -453,6 +454,40 @@ def _kept_inner_state(root: RunRoot, round_index: int, path_id: str) -> tuple[st
     inner = layout.inner_state_dir(round_index, path_id, safe_relative(attempt, where))
     saved = root.marker_if_committed(inner)
     return None if saved is None else (inner, saved)
+
+
+def adopt_legacy_inner_states(root: RunRoot) -> list[str]:
+    """Write layout.inner_state_kept for the paths of a run root written before it existed, whose
+    published `_SUCCESS` named their kept attempt (`inner_state`); the paths adopted. Without it a
+    resumed run would start their next round from fresh AdamW moments, and a round stopped midway
+    would never commit (its commit waits for every path's kept.json). Once, when a run resumes:
+    the rounds from the newest back to the newest committed one (an older round's states were
+    pruned when the next round published), one listing each and a HEAD a path."""
+    rounds = sorted(
+        (int(name.split("=", 1)[1]) for name in root.listdir("rounds") if re.fullmatch(r"round=\d+", name)),
+        reverse=True,
+    )
+    adopted = []
+    for r in rounds:
+        for name in root.listdir(f"{layout.round_dir(r)}/paths"):
+            path_id = name.split("=", 1)[1] if re.fullmatch(r"path=[^/]+", name) else None
+            if path_id is None or root.has_file(layout.inner_state_kept(r, path_id)):
+                continue
+            try:
+                attempt = (root.marker_if_committed(layout.path_dir(r, path_id)) or {}).get("inner_state")
+            except InputError:  # not a marker: nothing to adopt (the merge names it)
+                continue
+            if not isinstance(attempt, str) or "/" in attempt:
+                continue
+            if root.is_committed(layout.inner_state_dir(r, path_id, attempt)):
+                record = {"round": r, "path": path_id, "attempt": attempt}
+                if root.create(layout.inner_state_kept(r, path_id), json.dumps(record).encode()) is not None:
+                    adopted.append(f"{layout.round_dir(r)}: {path_id}")
+        if root.is_committed(layout.round_dir(r)):
+            break
+    if adopted:
+        log.info("adopted the inner state records of %d paths from an older layout: %s", len(adopted), adopted)
+    return adopted
 
 
 def latest_inner_state(root: RunRoot, round_index: int, path_id: str) -> tuple[int, str, dict] | None:
