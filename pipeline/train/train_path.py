@@ -470,8 +470,11 @@ def adopt_legacy_inner_states(root: RunRoot) -> list[str]:
     adopted = []
     for r in rounds:
         for name in root.listdir(f"{layout.round_dir(r)}/paths"):
+            # a publish's token (`path=<id>.published`) lies beside the path's directory
             path_id = name.split("=", 1)[1] if re.fullmatch(r"path=[^/]+", name) else None
-            if path_id is None or root.has_file(layout.inner_state_kept(r, path_id)):
+            if path_id is None or name.endswith(".published"):
+                continue
+            if root.has_file(layout.inner_state_kept(r, path_id)):
                 continue
             try:
                 attempt = (root.marker_if_committed(layout.path_dir(r, path_id)) or {}).get("inner_state")
