@@ -42,8 +42,7 @@ def init_run(run: Run) -> RunRoot:
     model.init_from: the checkpoint's shape in run.yaml, its weights and tokenizer: pipeline.init_from).
     A resumed run root from before kept.json has its paths' inner-state records adopted
     (train_path.adopt_legacy_inner_states)."""
-    resumed = run.root.exists(layout.RUN_CONFIG)
-    check_same_run(run)
+    resumed = check_same_run(run)
     model = run.config.model
     if model.init_from and model.init_config is None:
         init_from.check(run.config)  # refuses before run.yaml is written
@@ -60,9 +59,9 @@ def init_run(run: Run) -> RunRoot:
     return run.root
 
 
-def check_same_run(run: Run) -> None:
+def check_same_run(run: Run) -> bool:
     """A config may change how a run trains, never what it trains: `model` and `router` must be
-    those of the run root's run.yaml, if it has one."""
+    those of the run root's run.yaml, if it has one. Whether it has one (a resumed run)."""
     if run.root.exists(layout.RUN_CONFIG):
         previous = layout.read_run_config(run.root, uses_code=False)  # model and router only
         for section in _FIXED:
@@ -71,6 +70,8 @@ def check_same_run(run: Run) -> None:
                     f"{run.config.source}: {section} differs from the run in {run.root.path()} "
                     f"(its run.yaml); use a new run_root to change it"
                 )
+        return True
+    return False
 
 
 def prepare(run: Run) -> dict:

@@ -497,7 +497,13 @@ class TaskQueue:
         return published or given_up, given_up
 
     def _committed(self, round_index: int) -> bool:
-        return round_index in self._done_rounds or self.root.is_committed(layout.round_dir(round_index))
+        """Round r is committed (remembered: a committed round never changes)."""
+        if round_index in self._done_rounds:
+            return True
+        if self.root.is_committed(layout.round_dir(round_index)):
+            self._done_rounds.add(round_index)
+            return True
+        return False
 
     def resumable(self, round_index: int, job: str) -> bool:
         """The inner state a job of round r resumes is kept, or never will be: round r-1's (round r
@@ -562,10 +568,7 @@ class TaskQueue:
 
     def _ready_to_train(self, r: int, threads: int) -> list[Task]:
         """Round r's train, merge and commit tasks that can start now (none once it is committed)."""
-        if r in self._done_rounds:
-            return []
-        if self.root.is_committed(layout.round_dir(r)):
-            self._done_rounds.add(r)
+        if self._committed(r):
             return []
         keys, jobs = list(self.jobs_through), self.jobs_of(r)
 
@@ -644,24 +647,19 @@ class TaskQueue:
         router.discriminative_after): islands may leave."""
         return until_round == 0 or (self.round_finished(until_round - 1) and not self.reroute_pending(until_round))
 
-    def merge_fan_in(self, task: Task) -> int:
-        """How many of its round's jobs a merge task reads (0 for other tasks)."""
-        return len(self._merged_jobs(task))
-
-    def merge_locality(self, task: Task) -> float:
-        """The share of a merge task's jobs whose trained paths this process holds in memory (it
-        trained or read them, on an object store: pipeline.state.store.RecentFiles); 0 otherwise."""
-        jobs = self._merged_jobs(task)
-        if not jobs or self.root.is_local:
-            return 0.0
-        held = sum(RECENT.holds_under(self.root.path(layout.path_dir(task.round, job))) for job in jobs)
-        return held / len(jobs)
-
-    def _merged_jobs(self, task: Task) -> list[str]:
+    def merge_preference(self, task: Task) -> tuple[float, int]:
+        """A merge task's claim order among its round's merges, lowest first: minus the share of its
+        jobs whose trained paths this process holds in memory (it trained or read them, on an object
+        store: pipeline.state.store.RecentFiles), then minus how many of its round's jobs it reads
+        (the longest first); (0, 0) for other tasks."""
         if task.kind != "merge":
-            return []
-        jobs = set(self.jobs_of(task.round))
-        return [job for job in self.jobs_through.get(task.module, []) if job in jobs]
+            return 0.0, 0
+        round_jobs = set(self.jobs_of(task.round))
+        jobs = [job for job in self.jobs_through.get(task.module, []) if job in round_jobs]
+        if not jobs or self.root.is_local:
+            return 0.0, -len(jobs)
+        held = sum(RECENT.holds_under(self.root.path(layout.path_dir(task.round, job))) for job in jobs)
+        return -held / len(jobs), -len(jobs)
 
     def _held_here(self, task: Task) -> bool:
         """Whether this process still holds what a train task resumes (it trained the path last
@@ -690,8 +688,7 @@ class TaskQueue:
                 task.kind == "commit",
                 task.round,
                 task.order,
-                -self.merge_locality(task),
-                -self.merge_fan_in(task),
+                self.merge_preference(task),
                 not self._held_here(task),
             ),
         )
