@@ -325,7 +325,7 @@ def summarize(root: RunRoot, config: Config, name: str, wall: float, train_wall:
     tokens, inner, resumed = 0, 0.0, {}
     for r in range(config.train.rounds):
         for job in stages.list_paths(config):
-            metrics = root.read_json(f"{layout.path_dir(r, job)}/metrics.json")
+            metrics = root.read_committed_json(layout.path_dir(r, job), "metrics.json")
             tokens += metrics["tokens"]
             inner += metrics["seconds"]
             if metrics.get("resumed_from_step"):

@@ -23,7 +23,7 @@ from pipeline.core.config import Config, load_config
 from pipeline.islands.task_queue import LEASES, PLAN, TaskQueue, read_plan
 from pipeline.run import Run
 from pipeline.state import layout
-from pipeline.state.storage import RunRoot
+from pipeline.state.storage import FILES_AT, SUCCESS, RunRoot
 
 
 def newest_attempts(root: RunRoot, committed_rounds: set[int]) -> dict[str, list[str]]:
@@ -99,11 +99,12 @@ def summary(config: Config, root: RunRoot) -> dict:
         paths = {}
         for job in list_paths(config):
             rel = layout.path_dir(r, job)
-            if root.is_committed(rel):
-                metrics = root.read_json(f"{rel}/metrics.json")
+            marker = root.marker_if_committed(rel)
+            if marker is not None:  # its files where the marker says (a published attempt's, on a store)
+                metrics = root.read_committed_json(rel, "metrics.json", marker=marker)
                 tokens += int(metrics["tokens"])
                 paths[job] = {
-                    "bytes": tree_bytes(root, rel),
+                    "bytes": sum(record["bytes"] for record in marker["files"].values()),
                     "inner_seconds": metrics["seconds"],
                     "precision": metrics.get("precision"),  # what the island that trained it resolved
                     "compiled": metrics.get("compiled"),
@@ -139,6 +140,12 @@ def sizes(root: RunRoot) -> dict[str, int]:
         for path, info in root.fs.find(root.path(top), detail=True).items():
             if path.startswith(prefix):
                 found[path[len(prefix) :]] = int(info.get("size") or 0)
+    # a published path's files lie in its staged attempt (files_at): listed under the path's name too
+    for name in [n for n in found if n.endswith(f"/{SUCCESS}") and "/paths/path=" in n]:
+        rel = name.removesuffix(f"/{SUCCESS}")
+        marker = root.marker(rel)
+        if marker.get(FILES_AT):
+            found.update({f"{rel}/{file}": record["bytes"] for file, record in marker["files"].items()})
     return found
 
 

@@ -146,7 +146,7 @@ def test_a_tiny_run_reroutes_after_round_0_and_round_1_trains_on_the_new_shards(
     assert manifest["routed"] == old["routed"]  # every document re-routed, none lost
     for path_id in all_path_ids([2, 2]):
         for r, (shards, source) in enumerate([(layout.SHARDS_DIR, old), (new.shards, manifest)]):
-            metrics = root.read_json(f"{layout.path_dir(r, path_id)}/metrics.json")
+            metrics = root.read_committed_json(layout.path_dir(r, path_id), "metrics.json")
             assert metrics["shards"] == shards
             assert metrics["shard_docs"] == source["paths"][path_id]["train"]["documents"]
 

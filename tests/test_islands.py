@@ -384,7 +384,8 @@ def test_sigterm_releases_the_task_and_another_island_finishes_the_run(run_root)
     )
     assert stayer.returncode == 0, (stayer.stdout + stayer.stderr)[-2000:]
     for job in stages.list_paths(config):
-        assert root.read_json(f"{layout.path_dir(0, job)}/metrics.json")["ds_config"]["zero_optimization"]["stage"] == 3
+        metrics = root.read_committed_json(layout.path_dir(0, job), "metrics.json")
+        assert metrics["ds_config"]["zero_optimization"]["stage"] == 3
     assert root.is_committed(layout.round_dir(0)) and root.exists(layout.eval_file(1))
     assert root.read_json(f"{layout.round_dir(0)}/merge.json")["paths_left_out"] == []
     assert queue.attempts(task)[-1].record["island"] == "stayer"
@@ -418,7 +419,7 @@ def test_two_deepspeed_islands_train_sixteen_paths_and_report_utilisation(run_ro
     assert use["islands"] == 2 and use["round"] == 1 and 0 < use["utilisation"] <= 1
     assert use["task_overhead_seconds"] > 0 and use["task_engine_seconds"] > 0 and use["task_commit_seconds"] > 0
 
-    metrics = root.read_json(f"{layout.path_dir(1, 'p3-3')}/metrics.json")
+    metrics = root.read_committed_json(layout.path_dir(1, "p3-3"), "metrics.json")
     assert metrics["started_at"] < metrics["finished_at"] <= root.marker(layout.round_dir(1))["committed_at"]
 
 
@@ -473,5 +474,5 @@ def test_an_island_of_two_ranks_trains_every_task_with_both(run_root):
     root = RunRoot(config.run_root)
     assert summary["rounds_committed"] == 1 and sorted(summary["eval"]) == [0, 1]
     for job in stages.list_paths(config):
-        assert root.read_json(f"{layout.path_dir(0, job)}/metrics.json")["world_size"] == 2
+        assert root.read_committed_json(layout.path_dir(0, job), "metrics.json")["world_size"] == 2
     assert root.read_json("queue/islands/island-0.json")["world_size"] == 2

@@ -28,6 +28,14 @@ pytestmark = pytest.mark.usefixtures("no_collector_pauses")  # lease timing: con
 ONE_PATH = ("model.grid=[1]", "model.blocks_per_level=[1]", "train.rounds=1")
 
 
+def unpublished_staging(root: RunRoot, round_index: int, path_id: str) -> list[str]:
+    """What is left in a path's staging place besides what its `_SUCCESS` names (on an object store
+    the published attempt stays there and holds the path's files; a local root renamed it away)."""
+    kept = root.marker(layout.path_dir(round_index, path_id)).get(storage.FILES_AT)
+    base = layout.staging_dir(round_index, path_id)
+    return [name for name in root.listdir(base) if f"{base}/{name}" != kept]
+
+
 def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readable(any_root):
     """The issue's wedge: two attempts of one train task both finish. The one whose lease expired
     publishes nothing; the round's path directory is exactly the other's, and it verifies."""
@@ -46,7 +54,7 @@ def test_a_holder_that_lost_its_lease_cannot_publish_and_the_output_stays_readab
     rel = layout.path_dir(0, "p0")
     root.verify(rel)
     assert root.read_committed_json(rel, "metrics.json")["started_at"] == fresh["started_at"]
-    assert not root.exists(layout.staging_dir(0, "p0"))
+    assert unpublished_staging(root, 0, "p0") == []  # the late attempt's output is gone
     # the inner state kept is the publisher's; the late attempt's, written before it lost, is gone
     assert root.read_json(layout.inner_state_kept(0, "p0"))["attempt"] == "attempt-2"
     assert root.listdir(layout.inner_state_dir(0, "p0")) == ["attempt-2", "kept.json"]
@@ -300,7 +308,7 @@ def test_an_attempt_killed_mid_task_resumes_from_its_checkpoint_with_the_identic
     assert root.read_committed(rel, "model.safetensors") == RunRoot(whole.run_root).read_committed(
         rel, "model.safetensors"
     )
-    assert not root.exists(layout.staging_dir(0, "p0"))  # published: checkpoints gone with the staging place
+    assert unpublished_staging(root, 0, "p0") == []  # published: the checkpoints are gone
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import time
 import urllib.parse
 
 import pytest
+import torch
 
 from conftest import REPO, TINY_YAML, set_args, tiny_config, wait_for, write_synthetic_shards
 from pipeline.core.errors import ConfigError, RunLockedError
@@ -489,7 +490,7 @@ def s3_requests(monkeypatch):
 def test_a_tasks_questions_to_an_object_store_take_one_request_each_and_a_removal_takes_only_its_tree(s3, s3_requests):
     """Over a 40 ms link every request is a round trip a task waits for (RESULTS.md, "Islands on
     separate hosts"): an absent directory's removal, a marker that is not there yet, a file's
-    existence, an empty listing, a file not written yet and a publish's copies each cost one
+    existence, an empty listing, a file not written yet and a publish each cost one
     request, and the one listing a removal makes (its prefix also matches `attempt-10` and
     `attempt-1.json`) removes only the tree it names."""
     staged = "rounds/round=0/staging/path=p0/attempt-1"
@@ -512,19 +513,23 @@ def test_a_tasks_questions_to_an_object_store_take_one_request_each_and_a_remova
     assert [op for op, _ in s3_requests] == ["list_objects_v2", "get_object"]
     assert s3.listdir("rounds/round=0/staging/path=p0") == ["attempt-1", "attempt-1.json", "attempt-10"]
 
-    s3_requests.clear()
+    s3_requests.clear()  # a publish reads the staged marker, then creates the path's own naming it: no copy
     assert s3.publish_dir(staged, "rounds/round=0/paths/path=p0")
-    ops = [op for op, _ in s3_requests]
-    assert ops.count("copy_object") == 3  # two files, then the marker
-    assert ops.count("head_object") == 2, s3_requests  # is the output there yet, is the staging committed
+    assert s3_requests == [
+        ("get_object", f"run/{staged}/_SUCCESS"),
+        ("put_object", "run/rounds/round=0/paths/path=p0/_SUCCESS"),
+    ]
     s3.verify("rounds/round=0/paths/path=p0")
     other = "rounds/round=0/staging/path=p1/attempt-1"
     s3.write_bytes(f"{other}/model.safetensors", b"v" * 1000)
     record = s3.commit(other)
-    s3_requests.clear()  # the marker its trainer just committed names the files: no HEAD of it, no listing
+    s3_requests.clear()  # the marker its trainer just committed names the files: one request
     assert s3.publish_dir(other, "rounds/round=0/paths/path=p1", record)
-    ops = [op for op, _ in s3_requests]
-    assert ops == ["head_object", "put_object", "copy_object", "copy_object"], s3_requests
+    assert [op for op, _ in s3_requests] == ["put_object"], s3_requests
+    s3_requests.clear()  # a later attempt's publish is refused by the store, in one request too
+    assert not s3.publish_dir(staged, "rounds/round=0/paths/path=p1", record)
+    assert [op for op, _ in s3_requests] == ["put_object"], s3_requests
+    assert s3.marker("rounds/round=0/paths/path=p1")["files_at"] == other
     s3.verify("rounds/round=0/paths/path=p1")
 
     s3_requests.clear()
@@ -569,6 +574,65 @@ def test_each_rank_of_an_island_keeps_its_own_optimizer_partition_on_s3_and_resu
     merge_round(config, 0)
     again = train_path_job(config, 1, "p0")
     assert again is not None and again["resumed_inner_state_from"] == 0
+
+
+def test_a_path_published_on_an_object_store_is_read_where_its_marker_names_and_its_other_attempts_go(s3, s3_requests):
+    """No rename on a store: a publish creates the path's `_SUCCESS` naming the staged attempt,
+    whose files every reader then reads (checked against the record as always). Cleaning up
+    keeps that attempt and removes the others; pruning the round's weights removes them there
+    and keeps metrics.json. A marker that points outside the run root is refused by name."""
+    import json
+
+    from pipeline.core.errors import CorruptStateError
+    from pipeline.state import layout
+    from pipeline.state.retention import prune_round
+    from pipeline.train.train_path import drop_unpublished
+
+    rel = layout.path_dir(0, "p0")
+    attempts = [layout.staging_dir(0, "p0", f"attempt-{i}") for i in (1, 2)]
+    for i, staged in enumerate(attempts):
+        s3.write_bytes(f"{staged}/model.safetensors", bytes([i]) * 100_000)
+        s3.write_json(f"{staged}/metrics.json", {"tokens": 10 + i})
+        s3.commit(staged)
+    s3.write_json(f"{layout.staging_dir(0, 'p0')}/checkpoints/attempt-2/step=1/progress.json", {"step": 1})
+    assert s3.publish_dir(attempts[1], rel) and not s3.publish_dir(attempts[0], rel)
+    assert s3.read_committed_json(rel, "metrics.json") == {"tokens": 11}  # the winner's, from where it lies
+    assert not s3.fs.exists(s3.path(rel, "model.safetensors"))  # nothing was copied
+
+    drop_unpublished(s3, 0, "p0")
+    assert s3.listdir(layout.staging_dir(0, "p0")) == ["attempt-2"]
+    s3.verify(rel)
+
+    s3_requests.clear()
+    assert prune_round(s3, 0, ["p0"]) == 100_000
+    assert sorted(s3.marker(rel)["files"]) == ["metrics.json"] and s3.marker(rel)["files_at"] == attempts[1]
+    assert not s3.fs.exists(s3.path(attempts[1], "model.safetensors"))
+    assert s3.read_committed_json(rel, "metrics.json") == {"tokens": 11}
+
+    for outside in ("../elsewhere", "/etc", 7):
+        s3.write_bytes(f"{rel}/_SUCCESS", json.dumps({"files": {}, "files_at": outside}).encode())
+        with pytest.raises(CorruptStateError, match="files_at|unsafe"):
+            s3.marker(rel)
+
+
+def test_a_train_task_finds_its_modules_with_one_wave_of_requests_on_an_object_store(s3, s3_requests):
+    """Before round r-1 is gathered, a train task of round r reads each module where it was merged:
+    all the markers that can say where go out at once (one round trip), then the files."""
+    from models.grid import ModuleKey
+    from pipeline.state import layout
+    from pipeline.state.module_store import load_modules, write_state
+
+    keys = [ModuleKey(0, 0), ModuleKey(1, 0)]
+    for key in keys:
+        rel = layout.merged_module_dir(0, key)
+        write_state(s3, rel, key, {"w": torch.full((4,), float(key.level))}, {"round": 0}, layout.MERGED_MODULE)
+        s3.commit(rel)
+    s3_requests.clear()
+    loaded = load_modules(s3, 1, keys)
+    assert [float(loaded[key]["w"][0]) for key in keys] == [0.0, 1.0]
+    markers = {f"run/{d}/_SUCCESS" for d in [layout.modules_dir(1), *(layout.merged_module_dir(0, k) for k in keys)]}
+    assert {name for _, name in s3_requests[:3]} == markers  # the markers first, at once; asking took 9 requests
+    assert [op for op, _ in s3_requests] == ["get_object"] * 5, s3_requests  # then the two (small) files
 
 
 def test_what_a_process_wrote_or_read_it_reads_again_from_memory_only_while_the_stores_marker_certifies_it(
@@ -677,7 +741,7 @@ def test_an_island_claims_the_path_whose_inner_state_it_holds_and_reads_none_of_
     outcome = run_task(config, lease.task, 0, lease.number, lease)
     read = [key for op, key in s3_requests if op == "get_object"]
     assert not [key for key in read if "/inner/" in key and key.endswith(".safetensors")], read
-    assert root.read_json(f"{layout.path_dir(1, 'p1')}/metrics.json")["resumed_inner_state_from"] == 0
+    assert root.read_committed_json(layout.path_dir(1, "p1"), "metrics.json")["resumed_inner_state_from"] == 0
 
     # Published before its inner state (2x the weights) went up: the island keeps it meanwhile, and
     # its lease stays held until the state is kept.

@@ -81,7 +81,7 @@ def test_dipaco_run_from_another_directory_registers_a_model_with_the_pipelines_
     resolved = parent.data.params["precision.resolved"]
     assert resolved in ("fp32", "bf16") and parent.data.params["train.precision"] == "auto"
     assert "precision.reason" in parent.data.params
-    metrics = RunRoot(run_root).read_json(f"{layout.path_dir(0, 'p0')}/metrics.json")
+    metrics = RunRoot(run_root).read_committed_json(layout.path_dir(0, "p0"), "metrics.json")
     assert metrics["precision"] == resolved
     assert {r.data.params["path.precision"] for r in runs if "path.id" in r.data.params} == {resolved}
     assert f"precision: {resolved} (" in done.stderr  # said once per run
@@ -128,7 +128,7 @@ def test_a_launched_rank_sets_its_threads_from_its_cores_whatever_its_environmen
         preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert root.read_json(f"{layout.path_dir(0, 'p0')}/metrics.json")["threads"] == 1
+    assert root.read_committed_json(layout.path_dir(0, "p0"), "metrics.json")["threads"] == 1
 
 
 def test_the_makefile_leaves_the_accelerator_to_the_code():

@@ -59,7 +59,7 @@ def test_clustered_workers_train_on_their_own_cluster_and_lose_no_document(run_r
     assert split["doc_ids"] == read_path_doc_ids(root, "p0")  # every document of the shard, once
     assert sorted(set(split["labels"])) == [0, 1] and sum(split["sizes"]) == len(split["doc_ids"])
     for worker in range(2):
-        metrics = root.read_json(f"{layout.path_dir(0, f'p0.w{worker}')}/metrics.json")
+        metrics = root.read_committed_json(layout.path_dir(0, f"p0.w{worker}"), "metrics.json")
         assert metrics["shard_docs"] == split["sizes"][worker] == split["labels"].count(worker)
 
 

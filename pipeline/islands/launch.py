@@ -252,7 +252,7 @@ def train_path_job(config: Config, round_index: int, path_id: str) -> dict | Non
 
 def read_metrics(root: RunRoot, rel: str) -> dict:
     """A committed path's metrics.json, with the fields the CLI, the DAG and tracking index into."""
-    metrics = root.read_json(f"{rel}/metrics.json")
+    metrics = root.read_committed_json(rel, "metrics.json")
     where = root.path(rel, "metrics.json")
 
     def number(value) -> bool:

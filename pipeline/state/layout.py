@@ -137,7 +137,8 @@ def path_dir(round_index: int, path_id: str) -> str:
 def staging_dir(round_index: int, path_id: str, attempt: str | None = None) -> str:
     """Where one attempt of a path's train task writes (and checkpoints) before it publishes:
     each attempt its own directory, so a late or duplicate attempt never mixes files into
-    another's; publishing moves it to path_dir, first attempt wins (RunRoot.publish_dir)."""
+    another's; publishing makes it path_dir's, first attempt wins (RunRoot.publish_dir: a local
+    root renames it there, an object store's path_dir marker names it as `files_at`)."""
     base = f"{round_dir(round_index)}/staging/path={path_id}"
     return f"{base}/{attempt}" if attempt else base
 
@@ -145,9 +146,9 @@ def staging_dir(round_index: int, path_id: str, attempt: str | None = None) -> s
 def inner_state_dir(round_index: int, path_id: str, attempt: str | None = None) -> str:
     """Where one attempt of a path's train task writes its inner optimizer state (what the path's
     next round resumes: AdamW's moments, pipeline.train.zero): beside the path, never inside what
-    is published, so publishing copies only the weights and metrics. Which attempt's state the path
-    keeps, inner_state_kept names; on an object store the state (2x the weights) is uploaded once,
-    never copied, and after the path is published, off the task's critical path."""
+    is published. Which attempt's state the path keeps, inner_state_kept names; on an object store
+    the state (2x the weights) is uploaded once, never copied, and after the path is published,
+    off the task's critical path."""
     base = f"{round_dir(round_index)}/inner/path={path_id}"
     return f"{base}/{attempt}" if attempt else base
 

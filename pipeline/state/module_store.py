@@ -202,10 +202,22 @@ def read_module(
 def load_modules(
     root: RunRoot, round_index: int, keys: list[ModuleKey], shape: ModelShape | None = None
 ) -> dict[ModuleKey, ModuleState]:
-    """Several modules at once. Round r's modules/, once committed, has its marker read once for
-    all of them (on an object store, one request before the files instead of two per module)."""
-    marker = root.marker_if_committed(layout.modules_dir(round_index))  # None: where module_location finds each
-    return dict(zip(keys, map_io(lambda key: read_module(root, round_index, key, shape, marker), keys)))
+    """Several modules at once. Every marker that can say where they lie is read in one wave, each
+    one GET: round r's modules/ and, for round r > 0, each module's merge of round r-1 (what a
+    train task that starts before round r-1 is gathered reads). On an object store that is one
+    round trip before the files, where asking module_location for each took four in a row."""
+    staged = [layout.merged_module_dir(round_index - 1, key) for key in keys] if round_index > 0 else []
+    gathered, *merged = map_io(root.marker_if_committed, [layout.modules_dir(round_index), *staged], root.io_threads)
+
+    def load(i: int) -> ModuleState:
+        key = keys[i]
+        if gathered is not None or not merged or merged[i] is None:  # None: module_location asks again
+            return read_module(root, round_index, key, shape, gathered)
+        where = root.path(staged[i], layout.MERGED_MODULE)
+        state = decode(root.read_committed(staged[i], layout.MERGED_MODULE, writable=True, marker=merged[i]), where)
+        return state if shape is None else check_state(state, level_shapes(shape)[key.level], where)
+
+    return dict(zip(keys, map_io(load, range(len(keys)))))
 
 
 def load_path_modules(

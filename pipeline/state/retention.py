@@ -51,16 +51,18 @@ def prune_round(root: RunRoot, round_index: int, jobs: list[str]) -> int:
         gone = [name for name in marker["files"] if name not in PATH_KEEPS]
         if not gone:
             continue
+        at = root.files_location(rel, marker)  # on an object store, the published attempt's directory
         for name in gone:  # refused before the marker changes or anything goes, naming the file
-            root.check_inside(posixpath.join(rel, name))
+            root.check_inside(posixpath.join(at, name))
         info = {k: v for k, v in marker.items() if k != "files"}
-        root.commit(rel, info={**info, "pruned": True}, files=[n for n in marker["files"] if n in PATH_KEEPS])
+        keeps = {n: r for n, r in marker["files"].items() if n in PATH_KEEPS}
+        root.commit(rel, info={**info, "pruned": True}, files=list(keeps), linked=keeps)  # files_at stays
         for name in gone:
-            full = posixpath.join(rel, name)
+            full = posixpath.join(at, name)
             if root.exists(full):
                 freed += _size(root, full)
                 root.remove(full)
-        root.remove(posixpath.join(rel, "outer_grad"))
+        root.remove(posixpath.join(at, "outer_grad"))
     return freed
 
 

@@ -46,6 +46,9 @@ from pipeline.state.store import RECENT, Store, Versioned, retrying, store_for
 from pipeline.state.store import TMP_TAG as _TMP_TAG
 
 SUCCESS = "_SUCCESS"
+# In a published directory's `_SUCCESS` on an object store: the staged attempt whose files it
+# certifies (publish_dir publishes by creating the marker alone: no byte is copied, no token).
+FILES_AT = "files_at"
 T, R = TypeVar("T"), TypeVar("R")
 # Fault injection for the crash tests: the process kills itself (SIGKILL, like `kill -9`) right
 # before its N-th file write, so a test can crash a stage at an exact point. Unset: no effect.
@@ -504,7 +507,16 @@ class RunRoot:
             )
         for name in files:
             safe_relative(name, self.path(marker))
+        at = record.get(FILES_AT)
+        if at is not None and not (isinstance(at, str) and at and safe_relative(at, self.path(marker))):
+            raise CorruptStateError(f"{self.path(marker)}: {FILES_AT} must name a directory of the run root")
         return record
+
+    def files_location(self, rel_dir: str, marker: dict[str, Any]) -> str:
+        """Where the files a committed directory's `_SUCCESS` lists lie: the directory itself, or
+        the staged attempt a publish on an object store named (`files_at`, checked to lie inside
+        the root by marker_if_committed: a marker can point only where its writer could write)."""
+        return marker.get(FILES_AT) or rel_dir
 
     def read_committed(
         self,
@@ -517,27 +529,29 @@ class RunRoot:
         """Read a file of a committed directory, refusing it unless it matches its checksum (and,
         with `max_bytes`, when its record or the file is longer than that). `marker`: the
         directory's record, when the caller has just read it (get_dir: once for all its files)."""
-        expected = (marker or self.marker(rel_dir))["files"].get(name)
-        full = self.path(rel_dir, name)
+        record = marker or self.marker(rel_dir)
+        expected, located = record["files"].get(name), self.files_location(rel_dir, record)
+        full, named = self.path(located, name), self.path(rel_dir, name)
         if not isinstance(expected, dict):
-            raise CorruptStateError(f"{full}: not listed in its directory's {SUCCESS}")
-        self._refuse_link(rel_dir, name)
+            raise CorruptStateError(f"{named}: not listed in its directory's {SUCCESS}")
+        self._refuse_link(located, name)
         if max_bytes is not None and expected["bytes"] > max_bytes:
             raise CorruptStateError(
                 f"{full}: its {SUCCESS} record says {expected['bytes']:,} bytes, more than the "
                 f"{max_bytes:,} this file may have; refusing to read it"
             )
-        kept = None if self.is_local else RECENT.get(full)  # what this process wrote or read there: no transfer
+        # what this process wrote or read there (kept by the name it is read by): no transfer
+        kept = None if self.is_local else RECENT.get(named)
         if kept is not None and matches_record(kept, expected):
             return bytearray(kept) if writable else kept
-        data = self.read_bytes(posixpath.join(rel_dir, name), writable, max_bytes)
+        data = self.read_bytes(posixpath.join(located, name), writable, max_bytes)
         if not matches_record(data, expected):
             raise CorruptStateError(
                 f"{full}: checksum does not match its {SUCCESS} record "
                 f"({len(data)} bytes, expected {expected.get('bytes')}); refusing to load it"
             )
         if not self.is_local:  # the shard of a path, a shared module: read again next task, next round
-            RECENT.keep(full, data)
+            RECENT.keep(named, data)
         return data
 
     def copy_committed(self, rel_dir: str, name: str, rel: str) -> dict[str, Any] | None:
@@ -549,9 +563,11 @@ class RunRoot:
         again) and returns the record too: a copy is byte for byte, and a reader checks it against
         the record as always. Where links fail, the file is copied through this host, checked
         against its record as it is read, and None is returned (commit reads the copy)."""
-        record = self.marker(rel_dir)["files"].get(name)
+        marker = self.marker(rel_dir)
+        record = marker["files"].get(name)
         if not self.is_local and isinstance(record, dict):
-            self._copy(posixpath.join(rel_dir, name), rel)
+            self._copy(posixpath.join(self.files_location(rel_dir, marker), name), rel)
+            RECENT.alias(self.path(rel_dir, name), self.path(rel))
             return record
         if self.is_local and isinstance(record, dict):
             self._refuse_link(rel_dir, name)
@@ -597,9 +613,16 @@ class RunRoot:
                 f"{full}: is or lies under a symbolic link; committed state is plain files, refusing it"
             )
 
-    def read_committed_json(self, rel_dir: str, name: str, expect: type | tuple[type, ...] | None = dict) -> Any:
-        """A committed JSON file (router.json, manifest.json, ...), checked and parsed within bounds."""
-        data = self.read_committed(rel_dir, name, max_bytes=MAX_STATE_JSON_BYTES)
+    def read_committed_json(
+        self,
+        rel_dir: str,
+        name: str,
+        expect: type | tuple[type, ...] | None = dict,
+        marker: dict[str, Any] | None = None,
+    ) -> Any:
+        """A committed JSON file (router.json, manifest.json, a path's metrics.json, ...), checked
+        and parsed within bounds; `marker` as read_committed's."""
+        data = self.read_committed(rel_dir, name, max_bytes=MAX_STATE_JSON_BYTES, marker=marker)
         return load_json(data, self.path(rel_dir, name), expect)
 
     def verify(self, rel: str) -> None:
@@ -627,18 +650,19 @@ class RunRoot:
 
     # -- publishing ----------------------------------------------------------------------------
     def publish_dir(self, staged: str, final: str, staged_record: dict[str, Any] | None = None) -> bool:
-        """Move the committed directory `staged` to `final` unless `final` exists; True when this
-        call put it there. The first publisher wins, like a lease claim: a local root renames the
-        directory (rename(2) of a directory fails onto a non-empty one, and is atomic), an object
-        store creates `<final>.published` exclusively, then copies and commits; whoever finds that
-        token later finishes the copy of the attempt it names (the copy is idempotent).
-        `staged_record`: the `_SUCCESS` its caller just committed to `staged` (a flat directory),
-        which names the files to copy: two requests fewer than asking the store both things."""
-        if self.is_committed(final):
-            return False
-        if staged_record is None and not self.is_committed(staged):
-            raise CorruptStateError(f"{self.path(staged)}: refusing to publish a directory that is not committed")
+        """Make the committed directory `staged` the directory `final` unless `final` is committed
+        already; True when this call published it. The first publisher wins, like a lease claim.
+        A local root renames the directory (rename(2) of a directory fails onto a non-empty one,
+        and is atomic). An object store has no rename: it creates `final`'s `_SUCCESS`
+        exclusively (If-None-Match: *), a copy of the staged record that names the staged attempt
+        (`files_at`), where the files stay and are read from (files_location). One request, no
+        byte copied: a publish once took a token, a server-side copy of each file and a marker.
+        `staged_record`: the `_SUCCESS` its caller just committed to `staged`: one request fewer."""
         if self.is_local:
+            if self.is_committed(final):
+                return False
+            if staged_record is None and not self.is_committed(staged):
+                raise CorruptStateError(f"{self.path(staged)}: refusing to publish a directory that is not committed")
             target = Path(self.check_inside(final))  # a link there is debris like any other: renamed, not followed
             target.parent.mkdir(parents=True, exist_ok=True)
             for _ in range(2):
@@ -653,27 +677,21 @@ class RunRoot:
                     if not self._clear_debris(final):
                         return False
             return False
-        token = f"{final}.published"
-        won = self.create(token, json.dumps({"staged": staged}).encode()) is not None
-        if won or not self.is_committed(final):  # the token's creator is the only one who copies first
-            # the winner copies what it just checked; a latecomer finishes the copy the token names
-            source = staged if won else self.read_json(token).get("staged", staged)
-            if won and staged_record is not None:
-                names = sorted(staged_record["files"])
-            elif won or self.is_committed(source):
-                base = self.path(source).rstrip("/") + "/"
-                found = self._io(lambda: self.fs.find(self.path(source)), source)
-                names = [p[len(base) :] for p in found if p.startswith(base)]
-                names = sorted(n for n in names if n != SUCCESS and _TMP_TAG not in n)  # nested markers too
-            else:
-                return won  # the attempt the token names is not committed: nothing to copy
-            map_io(
-                lambda name: self._copy(posixpath.join(source, name), posixpath.join(final, name)),
-                names,
-                self.io_threads,
-            )
-            self._copy(posixpath.join(source, SUCCESS), posixpath.join(final, SUCCESS))  # the marker last
-        return won
+        record = staged_record if staged_record is not None else self.marker_if_committed(staged)
+        if record is None:
+            raise CorruptStateError(f"{self.path(staged)}: refusing to publish a directory that is not committed")
+        published = {**record, FILES_AT: staged, "published_at": time.time()}
+        data = (json.dumps(published, indent=2, sort_keys=True) + "\n").encode()  # as write_json
+        if self.create(posixpath.join(final, SUCCESS), data) is None:
+            return False
+        for name in record["files"]:  # what this process holds of the attempt, by the name it is read by
+            RECENT.alias(self.path(staged, name), self.path(final, name))
+        return True
+
+    def published_files_at(self, staged: str) -> str | None:
+        """Where a directory published from `staged` keeps its files when they stay there (an
+        object store: `staged`, its marker's files_at); None where publishing moved them (a local root)."""
+        return None if self.is_local else staged
 
     def _copy(self, src_rel: str, dst_rel: str) -> None:
         """A server-side copy on an object store (CopyObject: no byte passes through this host)."""

@@ -44,9 +44,8 @@ def round_utilisation(config: Config, round_index: int) -> dict | None:
     inner, starts = 0.0, []
     for r in range(round_index + 1):
         for job in all_job_ids(config.model.grid, config.train.workers_per_path):
-            rel = layout.path_dir(r, job)
-            if root.is_committed(rel):
-                metrics = root.read_json(f"{rel}/metrics.json")
+            metrics = path_metrics(root, layout.path_dir(r, job))
+            if metrics is not None:
                 if _finite(metrics.get("started_at")) and _finite(metrics.get("seconds")):
                     inner += float(metrics["seconds"])
                     starts.append(float(metrics["started_at"]))
@@ -68,6 +67,13 @@ def round_utilisation(config: Config, round_index: int) -> dict | None:
         "task_overhead_seconds": sum(overheads) / len(overheads) if overheads else None,
         **{f"task_{phase}_seconds": v for phase, v in (overhead_breakdown(config, round_index) or {}).items()},
     }
+
+
+def path_metrics(root: RunRoot, rel: str) -> dict | None:
+    """A committed path's metrics.json (through its marker, which on an object store names where
+    the published attempt's files lie), or None while the path is not committed."""
+    marker = root.marker_if_committed(rel)
+    return None if marker is None else root.read_committed_json(rel, "metrics.json", marker=marker)
 
 
 def round_end(root: RunRoot, round_index: int) -> float:
@@ -145,11 +151,10 @@ def overhead_breakdown(config: Config, round_index: int) -> dict[str, float] | N
     root = RunRoot(config.run_root)
     phases: dict[str, list[float]] = {"load": [], "engine": [], "commit": []}
     for job in all_job_ids(config.model.grid, config.train.workers_per_path):
-        rel = layout.path_dir(round_index, job)
         lease = _done_lease(root, Task.of("train", round_index, job).name)
-        if not root.is_committed(rel) or lease is None:
+        metrics = path_metrics(root, layout.path_dir(round_index, job)) if lease is not None else None
+        if metrics is None:
             continue
-        metrics = root.read_json(f"{rel}/metrics.json")
         setup = metrics.get("setup_seconds")
         if not isinstance(setup, dict) or not all(_finite(setup.get(k)) for k in ("load", "engine")):
             continue

@@ -35,7 +35,7 @@ from pipeline.outer import compression
 from pipeline.state import layout
 from pipeline.state.module_store import encode, load_path_modules
 from pipeline.state.shards import read_path_rows
-from pipeline.state.storage import RunRoot, map_io, safe_relative
+from pipeline.state.storage import FILES_AT, RunRoot, map_io, safe_relative
 from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
@@ -231,8 +231,8 @@ def train_path(
         later = keep_inner_state_later and world == 1  # more ranks meet at a barrier: not beside the next task
         metrics["inner_state"] = inner if later else keep_inner_state(inner, may_publish)
     except AttemptCancelled:
-        if rank == 0 and root.is_committed(layout.path_dir(round_index, path_id)):
-            drop_staging(root, layout.staging_dir(round_index, path_id))  # what this attempt checkpointed is moot
+        if rank == 0:  # once the path is committed, what this attempt checkpointed is moot
+            drop_unpublished(root, round_index, path_id)
         raise
     finally:
         release_engine(engine)  # an in-process run trains path after path in one process
@@ -260,13 +260,32 @@ def publish_path(
     `staged`: the staging directory's `_SUCCESS` as commit_path wrote it."""
     rel = layout.path_dir(round_index, path_id)
     published = (may_publish is None or may_publish()) and root.publish_dir(staging, rel, staged)
-    committed = published or root.is_committed(rel)
     if not published:
-        why = "another attempt published first" if committed else "it lost its lease"
+        why = "another attempt published first" if root.is_committed(rel) else "it lost its lease"
         log.warning("path %s round %d: %s; %s is discarded", path_id, round_index, why, staging)
-    # Once the path is committed, no staged attempt is ever read (crashed attempts' leftovers too).
-    drop_staging(root, layout.staging_dir(round_index, path_id) if committed else staging)
+        drop_staging(root, staging)
+    # Once the path is committed, no other staged attempt is ever read (crashed attempts' leftovers,
+    # mid-task checkpoints); on an object store the published one holds the path's files.
+    drop_unpublished(root, round_index, path_id, root.published_files_at(staging) if published else None)
     return published
+
+
+def drop_unpublished(root: RunRoot, round_index: int, path_id: str, published: str | None = None) -> None:
+    """Once a path is committed: remove its staged attempts but the one its `_SUCCESS` names, where
+    an object store reads the path's files (`published`, when the caller just published it and
+    knows; else the marker says, and a local root, which renamed the attempt away, keeps none).
+    Nothing while the path is not committed."""
+    base = layout.staging_dir(round_index, path_id)
+    if published is None:
+        marker = root.marker_if_committed(layout.path_dir(round_index, path_id))
+        if marker is None:
+            return
+        published = marker.get(FILES_AT)
+    if published is None:  # nothing of the path lies here (a local root renamed it there): all of it at once
+        drop_staging(root, base)
+        return
+    others = [f"{base}/{name}" for name in root.listdir(base) if f"{base}/{name}" != published]
+    map_io(lambda rel: drop_staging(root, rel), others, root.io_threads)
 
 
 def drop_staging(root: RunRoot, rel: str) -> None:
