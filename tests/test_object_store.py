@@ -635,6 +635,38 @@ def test_a_train_task_finds_its_modules_with_one_wave_of_requests_on_an_object_s
     assert [op for op, _ in s3_requests] == ["get_object"] * 5, s3_requests  # then the two (small) files
 
 
+def test_a_merge_on_an_object_store_reads_each_marker_once_and_asks_no_existence_question_first(s3_root, s3_requests):
+    """A merge of the module two paths share lies on a round's critical path across hosts, where
+    every request in a row is a round trip: it reads its own marker (absent), the paths' markers,
+    then where the module and its momentum lie, each marker once and one GET each; before, it asked
+    HEAD after HEAD (is it merged, twice; is round r gathered; is the staged merge there) and read
+    each path's marker again for its file."""
+    from models.grid import ModuleKey
+    from pipeline import stages
+    from pipeline.outer.merge import merge_module, merge_round
+    from pipeline.run import Run
+    from pipeline.state import layout
+    from pipeline.train.train_path import train_path
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "model.grid=[1]", "model.blocks_per_level=[1]", "train.inner_steps=2")
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    train_path(config, 0, "p0")
+    merge_round(config, 0)
+    train_path(config, 1, "p0")
+    s3_requests.clear()
+    merge_module(config, 1, ModuleKey(0, 0))
+    first_put = next(i for i, (op, _) in enumerate(s3_requests) if op == "put_object")
+    asked = s3_requests[:first_put]
+    assert [op for op, _ in asked if op != "get_object"] == [], asked  # no HEAD, no listing
+    markers = [key for _, key in asked if key.endswith("/_SUCCESS")]
+    assert markers.count(f"run/{layout.path_dir(1, 'p0')}/_SUCCESS") == 1, markers
+    assert markers.count(f"run/{layout.merged_module_dir(1, ModuleKey(0, 0))}/_SUCCESS") == 1, markers
+    root.verify(layout.merged_module_dir(1, ModuleKey(0, 0)))
+
+
 def test_what_a_process_wrote_or_read_it_reads_again_from_memory_only_while_the_stores_marker_certifies_it(
     s3, s3_requests
 ):

@@ -44,7 +44,7 @@ from pipeline.state.module_store import (
     commit_states,
     decode,
     level_shapes,
-    read_module,
+    load_modules,
     read_state,
     write_state,
 )
@@ -196,11 +196,14 @@ def carry_over(before: ModuleState, afters: list[ModuleState]) -> tuple[ModuleSt
     return new, None, math.hypot(*(float(torch.linalg.vector_norm(before[k].float() - new[k].float())) for k in before))
 
 
-def read_path_levels(root: RunRoot, shape: ModelShape, round_index: int, path_id: str) -> list[ModuleState]:
-    """A committed path's trained weights, split into its modules (one per level), shape-checked."""
+def read_path_levels(
+    root: RunRoot, shape: ModelShape, round_index: int, path_id: str, marker: dict | None = None
+) -> list[ModuleState]:
+    """A committed path's trained weights, split into its modules (one per level), shape-checked;
+    `marker`: the path's `_SUCCESS`, when the caller has just read it."""
     rel = layout.path_dir(round_index, path_id)
     where = root.path(rel, "model.safetensors")
-    state = decode(root.read_committed(rel, "model.safetensors", writable=True), where)
+    state = decode(root.read_committed(rel, "model.safetensors", writable=True, marker=marker), where)
     try:
         levels = split_path_state(shape, state)
     except KeyError as exc:  # a tensor name that belongs to no module of this grid
@@ -209,37 +212,41 @@ def read_path_levels(root: RunRoot, shape: ModelShape, round_index: int, path_id
 
 
 def read_path_inputs(
-    root: RunRoot, config: Config, shape: ModelShape, round_index: int, path_id: str, levels
+    root: RunRoot, config: Config, shape: ModelShape, round_index: int, path_id: str, levels, marker: dict | None = None
 ) -> list[ModuleState]:
     """What the merge reads of a committed path, one module state per level in `levels`: its
     trained weights, or with outer.compression its decoded outer gradients; its private module
-    (the level past the grid's) always as trained weights: it is carried over, never averaged."""
+    (the level past the grid's) always as trained weights: it is carried over, never averaged.
+    `marker`: the path's `_SUCCESS` (RoundInputs read it to find the committed paths)."""
     compressed = config.outer.compression != "none"
     trained = (
-        read_path_levels(root, shape, round_index, path_id)
+        read_path_levels(root, shape, round_index, path_id, marker)
         if not compressed or any(level >= shape.n_levels for level in levels)
         else None
     )
     return [
-        read_outer_gradient(root, shape, round_index, path_id, level)
+        read_outer_gradient(root, shape, round_index, path_id, level, marker)
         if compressed and level < shape.n_levels
         else trained[level]
         for level in levels
     ]
 
 
-def read_outer_gradient(root: RunRoot, shape: ModelShape, round_index: int, path_id: str, level: int) -> ModuleState:
+def read_outer_gradient(
+    root: RunRoot, shape: ModelShape, round_index: int, path_id: str, level: int, marker: dict | None = None
+) -> ModuleState:
     """A committed path's outer gradient at one level, decoded to fp32 and shape-checked; its
     encoding is the one the path's `_SUCCESS` records (a lossless level says none)."""
     rel, name = layout.path_dir(round_index, path_id), layout.outer_grad_file(level)
     where = root.path(rel, name)
-    kind = (root.marker(rel).get("outer_grad") or {}).get(str(level))
+    marker = marker or root.marker(rel)
+    kind = (marker.get("outer_grad") or {}).get(str(level))
     if kind not in compression.KINDS:
         raise CorruptStateError(
             f"{where}: no outer gradient recorded in its {SUCCESS} (outer.compression is on; "
             f"the path was trained without it: remove its directory to train it again)"
         )
-    stored = decode(root.read_committed(rel, name, writable=True), where)
+    stored = decode(root.read_committed(rel, name, writable=True, marker=marker), where)
     try:
         grad = compression.decode(stored, kind)
     except (ValueError, RuntimeError) as exc:
@@ -264,18 +271,19 @@ def outer_optimizer(config: Config) -> OuterOptimizer:
 
 def read_momentum(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelShape) -> ModuleState | None:
     """A module's outer momentum at the start of a round (None before its first merge), from
-    round r's outer_state/ or, before that is committed, the module's own merge of round r-1."""
-    if root.is_committed(layout.outer_state_dir(round_index)):
-        listed = root.marker(layout.outer_state_dir(round_index))["files"]
-        return (
-            read_state(root, layout.outer_state_dir(round_index), key, shape)
-            if layout.module_file(key) in listed
-            else None
-        )
+    round r's outer_state/ or, before that is committed, the module's own merge of round r-1. Both
+    markers are read at once, one GET each: over a slow link every request a merge makes in a row
+    is a round trip on the round's critical path."""
+    rel_outer = layout.outer_state_dir(round_index)
     staged = layout.merged_module_dir(round_index - 1, key) if round_index > 0 else None
-    if staged and root.is_committed(staged) and layout.MERGED_MOMENTUM in root.marker(staged)["files"]:
+    gathered, *merged_of = map_io(root.marker_if_committed, [rel_outer, *([staged] if staged else [])], root.io_threads)
+    merged = merged_of[0] if merged_of else None
+    if gathered is not None:
+        listed = layout.module_file(key) in gathered["files"]
+        return read_state(root, rel_outer, key, shape, marker=gathered) if listed else None
+    if merged is not None and layout.MERGED_MOMENTUM in merged["files"]:
         where = root.path(staged, layout.MERGED_MOMENTUM)
-        state = decode(root.read_committed(staged, layout.MERGED_MOMENTUM, writable=True), where)
+        state = decode(root.read_committed(staged, layout.MERGED_MOMENTUM, writable=True, marker=merged), where)
         return check_state(state, level_shapes(shape)[key.level], where)
     return None
 
@@ -293,7 +301,8 @@ class RoundInputs:
         self.root, self.config, self.round = root, config, round_index
         self.shape = ModelShape.from_config(config.model)
         self.levels = list(range(self.shape.n_module_levels)) if levels is None else levels
-        self.committed, _ = committed_paths(root, config, round_index)
+        self.markers: dict[str, dict] = {}  # each committed path's `_SUCCESS`, read once for its files
+        self.committed, _ = committed_paths(root, config, round_index, self.markers)
         self._pool, self._reads, self._lock = pool, {}, threading.Lock()
 
     def _read(self, what: tuple, fn, *args) -> Future:
@@ -310,14 +319,22 @@ class RoundInputs:
         ]
 
     def before(self, key: ModuleKey) -> Future:
-        return self._read(("before", key), read_module, self.root, self.round, key, self.shape)
+        return self._read(("before", key), lambda: load_modules(self.root, self.round, [key], self.shape)[key])
 
     def momentum(self, key: ModuleKey) -> Future:
         return self._read(("momentum", key), read_momentum, self.root, self.round, key, self.shape)
 
     def path(self, path_id: str) -> Future:
         return self._read(
-            ("path", path_id), read_path_inputs, self.root, self.config, self.shape, self.round, path_id, self.levels
+            ("path", path_id),
+            read_path_inputs,
+            self.root,
+            self.config,
+            self.shape,
+            self.round,
+            path_id,
+            self.levels,
+            self.markers.get(path_id),
         )
 
     def prefetch(self, keys: list[ModuleKey]) -> None:
@@ -339,11 +356,18 @@ def merge_module(config: Config, round_index: int, key: ModuleKey, inputs: Round
     module with shared `inputs`. A committed module is not merged again."""
     root = RunRoot(config.run_root) if inputs is None else inputs.root
     rel = layout.merged_module_dir(round_index, key)
-    if root.is_committed(rel):
-        return root.marker(rel)
+    done = root.marker_if_committed(rel)
+    if done is not None:
+        return done
     if inputs is None:
         with ThreadPoolExecutor(IO_THREADS) as pool:  # its paths' files read at once
-            return merge_module(config, round_index, key, RoundInputs(root, config, round_index, pool, [key.level]))
+            return _merge_module(config, round_index, key, RoundInputs(root, config, round_index, pool, [key.level]))
+    return _merge_module(config, round_index, key, inputs)
+
+
+def _merge_module(config: Config, round_index: int, key: ModuleKey, inputs: RoundInputs) -> dict:
+    """merge_module's outer step, once it found the module not merged yet."""
+    root, rel = inputs.root, layout.merged_module_dir(round_index, key)
     start = time.perf_counter()
     through = inputs.through(key)
     with one_torch_thread():
@@ -358,11 +382,9 @@ def merge_module(config: Config, round_index: int, key: ModuleKey, inputs: Round
             private=is_private(key, config.model.grid),
         )
     info = merged_info(config, round_index)
-    write_state(root, rel, key, new, info, layout.MERGED_MODULE)
-    files = [layout.MERGED_MODULE]
-    if buffers:
-        write_state(root, rel, key, buffers, info, layout.MERGED_MOMENTUM)
-        files.append(layout.MERGED_MOMENTUM)
+    written = {layout.MERGED_MODULE: new, **({layout.MERGED_MOMENTUM: buffers} if buffers else {})}
+    map_io(lambda name: write_state(root, rel, key, written[name], info, name), list(written), root.io_threads)
+    files = list(written)
     return root.commit(
         rel,
         files=files,
@@ -458,8 +480,11 @@ def round_report(root: RunRoot, config: Config, round_index: int, markers: dict[
     return report
 
 
-def committed_paths(root: RunRoot, config: Config, round_index: int) -> tuple[dict[str, int], list[str]]:
-    """({path id: tokens trained} for paths that committed, [path ids that did not])."""
+def committed_paths(
+    root: RunRoot, config: Config, round_index: int, markers: dict[str, dict] | None = None
+) -> tuple[dict[str, int], list[str]]:
+    """({path id: tokens trained} for paths that committed, [path ids that did not]); `markers`, when
+    given, receives each committed path's `_SUCCESS` (its files are read through it)."""
     committed, left_out = {}, []
     jobs = round_job_ids(config.model.grid, config.train.workers_per_path, config.train.workers_in_round(round_index))
     # the round's workers only (train.workers_schedule): its merge averages those that ran; their
@@ -472,6 +497,8 @@ def committed_paths(root: RunRoot, config: Config, round_index: int) -> tuple[di
             if type(tokens) is not int or tokens < 1:  # weights divide by the tokens' sum
                 raise CorruptStateError(f"{root.path(rel, SUCCESS)}: tokens must be a token count, got {shown(tokens)}")
             committed[path_id] = tokens
+            if markers is not None:
+                markers[path_id] = marker
         else:
             left_out.append(path_id)
     return committed, left_out

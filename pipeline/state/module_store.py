@@ -144,11 +144,14 @@ def check_state(state: ModuleState, expected: dict[str, tuple[int, ...]], where:
     return state
 
 
-def read_state(root: RunRoot, rel_dir: str, key: ModuleKey, shape: ModelShape | None = None) -> ModuleState:
-    """One committed module, checked against the model's shapes when `shape` is given."""
+def read_state(
+    root: RunRoot, rel_dir: str, key: ModuleKey, shape: ModelShape | None = None, marker: dict | None = None
+) -> ModuleState:
+    """One committed module, checked against the model's shapes when `shape` is given; `marker`:
+    the directory's `_SUCCESS`, when the caller has just read it."""
     name = layout.module_file(key)
     where = root.path(rel_dir, name)
-    state = decode(root.read_committed(rel_dir, name, writable=True), where)
+    state = decode(root.read_committed(rel_dir, name, writable=True, marker=marker), where)
     return state if shape is None else check_state(state, level_shapes(shape)[key.level], where)
 
 

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -564,8 +565,11 @@ def commit_path(
 
     rel = staging or layout.path_dir(round_index, path_id)
     attempt = posixpath.basename(rel) if staging else "direct"
-    if rank == 0:  # a crashed run of this same attempt name left files: never mixed in
-        map_io(root.remove, [rel, layout.inner_state_dir(round_index, path_id, attempt)], root.io_threads)
+    cleared = None  # a crashed run of this same attempt name left files: never mixed in. Removed while
+    if rank == 0:  # the weights are gathered and saved (on an object store, listings: round trips)
+        clearing = ThreadPoolExecutor(1, thread_name_prefix="clear-attempt")
+        cleared = clearing.submit(map_io, root.remove, [rel, layout.inner_state_dir(round_index, path_id, attempt)])
+        clearing.shutdown(wait=False)
     dist.barrier()
     state = full_state(engine)  # collective under ZeRO-3
     inner = InnerState(
@@ -589,6 +593,7 @@ def commit_path(
             # object store one more PUT and one more copy at publish, for nothing
             (out / "generation_config.json").unlink(missing_ok=True)
             (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")  # as write_json
+            cleared.result()  # its error, if any, is raised here
             root.put_dir(out, rel)  # the files at once: weights, config and metrics
             info = {"round": round_index, "path": path_id, "tokens": metrics["tokens"]}
             grads = (
