@@ -370,8 +370,11 @@ def _merge_module(config: Config, round_index: int, key: ModuleKey, inputs: Roun
     root, rel = inputs.root, layout.merged_module_dir(round_index, key)
     start = time.perf_counter()
     through = inputs.through(key)
+    for path_id in through:  # every read it needs asked for at once: one wave, not three in a row
+        inputs.path(path_id)
     with one_torch_thread():
-        before, momentum = inputs.before(key).result(), inputs.momentum(key).result()
+        before, momentum = inputs.before(key), inputs.momentum(key)
+        before, momentum = before.result(), momentum.result()
         new, buffers, grad_norm = update_module(
             outer_optimizer(config),
             config,
