@@ -609,6 +609,14 @@ def test_a_path_published_on_an_object_store_is_read_where_its_marker_names_and_
     assert not s3.fs.exists(s3.path(attempts[1], "model.safetensors"))
     assert s3.read_committed_json(rel, "metrics.json") == {"tokens": 11}
 
+    # A publish whose create went through but whose answer was lost is tried again: its own marker
+    # refuses it, and the publisher must know it won (it would remove the files the marker names).
+    second, staged = layout.path_dir(0, "p1"), layout.staging_dir(0, "p1", "attempt-1")
+    s3.write_json(f"{staged}/metrics.json", {"tokens": 12})
+    record = s3.commit(staged)
+    s3.store.create(s3.path(second, "_SUCCESS"), json.dumps({**record, "files_at": staged}).encode())
+    assert s3.publish_dir(staged, second, record) and not s3.publish_dir(attempts[1], second)
+
     for outside in ("../elsewhere", "/etc", 7):
         s3.write_bytes(f"{rel}/_SUCCESS", json.dumps({"files": {}, "files_at": outside}).encode())
         with pytest.raises(CorruptStateError, match="files_at|unsafe"):

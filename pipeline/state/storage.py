@@ -683,7 +683,11 @@ class RunRoot:
         published = {**record, FILES_AT: staged, "published_at": time.time()}
         data = (json.dumps(published, indent=2, sort_keys=True) + "\n").encode()  # as write_json
         if self.create(posixpath.join(final, SUCCESS), data) is None:
-            return False
+            # Refused; but a create whose answer was lost (a timeout, a dropped link) and was tried
+            # again is refused by its own first try: the marker that is there says whose it is.
+            there = self.marker_if_committed(final)
+            if there is None or there.get(FILES_AT) != staged:
+                return False
         for name in record["files"]:  # what this process holds of the attempt, by the name it is read by
             RECENT.alias(self.path(staged, name), self.path(final, name))
         return True
