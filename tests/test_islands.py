@@ -185,6 +185,45 @@ def test_a_path_whose_island_died_before_its_inner_state_was_in_is_trained_again
     assert queue.claim(task, "late") is None
 
 
+def test_a_published_path_whose_attempts_all_died_is_not_given_up_its_next_round_waits_for_its_state(run_root):
+    """train.max_attempts (2) attempts of a path lost: the first to a partition before it published,
+    the second, which published, to a kill while it kept the inner state. Given up, the path's next
+    round would start from fresh AdamW moments (a faults run's final modules differed so from the
+    one-host run's); the task is retaken instead, and the retake keeps the state that was lost."""
+    from pipeline.train.train_path import inner_state_of
+
+    config = tiny_config(
+        run_root,
+        "model.grid=[1]",
+        "model.blocks_per_level=[1]",
+        "train.rounds=2",
+        "train.inner_steps=2",
+        "train.lease_seconds=0.3",
+        "train.max_attempts=2",
+    )
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 2)
+    queue = TaskQueue(root, config)
+    task = Task.of("train", 0, "p0")
+    partitioned = queue.claim(task, "partitioned")
+    partitioned._stop.set()  # no more beats: its lease expires
+    partitioned._thread.join()
+    dies = wait_for(lambda: queue.claim(task, "dies"), 3.0, "the partitioned holder's lease to expire")
+    first = train_path(config, 0, "p0", attempt="attempt-2", may_publish=dies.held, keep_inner_state_later=True)
+    assert first["published"]
+    lost = first["inner_state"].data
+    dies._stop.set()  # killed before its state is in
+    dies._thread.join()
+    retake = wait_for(lambda: queue.claim(task, "taker"), 3.0, "the killed holder's lease to expire")
+    assert not queue.given_up(task)
+    assert "train.r1.p0" not in {t.name for t in queue.ready(2)}  # it would resume no state
+    again = train_path(config, 0, "p0", attempt="attempt-3", may_publish=retake.held)
+    assert again["inner_state"] is True
+    retake.finish("done")
+    assert root.read_committed(inner_state_of(root, 0, "p0"), "optimizer-rank-00000.safetensors") == lost
+
+
 def test_a_run_root_from_before_kept_json_resumes_with_its_paths_inner_state(run_root):
     """Before kept.json, a published path's `_SUCCESS` named the attempt whose inner state it kept.
     Resumed as it was, such a run would never commit a round stopped midway (its commit waits for

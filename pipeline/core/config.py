@@ -165,7 +165,8 @@ class TrainConfig:
     checkpoint_every: int | None = None  # mid-task checkpoint every N inner steps (a new attempt resumes); null: off
     threads_per_proc: int | None = None  # OMP threads per rank; default: cores / busy ranks
     max_attempts: int = 2  # failed or expired attempts of a path's train task before its round merges without it
-    #                        (a config or input error is not retried)
+    #                        (a config or input error is not retried); once the path is published, as many
+    #                        more (its inner state is still to keep, and its next round resumes it)
     seed: int = 0  # the inner loop's data order and torch seed (offset by the round and the worker)
     launcher: str = "deepspeed"  # inprocess: this process is a one-rank island, no launch (tests and debugging only)
     lr_decay_steps: int | None = None  # the cosine runs over the run's last N steps only, the lr constant before it

@@ -296,7 +296,20 @@ class TaskQueue:
 
     def given_up(self, task: Task) -> bool:
         """Every allowed attempt failed or expired: the round goes on without this task."""
-        return not self.allowed.may_try_again(self._failures(self.attempts(task)))
+        return not self._may_try_again(task, self.attempts(task))
+
+    def _may_try_again(self, task: Task, attempts: list[Attempt]) -> bool:
+        """`train.max_attempts` failures, counted afresh for a train task whose path is published:
+        what is left of it is keeping its inner state, and its path's next round resumes that
+        state. Given up, that round started from fresh AdamW moments: a faults run lost one
+        attempt of a path to a partition before the publish and the retake to a kill while it kept
+        the state, and its final modules were not the one-host run's. A published path's task
+        may fail max_attempts times more; the path proved it trains."""
+        failures = self._failures(attempts)
+        if self.allowed.may_try_again(failures):
+            return True
+        published = task.kind == "train" and self.output_committed(task)
+        return published and self.allowed.may_try_again(failures - self.allowed.limit)
 
     @staticmethod
     def _failures(attempts: list[Attempt]) -> int:
@@ -322,7 +335,7 @@ class TaskQueue:
         attempts = self.attempts(task)
         if any(a.live or a.state == "done" for a in attempts) or self.task_done(task):
             return None
-        if task.kind in self.limited_kinds and not self.allowed.may_try_again(self._failures(attempts)):
+        if task.kind in self.limited_kinds and not self._may_try_again(task, attempts):
             return None
         return self._create_attempt(task, attempts, island, island_id)
 
