@@ -144,13 +144,8 @@ def test_a_module_is_merged_as_soon_as_its_paths_are_in_and_round_1_starts_befor
     assert "commit.r0" in {t.name for t in queue.ready(2)}
 
 
-def test_a_path_whose_island_died_before_its_inner_state_was_in_is_trained_again_and_keeps_the_same_state(run_root):
-    """An island publishes a path, then keeps its inner state (AdamW's moments, 2x the weights) off
-    the task's critical path. If it dies in between, the merges still go on, but neither the round's
-    commit nor the path's next round starts (it would resume an older state); the task is retaken
-    once the lease expires, and the retake keeps the very state that was lost, byte for byte."""
-    from pipeline.train.train_path import inner_state_of
-
+def one_path_two_rounds(run_root: str, *sets: str) -> tuple:
+    """A one-path grid planned for two rounds of two steps, leases of 0.3 s: (config, root, queue)."""
     config = tiny_config(
         run_root,
         "model.grid=[1]",
@@ -158,11 +153,22 @@ def test_a_path_whose_island_died_before_its_inner_state_was_in_is_trained_again
         "train.rounds=2",
         "train.inner_steps=2",
         "train.lease_seconds=0.3",
+        *sets,
     )
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 2)
-    queue = TaskQueue(root, config)
+    return config, root, TaskQueue(root, config)
+
+
+def test_a_path_whose_island_died_before_its_inner_state_was_in_is_trained_again_and_keeps_the_same_state(run_root):
+    """An island publishes a path, then keeps its inner state (AdamW's moments, 2x the weights) off
+    the task's critical path. If it dies in between, the merges still go on, but neither the round's
+    commit nor the path's next round starts (it would resume an older state); the task is retaken
+    once the lease expires, and the retake keeps the very state that was lost, byte for byte."""
+    from pipeline.train.train_path import inner_state_of
+
+    config, root, queue = one_path_two_rounds(run_root)
     task = Task.of("train", 0, "p0")
     dies = queue.claim(task, "dies")
     first = train_path(config, 0, "p0", attempt="attempt-1", may_publish=dies.held, keep_inner_state_later=True)
@@ -192,19 +198,7 @@ def test_a_published_path_whose_attempts_all_died_is_not_given_up_its_next_round
     one-host run's); the task is retaken instead, and the retake keeps the state that was lost."""
     from pipeline.train.train_path import inner_state_of
 
-    config = tiny_config(
-        run_root,
-        "model.grid=[1]",
-        "model.blocks_per_level=[1]",
-        "train.rounds=2",
-        "train.inner_steps=2",
-        "train.lease_seconds=0.3",
-        "train.max_attempts=2",
-    )
-    root = stages.init_run(Run(config))
-    write_synthetic_shards(root, config.model.grid)
-    write_plan(root, 2)
-    queue = TaskQueue(root, config)
+    config, root, queue = one_path_two_rounds(run_root, "train.max_attempts=2")
     task = Task.of("train", 0, "p0")
     partitioned = queue.claim(task, "partitioned")
     partitioned._stop.set()  # no more beats: its lease expires

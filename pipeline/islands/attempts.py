@@ -6,7 +6,8 @@ Three things fail and are tried again, and each asks `Attempts.may_try_again` af
   failed launches;
 - a task in the run root's queue (pipeline.islands.task_queue): its failed or expired leases
   (a released or cancelled attempt is no failure); a train task given up is left out of its
-  round's merge;
+  round's merge (one whose path is published may fail as many times more: its inner state is
+  still to keep, TaskQueue._may_try_again);
 - an island launch that `dipaco run` supervises (pipeline.islands.supervisor): its crashes.
 
 A config or input error is never tried again: the next attempt would fail the same way.
