@@ -45,6 +45,7 @@ from pipeline.state.module_store import (
     decode,
     level_shapes,
     load_modules,
+    read_module_file,
     read_state,
     write_state,
 )
@@ -282,9 +283,7 @@ def read_momentum(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelS
         listed = layout.module_file(key) in gathered["files"]
         return read_state(root, rel_outer, key, shape, marker=gathered) if listed else None
     if merged is not None and layout.MERGED_MOMENTUM in merged["files"]:
-        where = root.path(staged, layout.MERGED_MOMENTUM)
-        state = decode(root.read_committed(staged, layout.MERGED_MOMENTUM, writable=True, marker=merged), where)
-        return check_state(state, level_shapes(shape)[key.level], where)
+        return read_module_file(root, staged, layout.MERGED_MOMENTUM, key.level, shape, merged)
     return None
 
 

@@ -149,10 +149,18 @@ def read_state(
 ) -> ModuleState:
     """One committed module, checked against the model's shapes when `shape` is given; `marker`:
     the directory's `_SUCCESS`, when the caller has just read it."""
-    name = layout.module_file(key)
+    return read_module_file(root, rel_dir, layout.module_file(key), key.level, shape, marker)
+
+
+def read_module_file(
+    root: RunRoot, rel_dir: str, name: str, level: int, shape: ModelShape | None = None, marker: dict | None = None
+) -> ModuleState:
+    """A committed file holding one module of grid level `level` (a module, its momentum, where it
+    was merged or gathered), decoded and, with `shape`, checked against the model's shapes;
+    `marker`: the directory's `_SUCCESS`, when the caller has just read it."""
     where = root.path(rel_dir, name)
     state = decode(root.read_committed(rel_dir, name, writable=True, marker=marker), where)
-    return state if shape is None else check_state(state, level_shapes(shape)[key.level], where)
+    return state if shape is None else check_state(state, level_shapes(shape)[level], where)
 
 
 def init_modules(root: RunRoot, model_config, grid: list[int]) -> bool:
@@ -197,9 +205,7 @@ def read_module(
             f"of round {round_index} is not committed"
         )
     rel_dir, name = found
-    where = root.path(rel_dir, name)
-    state = decode(root.read_committed(rel_dir, name, writable=True, marker=modules_marker), where)
-    return state if shape is None else check_state(state, level_shapes(shape)[key.level], where)
+    return read_module_file(root, rel_dir, name, key.level, shape, modules_marker)
 
 
 def load_modules(
@@ -213,12 +219,9 @@ def load_modules(
     gathered, *merged = map_io(root.marker_if_committed, [layout.modules_dir(round_index), *staged], root.io_threads)
 
     def load(i: int) -> ModuleState:
-        key = keys[i]
         if gathered is not None or not merged or merged[i] is None:  # None: module_location asks again
-            return read_module(root, round_index, key, shape, gathered)
-        where = root.path(staged[i], layout.MERGED_MODULE)
-        state = decode(root.read_committed(staged[i], layout.MERGED_MODULE, writable=True, marker=merged[i]), where)
-        return state if shape is None else check_state(state, level_shapes(shape)[key.level], where)
+            return read_module(root, round_index, keys[i], shape, gathered)
+        return read_module_file(root, staged[i], layout.MERGED_MODULE, keys[i].level, shape, merged[i])
 
     return dict(zip(keys, map_io(load, range(len(keys)))))
 

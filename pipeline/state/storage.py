@@ -567,7 +567,7 @@ class RunRoot:
         record = marker["files"].get(name)
         if not self.is_local and isinstance(record, dict):
             self._copy(posixpath.join(self.files_location(rel_dir, marker), name), rel)
-            RECENT.alias(self.path(rel_dir, name), self.path(rel))
+            RECENT.alias(self.path(rel_dir, name), self.path(rel))  # kept by the name it is read by
             return record
         if self.is_local and isinstance(record, dict):
             self._refuse_link(rel_dir, name)
@@ -680,7 +680,7 @@ class RunRoot:
         record = staged_record if staged_record is not None else self.marker_if_committed(staged)
         if record is None:
             raise CorruptStateError(f"{self.path(staged)}: refusing to publish a directory that is not committed")
-        published = {**record, FILES_AT: staged, "published_at": time.time()}
+        published = {**record, FILES_AT: staged}
         data = (json.dumps(published, indent=2, sort_keys=True) + "\n").encode()  # as write_json
         if self.create(posixpath.join(final, SUCCESS), data) is None:
             # Refused; but a create whose answer was lost (a timeout, a dropped link) and was tried
@@ -699,8 +699,7 @@ class RunRoot:
 
     def _copy(self, src_rel: str, dst_rel: str) -> None:
         """A server-side copy on an object store (CopyObject: no byte passes through this host)."""
-        full = self._put_object(dst_rel, lambda full: self.store.copy(self.path(src_rel), full))
-        RECENT.alias(self.path(src_rel), full)
+        self._put_object(dst_rel, lambda full: self.store.copy(self.path(src_rel), full))
 
 
 class ListedRoot:
