@@ -666,7 +666,8 @@ def predicted_bytes(
     """Round -> each host's payload bytes (up, down) that the objects its islands' finished tasks
     read and wrote predict, from their sizes in the store: a train task reads its path's modules,
     the path's inner state of the round before (its rank's optimizer file) and its shard, and
-    writes its path directory (weights, metrics) and its inner state; a merge reads the trained weights of
+    writes its path directory (weights, metrics) and its inner state, and reads what it names of its
+    peers' published files (`peer_reads`: pipeline.islands.peers); a merge reads the trained weights of
     every path through its module (their compressed outer gradients at its level, with
     outer.compression), the module and its momentum, and writes the merged pair; the
     round's commit copies the merged pairs into modules/ and outer_state/ on the server (no bytes);
@@ -739,6 +740,7 @@ def predicted_bytes(
             path = target.split(".w")[0]
             row["down"] += read(island, modules(r, path, a["claimed_at"]) + under(f"shards/path={path}/"))
             row["down"] += read(island, [inner(target, r - 1)]) if r else 0
+            row["down"] += read(island, a.get("peer_reads") or [])  # its peers' files, read while it published
             row["up"] += wrote(island, under(f"rounds/round={r}/paths/path={target}/") + [inner(target, r)])
         elif kind == "merge":
             level, index = (int(x) for x in target.lstrip("l").split("m"))

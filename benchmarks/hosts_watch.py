@@ -92,7 +92,17 @@ def summary(config: Config, root: RunRoot) -> dict:
     for task in root.listdir(LEASES):
         for attempt in root.listdir(f"{LEASES}/{task}"):
             record = root.read_json(f"{LEASES}/{task}/{attempt}")
-            keep = ("island", "state", "claimed_at", "seconds", "inner_seconds", "backup", "heartbeat", "error")
+            keep = (
+                "island",
+                "state",
+                "claimed_at",
+                "seconds",
+                "inner_seconds",
+                "backup",
+                "heartbeat",
+                "error",
+                "peer_reads",
+            )
             attempts.append({"task": task, "attempt": attempt.removesuffix(".json")} | {k: record.get(k) for k in keep})
     per_round, tokens = {}, 0
     for r in range(rounds):

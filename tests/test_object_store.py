@@ -796,3 +796,185 @@ def test_an_island_claims_the_path_whose_inner_state_it_holds_and_reads_none_of_
     record = queue.attempts(lease.task)[-1].record
     assert record["state"] == "done" and record["seconds"] == 1.0 and record["inner_state_s"] > 0
     assert queue.task_done(lease.task) and root.read_json(layout.inner_state_kept(1, "p1"))["attempt"] == "attempt-1"
+
+
+def _published(root, round_index: int, job: str, data: bytes, grads: dict[int, bytes] | None = None) -> None:
+    """A path published as a train task leaves it: its weights (and outer gradients) and marker."""
+    from pipeline.state import layout
+
+    rel = layout.path_dir(round_index, job)
+    root.write_bytes(f"{rel}/model.safetensors", data)
+    for level, grad in (grads or {}).items():
+        root.write_bytes(f"{rel}/{layout.outer_grad_file(level)}", grad)
+    root.commit(rel)
+
+
+def test_a_train_task_reads_its_published_peers_files_while_it_publishes_and_its_merge_then_reads_none(
+    s3_root, s3_requests
+):
+    """Across hosts the merge of the module two paths share waited, after the last path was
+    published, for the other path's weights to come down (1.09 s of a round's critical path). The
+    island that publishes last reads them while its own weights go up (its downlink is idle then):
+    the merge finds them in memory, and a read under way is waited for, not repeated. It reads only
+    what a merge of a module it shares would read (with outer.compression, the gradients at those
+    levels), only of paths already published, and names each read in its lease record."""
+    from pipeline import stages
+    from pipeline.islands.peers import PeerReads
+    from pipeline.islands.task_queue import Task, TaskQueue, write_plan
+    from pipeline.run import Run
+    from pipeline.state import layout
+    from pipeline.state.store import RECENT
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "model.grid=[2,2]", "model.blocks_per_level=[1,1]")
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    write_plan(root, 1)
+    queue = TaskQueue(root, config)
+    weights = {job: os.urandom(300_000) for job in ("p0-0", "p1-0", "p1-1")}
+    peers = PeerReads(queue, Task(0, 0, "train", "p0-0"))
+    # p1-0 shares l1m0 with p0-0, p0-1 shares l0m0; p1-1 shares nothing
+    assert peers.wanted == {"p0-1": ["model.safetensors"], "p1-0": ["model.safetensors"]}
+    compressed = tiny_config(
+        url, storage_set, "model.grid=[2,2]", "model.blocks_per_level=[1,1]", "outer.compression=int8"
+    )
+    assert PeerReads(TaskQueue(root, compressed), Task(0, 0, "train", "p0-0")).wanted == {
+        "p0-1": [layout.outer_grad_file(0)],
+        "p1-0": [layout.outer_grad_file(1)],
+    }
+    _published(root, 0, "p1-0", weights["p1-0"])
+    _published(root, 0, "p1-1", weights["p1-1"])
+    for job in weights:
+        RECENT.forget_under(root.path(layout.path_dir(0, job)))  # as another host wrote them
+
+    peers.start()
+    wait_for(lambda: peers.read, 30, "the published peer's weights read")
+    peers.stop()
+    assert peers.read == [f"{layout.path_dir(0, 'p1-0')}/model.safetensors"]
+    s3_requests.clear()
+    assert root.read_committed(layout.path_dir(0, "p1-0"), "model.safetensors") == weights["p1-0"]
+    assert [op for op, _ in s3_requests] == ["get_object"], s3_requests  # its marker: the bytes are here
+    assert not RECENT.holds_under(root.path(layout.path_dir(0, "p1-1")))  # shares nothing: not read
+    assert queue.merge_preference(Task(0, 1, "merge", "l1m0")) == (-0.5, -2)  # p1-0 held, p0-0 not yet
+
+    _published(root, 0, "p0-1", os.urandom(300_000))  # published after the watch stopped: not read
+    time.sleep(0.6)
+    assert peers.read == [f"{layout.path_dir(0, 'p1-0')}/model.safetensors"]
+
+    # One reader at a time per file: a read under way (a peer's weights) is waited for, not repeated
+    RECENT.forget_under(root.path(layout.path_dir(0, "p1-0")))
+    marker = root.marker(layout.path_dir(0, "p1-0"))
+    s3_requests.clear()
+    got: list = []
+    readers = [
+        threading.Thread(
+            target=lambda: got.append(
+                root.read_committed(layout.path_dir(0, "p1-0"), "model.safetensors", marker=marker)
+            )
+        )
+        for _ in range(3)
+    ]
+    for thread in readers:
+        thread.start()
+    for thread in readers:
+        thread.join(30)
+    assert got == [weights["p1-0"]] * 3
+    assert [key for op, key in s3_requests if op == "get_object"] == [
+        f"run/{layout.path_dir(0, 'p1-0')}/model.safetensors"
+    ]
+
+
+def test_an_island_claims_at_once_every_merge_whose_paths_it_holds_and_runs_them_before_looking_again(s3_root):
+    """The island that published last holds every path of its module's merges (its own, and the
+    peers' it read while publishing): it claims them all at once, so that another island does not
+    take one and download its paths first; another island gets none of them. A merge only partly
+    held is not claimed with them, and a lease lost meanwhile is skipped."""
+    from pipeline import stages
+    from pipeline.island_rank import reshard
+    from pipeline.islands.island import Island
+    from pipeline.islands.task_queue import TaskQueue, write_plan
+    from pipeline.run import Run
+    from pipeline.state import layout
+    from pipeline.state.store import RECENT
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "model.grid=[2,1]", "model.blocks_per_level=[1,1]")
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    write_plan(root, 1)
+    for job in ("p0-0", "p1-0"):
+        _published(root, 0, job, os.urandom(100_000))
+    RECENT.forget_under(root.path(layout.path_dir(0, "p0-0")))  # as the island that trained p1-0 only
+    queue = TaskQueue(root, config)
+    lease = queue.next_claim("island-1", 1)
+    assert lease.task.name == "merge.r0.l0m1" and queue.claim_held_merges(lease.task, "island-1") == []
+    lease.finish("released")
+
+    root.read_committed(layout.path_dir(0, "p0-0"), "model.safetensors")  # read while it published
+    island = Island(config, "island-1", reshard=reshard)
+    first = island._next_message()
+    assert first["task"]["target"] == "l1m0"  # the shared one first: another island's longest wait
+    assert [lease.task.name for lease in island.next_up] == ["merge.r0.l0m0", "merge.r0.l0m1"]
+    other = TaskQueue(root, config).next_claim("island-0", 1)
+    assert other is None or other.task.kind not in ("merge", "train"), other and other.task.name
+    if other is not None:
+        other.finish("released")
+    leases = [island.lease, *island.next_up]
+    island.next_up[0].lost.set()  # a claimed merge whose lease was taken: skipped
+    assert island._next_message()["task"]["target"] == "l0m1" and island.next_up == []
+    for held in leases:
+        held.finish("released")
+
+
+@pytest.mark.slow  # ~20 s: two train tasks and a merge of the tiny model on the S3 server
+def test_a_paths_next_round_starts_here_from_the_inner_state_this_island_is_still_keeping(s3_root, s3_requests):
+    """The island that published a round's last path ran its merges while its inner state (2x the
+    weights) went up on the same uplink, and then waited for that upload before the path's next
+    round. The upload now starts once the island runs something other than a merge, and the path's
+    next round starts here from the state in memory (the bytes that go up); another island waits
+    for the state to be kept."""
+    from pipeline import stages
+    from pipeline.island_rank import reshard
+    from pipeline.islands.island import Island, run_task
+    from pipeline.islands.task_queue import TaskQueue, write_plan
+    from pipeline.run import Run
+    from pipeline.state import layout
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "model.grid=[2]", "model.blocks_per_level=[1]", "train.inner_steps=2")
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 2)
+    island = Island(config, "island-0", reshard=reshard)
+    first = island._next_message()
+    assert first["task"]["target"] == "p0" and first["task"]["kind"] == "train"
+    lease = island.lease
+    other = TaskQueue(root, config).next_claim("island-1", 2)  # p1 is another island's
+    assert other.task.name == "train.r0.p1"
+    outcome = run_task(config, lease.task, 0, lease.number, lease)
+    inner = outcome.pop("inner_state")
+    island.lease = None
+    island.keep_later(lease.task, lease, inner, outcome.pop("published"), 1.0, outcome)
+    ((_, keeper),) = island.keeping
+    assert keeper.ident is None and not island.queue.inner_kept(0, "p0")  # not started yet
+
+    merge = island._next_message()  # the merge of p0's module: the upload still waits
+    assert merge["task"]["kind"] == "merge" and merge["task"]["target"] == "l0m0" and keeper.ident is None
+    run_task(config, island.lease.task, 0, island.lease.number, island.lease)
+    island.lease.finish("done", seconds=0.1)
+    assert "train.r1.p0" not in [t.name for t in TaskQueue(root, config).ready(2)]  # elsewhere it waits
+
+    s3_requests.clear()
+    nxt = island._next_message()  # round 1 of p0, from the state in memory; its upload starts now
+    assert nxt["task"] == {"round": 1, "kind": "train", "target": "p0"} and keeper.ident is not None
+    run_task(config, island.lease.task, 0, island.lease.number, island.lease)
+    island.wait_for_keeping(60.0)
+    read = [key for op, key in s3_requests if op == "get_object"]
+    assert not [key for key in read if "/inner/" in key and key.endswith(".safetensors")], read
+    assert root.read_committed_json(layout.path_dir(1, "p0"), "metrics.json")["resumed_inner_state_from"] == 0
+    kept = root.read_json(layout.inner_state_kept(0, "p0"))["attempt"]
+    rel = layout.inner_state_dir(0, "p0", kept)
+    assert root.read_committed(rel, "optimizer-rank-00000.safetensors") == inner.data  # what it resumed
+    for held in (island.lease, other):
+        held.finish("released")

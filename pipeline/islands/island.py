@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.core.config import Config
 from pipeline.core.errors import DipacoError
+from pipeline.islands.peers import PeerReads
 from pipeline.islands.task_queue import ISLANDS, Lease, Task, TaskQueue, read_plan
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
@@ -60,6 +61,7 @@ class Island:
         self.queue = TaskQueue(self.root, config)
         self.lease: Lease | None = None
         self.keeping: list[tuple[Lease, threading.Thread]] = []  # published tasks whose inner state uploads
+        self.next_up: list[Lease] = []  # merges claimed with the one it runs (TaskQueue.claim_held_merges)
         self.leaving = False
         self.done: list[dict] = []
         self.rank, self.world = 0, 1
@@ -94,6 +96,10 @@ class Island:
         while True:
             if self.leaving:
                 return {"exit": "left"}
+            while self.next_up:  # claimed already, and beating since: no look at the queue between
+                self.lease = self.next_up.pop(0)
+                if not self.lease.lost.is_set():
+                    return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
             until = read_plan(self.root)
             if until is None:
                 return {"exit": "finished"}
@@ -101,7 +107,11 @@ class Island:
             # before a claim is a round trip between one task and the next.
             self.lease = self.queue.next_claim(self.name, until, self.id)
             if self.lease is not None:
+                self.next_up = self.queue.claim_held_merges(self.lease.task, self.name, self.id)
+                if self.lease.task.kind != "merge":
+                    self.start_keeping()
                 return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
+            self.start_keeping()  # idle: nothing for the uplink to carry first
             if self.queue.finished(until):
                 return {"exit": "finished"}
             if self.world > 1 and time.monotonic() - waited > IDLE_BROADCAST_S:
@@ -128,6 +138,8 @@ class Island:
                     "failed", error=f"{type(exc).__name__}: {exc}"[:2000], input_error=isinstance(exc, DipacoError)
                 )
                 self.lease = None
+            for lease in self.next_up:  # claimed with it, not started: another island takes them at once
+                lease.finish("released")
             raise
         if self.rank == 0 and self.lease is not None:
             finished, lease, self.lease = time.time(), self.lease, None
@@ -144,13 +156,20 @@ class Island:
         island takes its next task: on an object store the state is 2x the weights, and only the
         path's next round reads it; the round's commit waits for it (TaskQueue). The lease stays
         held and beating until the state is in, so an island that dies meanwhile has its task taken
-        over: the taker trains the path again and keeps its state. `seconds` (claim to publish) is
-        what the task kept the island busy."""
+        over: the taker trains the path again and keeps its state, byte for byte. `seconds` (claim
+        to publish) is what the task kept the island busy.
+
+        Meanwhile the path's next round may start here, from the state in memory (its bytes are the
+        ones going up: TaskQueue.keeping_here, train_path's held_inner_state); elsewhere it waits for
+        the state to be kept. The upload starts once the island runs something other than a merge
+        (start_keeping): the merges that follow a publish gate the round's next tasks, and on a
+        host's one uplink the state (2x the weights) slowed their uploads down."""
         from pipeline.train.train_path import keep_inner_state
 
         if not published and self.queue.task_done(task):  # a peer's output and state are in: nothing to keep
             self._end(task, lease, False, seconds, outcome)
             return
+        held = (task.round, task.target)
 
         def keep() -> None:
             began = time.monotonic()
@@ -161,11 +180,18 @@ class Island:
                 outcome["error"] = f"keeping its inner state: {type(exc).__name__}: {exc}"[:2000]
                 kept = False
             outcome["inner_state_s"] = round(time.monotonic() - began, 3)
+            self.queue.keeping_here.pop(held, None)
             self._end(task, lease, kept, seconds, outcome)
 
         thread = threading.Thread(target=keep, daemon=True, name=f"keep-{task.name}")
+        self.queue.keeping_here[held] = inner
         self.keeping.append((lease, thread))
-        thread.start()
+
+    def start_keeping(self) -> None:
+        """Start the uploads of the inner states kept_later deferred (each thread starts once)."""
+        for _, thread in self.keeping:
+            if thread.ident is None:
+                thread.start()
 
     def _end(self, task: Task, lease: Lease, ok: bool, seconds: float, outcome: dict) -> None:
         """Record how an attempt ended. A train attempt that published nothing and kept no inner
@@ -185,6 +211,7 @@ class Island:
     def wait_for_keeping(self, timeout: float) -> None:
         """Let the inner states still uploading finish (the plan's end needs them anyway); what is
         still running after `timeout` is released, so another island keeps it."""
+        self.start_keeping()
         deadline = time.monotonic() + timeout
         for lease, thread in self.keeping:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -195,6 +222,8 @@ class Island:
         """Release the task held (no attempt is lost) and leave; idle, leave at the next poll."""
         self.leaving = True
         for lease, _ in self.keeping:  # an inner state not in yet: another island trains the path again
+            lease.finish("released")
+        for lease in self.next_up:  # claimed, not started: another island takes it at once
             lease.finish("released")
         if self.rank == 0 and self.lease is not None:
             self.lease.finish("released")
@@ -269,16 +298,29 @@ def run_task(
         from pipeline.train.train_path import train_path
 
         stop = (lambda: lease.cancelled.is_set() or lease.lost.is_set()) if lease is not None else (lambda: False)
-        metrics = train_path(
-            config,
-            task.round,
-            task.target,
-            attempt=f"attempt-{attempt}" if attempt else None,
-            may_publish=lease.held if lease is not None else None,
-            should_stop=stop,
-            on_step=lease.report_step if lease is not None else None,
-            keep_inner_state_later=lease is not None,
-        )
+        peers = PeerReads(lease.queue, task) if lease is not None else None
+        held = lease.queue.keeping_here.get((task.round - 1, task.target)) if lease is not None else None
+
+        def on_step(step: int, from_step: int, inner_s: float) -> None:
+            lease.report_step(step, from_step, inner_s)
+            if step >= config.train.inner_steps:  # the inner loop is over: its weights go up next
+                peers.start()
+
+        try:
+            metrics = train_path(
+                config,
+                task.round,
+                task.target,
+                attempt=f"attempt-{attempt}" if attempt else None,
+                may_publish=lease.held if lease is not None else None,
+                should_stop=stop,
+                on_step=on_step if lease is not None else None,
+                keep_inner_state_later=lease is not None,
+                held_inner_state=held,
+            )
+        finally:
+            if peers is not None:
+                peers.stop()
         return {
             "inner_started_at": metrics["started_at"],
             "inner_finished_at": metrics["finished_at"],
@@ -286,6 +328,7 @@ def run_task(
             "resumed_from_step": metrics.get("resumed_from_step", 0),
             "published": metrics.get("published", True),
             "inner_state": metrics.get("inner_state", True),  # kept, or an InnerState still to keep
+            **({"peer_reads": peers.read} if peers is not None and peers.started else {}),  # filled as they come
         }
     if rank != 0:
         return None

@@ -44,6 +44,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules, round_job_ids
 from pipeline.core.bounds import shown
@@ -69,6 +70,7 @@ KIND_ORDER = {"merge": 0, "commit": 1, "reroute": 2, "evalsum": 3, "train": 4, "
 # starts from ran between round r's merges and round r+1's training: 2-4 s a round on two hosts
 # over a 50 Mbit/s link (benchmarks/RESULTS.md, "Islands on separate hosts").
 REPORT_ONLY = frozenset({"eval", "evalsum"})
+HELD_MERGES_AT_ONCE = 4  # merges an island claims at once, of paths it holds (TaskQueue.claim_held_merges)
 STATES = ("running", "done", "failed", "released", "cancelled")
 # Test-only: seconds added to every wall-clock time this process writes into lease records, to
 # show that expiry never compares hosts' clocks (tests, benchmarks.chaos). Unset in real runs.
@@ -237,6 +239,9 @@ class TaskQueue:
         self._seen: dict[str, tuple[tuple, float, float]] = {}
         self._warned: set[str] = set()
         self._medians: dict[int, TaskTimes | None] = {}
+        self._last_ready: list[Task] = []  # the last look's ready tasks (next_claim), in claim order
+        # (round, job) -> the inner state this process holds while it keeps it (Island.keep_later)
+        self.keeping_here: dict[tuple[int, str], Any] = {}
         self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
         self._shards_ready: set[str] = set()
         self._done_rounds: set[int] = set()  # committed rounds and written round evaluations never change
@@ -525,6 +530,8 @@ class TaskQueue:
         before = round_index - 1
         if before < 0 or before in self._done_rounds or job not in self.jobs_of(before):
             return True
+        if (before, job) in self.keeping_here:  # this process resumes it from memory (train_path)
+            return True
         return self.inner_kept(before, job) or self.given_up(Task.of("train", before, job))
 
     def shards_ready(self, round_index: int) -> bool:
@@ -674,6 +681,28 @@ class TaskQueue:
         held = sum(RECENT.holds_under(self.root.path(layout.path_dir(task.round, job))) for job in jobs)
         return -held / len(jobs), -len(jobs)
 
+    def holds_all(self, task: Task) -> bool:
+        """A merge task every one of whose round's paths this process holds in memory."""
+        preference = self.merge_preference(task)
+        return task.kind == "merge" and preference[1] < 0 and preference[0] == -1.0
+
+    def claim_held_merges(self, claimed: Task, island: str, island_id: str | None = None) -> list["Lease"]:
+        """After a claim of a merge whose every path this process holds: the other merges of its
+        round, ready at that look (next_claim's), whose paths it holds too, claimed now for it to run
+        next (at most HELD_MERGES_AT_ONCE). Another island would read those paths over its link
+        first; across hosts it claimed them while this one merged the first (an idle island looks
+        every POLL_S), and the round's last merge then waited for that download."""
+        if not self.holds_all(claimed):
+            return []
+        leases = []
+        for task in self._last_ready:
+            if len(leases) >= HELD_MERGES_AT_ONCE:
+                break
+            if task != claimed and task.kind == "merge" and task.round == claimed.round and self.holds_all(task):
+                lease = self.claim(task, island, island_id)
+                leases += [lease] if lease is not None else []
+        return leases
+
     def _held_here(self, task: Task) -> bool:
         """Whether this process still holds what a train task resumes (it trained the path last
         round, on an object store): claimed first, that task reads its inner state, the largest
@@ -681,6 +710,8 @@ class TaskQueue:
         The task is the same wherever it runs; only who runs it changes."""
         if task.kind != "train" or task.round == 0 or self.root.is_local:
             return False
+        if (task.round - 1, task.target) in self.keeping_here:
+            return True
         return RECENT.holds_under(self.root.path(layout.inner_state_dir(task.round - 1, task.target)))
 
     def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
@@ -706,6 +737,7 @@ class TaskQueue:
             ),
         )
         self._medians: dict[int, TaskTimes | None] = {}
+        self._last_ready = ready
         for task in ready:
             lease = self.claim(task, island, island_id)
             if lease is not None:

@@ -540,18 +540,29 @@ class RunRoot:
                 f"{full}: its {SUCCESS} record says {expected['bytes']:,} bytes, more than the "
                 f"{max_bytes:,} this file may have; refusing to read it"
             )
-        # what this process wrote or read there (kept by the name it is read by): no transfer
-        kept = None if self.is_local else RECENT.get(named)
-        if kept is not None and matches_record(kept, expected):
-            return bytearray(kept) if writable else kept
+        if self.is_local:
+            return self._read_checked(located, name, expected, writable, max_bytes)
+        # what this process wrote or read there (kept by the name it is read by): no transfer; a
+        # read of it under way in another thread (an island's peers' reads) is waited for, not repeated
+        with RECENT.one_reader(named):
+            kept = RECENT.get(named)
+            if kept is not None and matches_record(kept, expected):
+                return bytearray(kept) if writable else kept
+            data = self._read_checked(located, name, expected, writable, max_bytes)
+            RECENT.keep(named, data)  # the shard of a path, a shared module: read again next task, next round
+            return data
+
+    def _read_checked(
+        self, located: str, name: str, expected: dict[str, Any], writable: bool, max_bytes: int | None
+    ) -> bytes | bytearray:
+        """A listed file's bytes from where its marker says they lie, refused unless they match its record."""
+        full = self.path(located, name)
         data = self.read_bytes(posixpath.join(located, name), writable, max_bytes)
         if not matches_record(data, expected):
             raise CorruptStateError(
                 f"{full}: checksum does not match its {SUCCESS} record "
                 f"({len(data)} bytes, expected {expected.get('bytes')}); refusing to load it"
             )
-        if not self.is_local:  # the shard of a path, a shared module: read again next task, next round
-            RECENT.keep(named, data)
         return data
 
     def copy_committed(self, rel_dir: str, name: str, rel: str) -> dict[str, Any] | None:

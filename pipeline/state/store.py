@@ -808,6 +808,7 @@ class RecentFiles:
         self._files: OrderedDict[str, bytes] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
+        self._readers: dict[str, list] = {}  # full path -> [its lock, the threads using it]
 
     def worth_keeping(self, size: int) -> bool:
         return SMALLEST_BYTES <= size <= self.budget // 4
@@ -822,6 +823,22 @@ class RecentFiles:
             self._held += len(data)
             while self._held > self.budget:
                 self._drop(next(iter(self._files)))
+
+    @contextmanager
+    def one_reader(self, full: str) -> Iterator[None]:
+        """One thread at a time reads `full` from the store: a second waits for the first, then
+        finds its bytes here (an island's read of its peers' weights, and the merge that needs them)."""
+        with self._lock:
+            entry = self._readers.setdefault(full, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._readers[full]
 
     def alias(self, src: str, dst: str) -> None:
         """A server-side copy from `src` to `dst`: the same bytes under a second name."""

@@ -121,6 +121,7 @@ def train_path(
     should_stop: Callable[[], bool] | None = None,
     on_step: StepReport | None = None,
     keep_inner_state_later: bool = False,
+    held_inner_state: InnerState | None = None,
 ) -> dict:
     """Run on every rank of the island; returns the job's metrics (committed by rank 0), with
     `published` (rank 0: whether this attempt's output is the one committed) and `inner_state`:
@@ -133,7 +134,9 @@ def train_path(
     names this attempt's staging directory (an island's lease number; default: one per launch),
     `may_publish` re-checks on rank 0, right before publishing, that the lease is still held;
     `should_stop` (given on every rank or none) ends the attempt early with AttemptCancelled;
-    `on_step` (rank 0's lease) hears of every step done, for the backup estimate."""
+    `on_step` (rank 0's lease) hears of every step done, for the backup estimate;
+    `held_inner_state`: the path's inner state of round r-1 as this process kept it, resumed from
+    memory while it is still going up (Island.keep_later)."""
     root = RunRoot(config.run_root)
     workers = config.train.workers_per_path
     try:
@@ -174,7 +177,7 @@ def train_path(
     attempt = attempt or _launch_attempt(world)
     try:
         progress = resume_midtask(engine, root, round_index, path_id, world) if train.checkpoint_every else None
-        resumed_from = None if progress else resume_inner_state(engine, root, round_index, path_id)
+        resumed_from = None if progress else resume_inner_state(engine, root, round_index, path_id, held_inner_state)
         built = time.perf_counter()
 
         def checkpoint(step: int, losses: torch.Tensor, lrs: list[float]) -> None:
@@ -405,17 +408,27 @@ def _agreed(flag: bool, world: int) -> bool:
     return bool(value.item())
 
 
-def resume_inner_state(engine, root: RunRoot, round_index: int, path_id: str) -> int | None:
+def resume_inner_state(
+    engine, root: RunRoot, round_index: int, path_id: str, held: InnerState | None = None
+) -> int | None:
     """Load the path's newest inner optimizer state (AdamW's step and moments, as
     zero.optimizer_state_bytes wrote them) into the engine, whose weights stay the merged modules.
 
     A path without usable state (new worker, preempted, corrupted or missing file, a state saved by
     another layout of ranks) restarts its optimizer and still trains. Every rank reads and checks
-    its file before any rank loads one, so the ranks of an island resume together or not at all."""
+    its file before any rank loads one, so the ranks of an island resume together or not at all.
+
+    `held`: round r-1's state as this one-rank island kept it, still going up (Island.keep_later):
+    the bytes it uploads, so the task needs neither wait for them nor read them back."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     here = {"world_size": dist.get_world_size(), "zero_stage": engine.zero_optimization_stage()}
+    if held is not None and (held.round_index, held.path_id) == (round_index - 1, path_id):
+        if (held.world_size, held.zero_stage) == (here["world_size"], here["zero_stage"]):
+            where = f"{path_id}'s inner state of round {held.round_index}, held in memory"
+            load_optimizer_state(engine, read_optimizer_state(engine, held.data, where))
+            return held.round_index
     state, source = None, None
     try:  # whatever is wrong with the state (its pointer, marker or files) restarts the optimizer
         found = latest_inner_state(root, round_index, path_id)

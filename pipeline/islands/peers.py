@@ -1,0 +1,92 @@
+"""While a train task's weights go up, the files its round's merges would read of the paths that
+share a module with it and are already published come down into this process's memory.
+
+Across hosts, the path published last sets when a round's merges end: the merge of the module two
+paths share then read the other path's weights over the link after that publish (7.6 MB, 1.09 s at
+50 Mbit/s, on the round's critical path: benchmarks/RESULTS.md, "Islands on separate hosts"). The
+island that publishes last is the one whose downlink is idle while its own weights go up, and the
+one free first for that merge; with the peers' files in memory (pipeline.state.store.RecentFiles),
+the merge reads nothing over the link, and the queue offers it first those merges whose paths it
+holds (TaskQueue.merge_preference).
+
+Only where it pays: a run root on an object store, a file the memory keeps (RecentFiles'
+bounds), a path of the same round that shares a module with this task's (its private module, never
+shared, aside). What is read is checked against the path's `_SUCCESS` as every read is, and named
+in the task's lease record (`peer_reads`): a read is bytes on the link (benchmarks.hosts counts
+them). A failure costs nothing but the read: the merge reads the file again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from pipeline.islands.task_queue import Task, TaskQueue
+from pipeline.state import layout
+from pipeline.state.storage import ListedRoot
+from pipeline.state.store import RECENT
+
+log = logging.getLogger("dipaco.island")
+PEER_POLL_S = 0.25  # how often, while this task's weights go up, it looks for the peers' publishes
+PEER_WATCH_S = 600.0  # a bound on the watch, should its task never say it ended
+
+
+class PeerReads:
+    """One train task's watch for its peers' published files (start once its inner loop ends; stop
+    once it has published). `read` lists the files read, by their names in the run root."""
+
+    def __init__(self, queue: TaskQueue, task: Task):
+        self.root, self.round = queue.root, task.round
+        config, mine = queue.config, set(queue.job_modules.get(task.target, []))
+        compressed = config.outer.compression != "none"
+        self.wanted: dict[str, list[str]] = {}  # peer job -> the names its merges read
+        for job in queue.jobs_of(task.round):
+            shared = sorted(
+                {key.level for key in queue.job_modules[job] if key in mine and len(queue.jobs_through[key]) > 1}
+            )
+            if job == task.target or not shared:
+                continue
+            self.wanted[job] = (
+                [layout.outer_grad_file(level) for level in shared] if compressed else ["model.safetensors"]
+            )
+        self.read: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        if self._thread is not None or not self.wanted or self.root.is_local:
+            return
+        self._thread = threading.Thread(target=self._watch, daemon=True, name=f"peers-r{self.round}")
+        self._thread.start()
+
+    def stop(self) -> None:
+        """No new read starts; one under way finishes in its thread (the merge that needs it then
+        waits for it instead of reading it again: RecentFiles.one_reader)."""
+        self._stop.set()
+
+    def _watch(self) -> None:
+        paths, deadline = f"{layout.round_dir(self.round)}/paths", time.monotonic() + PEER_WATCH_S
+        try:
+            while self.wanted and not self._stop.is_set() and time.monotonic() < deadline:
+                listed = ListedRoot(self.root, [paths])  # one listing a look, for every peer
+                for job in [j for j in self.wanted if listed.is_committed(layout.path_dir(self.round, j))]:
+                    if self._stop.is_set():
+                        return
+                    self._read(job, self.wanted.pop(job))
+                self._stop.wait(PEER_POLL_S)
+        except Exception as exc:  # noqa: BLE001 - a watch's last word: the merge reads what it needs itself
+            log.info("reading the peers' published files of round %d stopped: %s", self.round, exc)
+
+    def _read(self, job: str, names: list[str]) -> None:
+        rel = layout.path_dir(self.round, job)
+        marker = self.root.marker(rel)
+        for name in names:
+            record = marker["files"].get(name)
+            if isinstance(record, dict) and RECENT.worth_keeping(record["bytes"]):
+                self.root.read_committed(rel, name, marker=marker)
+                self.read.append(f"{rel}/{name}")
