@@ -509,3 +509,39 @@ def test_an_island_of_two_ranks_trains_every_task_with_both(run_root):
     for job in stages.list_paths(config):
         assert root.read_committed_json(layout.path_dir(0, job), "metrics.json")["world_size"] == 2
     assert root.read_json("queue/islands/island-0.json")["world_size"] == 2
+
+
+def test_no_commit_or_evaluation_is_claimed_while_another_island_runs_a_merge(run_root):
+    """A merge's end makes the next round's train tasks ready: an island that took a round's commit
+    or an evaluation just before started its next path 1-2 s late across hosts. While another
+    island runs a merge, an idle island waits; once no merge runs, it takes the commit."""
+    config = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]")
+    root = stages.init_run(Run(config))
+    write_plan(root, 2)
+
+    def published(r: int, job: str) -> None:
+        root.write_bytes(f"{layout.path_dir(r, job)}/model.safetensors", b"w")
+        root.commit(layout.path_dir(r, job))
+        root.write_json(layout.inner_state_kept(r, job), {"attempt": "attempt-1"})
+
+    def merged(r: int, key: ModuleKey) -> None:
+        root.write_bytes(f"{layout.merged_module_dir(r, key)}/{layout.MERGED_MODULE}", b"m")
+        root.commit(layout.merged_module_dir(r, key), files=[layout.MERGED_MODULE])
+
+    for job in ("p0", "p1"):
+        published(0, job)
+    for key in (ModuleKey(0, 0), ModuleKey(0, 1)):
+        merged(0, key)
+    published(1, "p0")
+    merging = TaskQueue(root, config).claim(Task.of("merge", 1, "l0m0"), "island-a")
+    training = TaskQueue(root, config).claim(Task.of("train", 1, "p1"), "island-c")
+    queue = TaskQueue(root, config)
+    assert "commit.r0" in [task.name for task in queue.ready(2)]
+    assert queue.next_claim("island-b", 2) is None  # the commit waits while island-a merges
+
+    merged(1, ModuleKey(0, 0))
+    merging.finish("done")
+    lease = queue.next_claim("island-b", 2)
+    assert lease is not None and lease.task.name == "commit.r0"
+    for held in (lease, training):
+        held.finish("released")

@@ -978,3 +978,34 @@ def test_a_paths_next_round_starts_here_from_the_inner_state_this_island_is_stil
     assert root.read_committed(rel, "optimizer-rank-00000.safetensors") == inner.data  # what it resumed
     for held in (island.lease, other):
         held.finish("released")
+
+
+def test_a_lease_beat_is_one_request_and_every_third_looks_at_the_tasks_attempts(s3_root, s3_requests):
+    """A heartbeat's look at the task's attempts and output (a listing, its records, a HEAD) went
+    out on every beat: a third of a demo run's requests to the store. A beat is now one
+    compare-and-swap; every third also looks, and a holder still learns a later attempt took it."""
+    from pipeline import stages
+    from pipeline.islands.task_queue import CHECK_EVERY, Task, TaskQueue
+    from pipeline.run import Run
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "train.lease_seconds=0.8")
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    queue = TaskQueue(root, config)
+    s3_requests.clear()
+    lease = queue.claim(Task.of("train", 0, "p0-0"), "island-0")
+    wait_for(lambda: lease.record.get("beats", 0) >= 3 * CHECK_EVERY, 30, "nine beats")
+    lease._stop.set()
+    lease._thread.join(10)
+    beats = lease.record["beats"]
+    puts = [key for op, key in s3_requests if op == "put_object" and key.endswith("attempt-1.json")]
+    lists = [key for op, key in s3_requests if op == "list_objects_v2"]
+    assert len(puts) == beats + 1  # the claim, then one compare-and-swap a beat
+    assert 1 <= len(lists) - 1 <= beats // CHECK_EVERY + 1, (beats, lists)  # the claim's own listing aside
+
+    late = TaskQueue(root, config).claim(Task.of("train", 0, "p0-1"), "island-1")  # a holder that is taken over
+    record = root.read_json(late.rel)
+    root.write_json(late.rel.replace("attempt-1", "attempt-2"), {**record, "island": "island-2"})
+    assert late.lost.wait(CHECK_EVERY * 0.8)  # within three beats
+    late.finish("released")

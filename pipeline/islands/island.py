@@ -62,6 +62,7 @@ class Island:
         self.lease: Lease | None = None
         self.keeping: list[tuple[Lease, threading.Thread]] = []  # published tasks whose inner state uploads
         self.next_up: list[Lease] = []  # merges claimed with the one it runs (TaskQueue.claim_held_merges)
+        self.until: int | None = None  # the plan's until_round, as its last look at the queue read it
         self.leaving = False
         self.done: list[dict] = []
         self.rank, self.world = 0, 1
@@ -100,7 +101,7 @@ class Island:
                 self.lease = self.next_up.pop(0)
                 if not self.lease.lost.is_set():
                     return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
-            until = read_plan(self.root)
+            until = self.until = read_plan(self.root)
             if until is None:
                 return {"exit": "finished"}
             # Ready work first: a finished plan has none, and on an object store every question
@@ -163,7 +164,8 @@ class Island:
         ones going up: TaskQueue.keeping_here, train_path's held_inner_state); elsewhere it waits for
         the state to be kept. The upload starts once the island runs something other than a merge
         (start_keeping): the merges that follow a publish gate the round's next tasks, and on a
-        host's one uplink the state (2x the weights) slowed their uploads down."""
+        host's one uplink the state (2x the weights) slowed their uploads down. In the plan's last
+        round it starts at once: the round's commit waits for it, and no next round for the merges."""
         from pipeline.train.train_path import keep_inner_state
 
         if not published and self.queue.task_done(task):  # a peer's output and state are in: nothing to keep
@@ -186,6 +188,8 @@ class Island:
         thread = threading.Thread(target=keep, daemon=True, name=f"keep-{task.name}")
         self.queue.keeping_here[held] = inner
         self.keeping.append((lease, thread))
+        if self.until is None or task.round + 1 >= self.until:  # no next round for the merges to gate
+            thread.start()
 
     def start_keeping(self) -> None:
         """Start the uploads of the inner states kept_later deferred (each thread starts once)."""

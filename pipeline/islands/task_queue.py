@@ -70,6 +70,8 @@ KIND_ORDER = {"merge": 0, "commit": 1, "reroute": 2, "evalsum": 3, "train": 4, "
 # starts from ran between round r's merges and round r+1's training: 2-4 s a round on two hosts
 # over a 50 Mbit/s link (benchmarks/RESULTS.md, "Islands on separate hosts").
 REPORT_ONLY = frozenset({"eval", "evalsum"})
+CHECK_EVERY = 3  # a lease's beats per look at its task's attempts (Lease._beat)
+FILL_IN = REPORT_ONLY | {"commit"}  # nothing trains from them: they fill the gaps (TaskQueue.next_claim)
 HELD_MERGES_AT_ONCE = 4  # merges an island claims at once, of paths it holds (TaskQueue.claim_held_merges)
 STATES = ("running", "done", "failed", "released", "cancelled")
 # Test-only: seconds added to every wall-clock time this process writes into lease records, to
@@ -240,6 +242,7 @@ class TaskQueue:
         self._warned: set[str] = set()
         self._medians: dict[int, TaskTimes | None] = {}
         self._last_ready: list[Task] = []  # the last look's ready tasks (next_claim), in claim order
+        self._claim_found_live = False  # the last claim refused: another island holds the task
         # (round, job) -> the inner state this process holds while it keeps it (Island.keep_later)
         self.keeping_here: dict[tuple[int, str], Any] = {}
         self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
@@ -338,7 +341,8 @@ class TaskQueue:
     def claim(self, task: Task, island: str, island_id: str | None = None) -> "Lease | None":
         """The next attempt of `task` for `island`, or None when it is held, done or given up."""
         attempts = self.attempts(task)
-        if any(a.live or a.state == "done" for a in attempts) or self.task_done(task):
+        self._claim_found_live = any(a.live for a in attempts)
+        if self._claim_found_live or any(a.state == "done" for a in attempts) or self.task_done(task):
             return None
         if task.kind in self.limited_kinds and not self._may_try_again(task, attempts):
             return None
@@ -721,7 +725,10 @@ class TaskQueue:
         train, merge and reroute task of any round: nothing trains from what it gathers (a round
         starts from its modules merged on their own), and claimed first it held one island back
         from the next round's training on two hosts (benchmarks/RESULTS.md, "Islands on separate
-        hosts"); it runs in the gaps, while islands wait for a path to be published or a merge.
+        hosts"); it runs in the gaps, while islands wait for a path to be published. Neither it
+        nor an evaluation is claimed while another island runs a merge: its end makes the next
+        round's train tasks ready, and an island that took a commit or an evaluation just before
+        started its next path 1-2 s late (the same benchmark).
         Among a round's merges, first those whose paths' weights this island holds in memory (it
         trained them: no download), then those of the modules most paths share (the longest);
         among its train tasks, first those whose inner state this island still holds."""
@@ -738,10 +745,14 @@ class TaskQueue:
         )
         self._medians: dict[int, TaskTimes | None] = {}
         self._last_ready = ready
+        merging = False  # a merge another island runs: its end makes train tasks ready
         for task in ready:
+            if merging and task.kind in FILL_IN:
+                continue
             lease = self.claim(task, island, island_id)
             if lease is not None:
                 return lease
+            merging = merging or (task.kind == "merge" and self._claim_found_live)
         if self.backup_after is None:
             return None
         # LATE's speculative cap: backups of a round at once, a tenth of its train tasks (at least
@@ -800,16 +811,24 @@ class Lease:
             self.lost.set()
 
     def _beat(self) -> None:
+        """A beat every quarter lease: a compare-and-swap of the record, which the store refuses once
+        someone ended it. Every CHECK_EVERY beats, and at the first beat after a failed one, it also
+        lists the task's attempts (a reader that found it expired made a later one) and asks whether
+        another attempt did the task: those are 3-4 requests, and on every beat they were a third
+        of a demo run's requests to the store (benchmarks/RESULTS.md, "Islands on separate hosts").
+        What they find only stops the work sooner: a publish re-checks the lease itself (held)."""
         interval = self.queue.lease_seconds / 4
-        delay, last_ok, failures = interval, time.monotonic(), 0
+        delay, last_ok, failures, beats = interval, time.monotonic(), 0, 0
         while not self._stop.wait(delay):
             try:
-                if not self._still_mine():
-                    log.warning("lost the lease of %s (a later attempt exists, or it was failed)", self.task.name)
-                    self.lost.set()
-                    return
-                if self.queue.task_done(self.task):
-                    self.cancelled.set()  # another attempt did it first: stop working on it
+                if failures or beats % CHECK_EVERY == 0:
+                    if not self._still_mine():
+                        log.warning("lost the lease of %s (a later attempt exists, or it was failed)", self.task.name)
+                        self.lost.set()
+                        return
+                    if self.queue.task_done(self.task):
+                        self.cancelled.set()  # another attempt did it first: stop working on it
+                beats += 1
                 self._write(
                     beats=int(self.record.get("beats", 0)) + 1,
                     heartbeat=time.time() + self.queue.clock_offset,
