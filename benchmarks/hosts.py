@@ -676,7 +676,7 @@ def predicted_bytes(
     moved bytes no record tells: they count on the measured side only.
 
     A read of what the same island process wrote or read before (files of 64 KiB and more, copies
-    on the server included: pipeline.state.store.RecentFiles) moves no byte; each island's tasks are
+    on the server included, whoever made them: pipeline.state.store.RecentFiles) moves no byte; each island's tasks are
     played in claim order to tell. The demo's islands never fill the memory's budget."""
     from models.grid import ModuleKey, parse_path_id, path_id, path_modules, paths_through
     from pipeline.state.layout import outer_grad_file
@@ -712,17 +712,22 @@ def predicted_bytes(
 
     held: dict[str, set[str]] = {}  # island process -> the files it keeps in memory
 
+    def content(name: str) -> str:
+        """A module merged in merged/ and its copy in modules/ are the same bytes: held by either
+        name, read by the other from memory (RecentFiles.get_same)."""
+        return name.removeprefix("merged:")
+
     def read(island: str, names: list[str]) -> int:
         mine, moved = held.setdefault(island, set()), 0
         for name in names:
-            if name not in mine:
+            if content(name) not in mine:
                 moved += sizes.get(name, 0)
                 if sizes.get(name, 0) >= SMALLEST_BYTES:
-                    mine.add(name)
+                    mine.add(content(name))
         return moved
 
     def wrote(island: str, names: list[str]) -> int:
-        held.setdefault(island, set()).update(n for n in names if sizes.get(n, 0) >= SMALLEST_BYTES)
+        held.setdefault(island, set()).update(content(n) for n in names if sizes.get(n, 0) >= SMALLEST_BYTES)
         return sum(sizes.get(n, 0) for n in names)
 
     out: dict[int, list[dict[str, int]]] = {}
@@ -763,8 +768,6 @@ def predicted_bytes(
             row["up"] += wrote(island, [f"merged:{name}" for name in merged])
         elif kind == "commit":  # the merged modules are copied on the server (RunRoot.copy_committed)
             row["up"] += sizes.get(f"rounds/round={r}/merge.json", 0)
-            mine = held.setdefault(island, set())
-            mine.update(n.removeprefix("merged:") for n in list(mine) if n.startswith(f"merged:rounds/round={r + 1}/"))
         elif kind == "eval":
             row["down"] += read(
                 island, modules(r, target, a["claimed_at"]) + under(f"shards/validation/path={target}/")

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import zlib
 
 import pytest
 import torch
@@ -1009,3 +1010,39 @@ def test_a_lease_beat_is_one_request_and_every_third_looks_at_the_tasks_attempts
     root.write_json(late.rel.replace("attempt-1", "attempt-2"), {**record, "island": "island-2"})
     assert late.lost.wait(CHECK_EVERY * 0.8)  # within three beats
     late.finish("released")
+
+
+def test_a_file_another_process_copied_on_the_server_is_read_from_memory_by_its_bytes_record(s3, s3_requests):
+    """A round's commit copies each merged module into modules/ on the server; the island that
+    merged it held the bytes under the merged name only, and read them again over the link (3.8 MB
+    on a round's critical path across hosts). A committed file whose record (length, CRC-32) matches
+    bytes kept under another name is read from memory; other bytes under that record's name are not."""
+    from pipeline.state.store import RECENT, RecentFiles
+
+    merged, modules = "rounds/round=0/merged/level=0/module=0", "rounds/round=1/modules"
+    data = os.urandom(300_000)
+    s3.write_bytes(f"{merged}/module.safetensors", data)  # this process merged it: kept
+    s3.commit(merged)
+    s3.store.copy(s3.path(merged, "module.safetensors"), s3.path(modules, "level=0/module=0.safetensors"))
+    s3.commit(modules)  # what another island's commit task wrote: this process kept nothing of it
+    assert RECENT.get(s3.path(modules, "level=0/module=0.safetensors")) is None
+    s3_requests.clear()
+    assert s3.read_committed(modules, "level=0/module=0.safetensors") == data
+    assert [op for op, _ in s3_requests] == ["get_object"], s3_requests  # the marker only
+
+    other = os.urandom(300_000)  # a record no kept bytes match: read over the link
+    s3.write_bytes(f"{modules}/level=0/module=1.safetensors", other)
+    RECENT.forget_under(s3.path(modules, "level=0/module=1.safetensors"))
+    s3.commit(modules)
+    s3_requests.clear()
+    assert s3.read_committed(modules, "level=0/module=1.safetensors") == other
+    assert [op for op, _ in s3_requests] == ["get_object", "get_object"]
+
+    recent = RecentFiles(budget=1 << 20)  # the index follows what is kept and dropped
+    recent.keep("s3://b/a", b"x" * (100 << 10))
+    recent.keep("s3://b/b", b"x" * (100 << 10))
+    record = {"bytes": 100 << 10, "crc32": f"{zlib.crc32(b'x' * (100 << 10)):08x}"}
+    recent.forget_under("s3://b/b")
+    assert recent.get_same(record) == b"x" * (100 << 10)  # still under a
+    recent.forget_under("s3://b/a")
+    assert recent.get_same(record) is None

@@ -47,6 +47,7 @@ import random
 import threading
 import time
 import uuid
+import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -809,20 +810,34 @@ class RecentFiles:
         self._held = 0
         self._lock = threading.Lock()
         self._readers: dict[str, list] = {}  # full path -> [its lock, the threads using it]
+        self._contents: dict[str, tuple[int, str]] = {}  # full path -> its record's (bytes, crc32)
+        self._by_content: dict[tuple[int, str], str] = {}  # (bytes, crc32) -> a full path holding them
 
     def worth_keeping(self, size: int) -> bool:
         return SMALLEST_BYTES <= size <= self.budget // 4
 
     def keep(self, full: str, data: bytes) -> None:
         """Remember what was just written to `full`, or read from it (a write that failed must not call this)."""
+        content = (len(data), f"{zlib.crc32(data):08x}") if self.worth_keeping(len(data)) else None
         with self._lock:
             self._drop(full)
-            if not self.worth_keeping(len(data)):
+            if content is None:
                 return
-            self._files[full] = bytes(data)
+            self._files[full] = bytes(data)  # the same object when it is bytes already (an alias)
+            self._contents[full] = content
+            self._by_content[content] = full
             self._held += len(data)
             while self._held > self.budget:
                 self._drop(next(iter(self._files)))
+
+    def get_same(self, record: dict) -> bytes | None:
+        """Kept bytes of the length and CRC-32 a `_SUCCESS` record gives, under whatever name: a
+        server-side copy another process made (a round's commit copies each merged module into
+        modules/) holds the bytes this one merged, and it read them again over the link. The
+        caller checks them against the record, as every kept file."""
+        with self._lock:
+            full = self._by_content.get((record.get("bytes"), record.get("crc32")))
+            return None if full is None else self._files.get(full)
 
     @contextmanager
     def one_reader(self, full: str) -> Iterator[None]:
@@ -872,6 +887,12 @@ class RecentFiles:
         data = self._files.pop(full, None)
         if data is not None:
             self._held -= len(data)
+        content = self._contents.pop(full, None)
+        if content is not None and self._by_content.get(content) == full:
+            del self._by_content[content]
+            other = next((name for name, kept in self._contents.items() if kept == content), None)
+            if other is not None:  # the same bytes under another name
+                self._by_content[content] = other
 
 
 RECENT = RecentFiles()  # one per process: every RunRoot of a run root shares it
