@@ -511,12 +511,14 @@ def test_an_island_of_two_ranks_trains_every_task_with_both(run_root):
     assert root.read_json("queue/islands/island-0.json")["world_size"] == 2
 
 
-def test_no_commit_or_evaluation_is_claimed_while_another_island_runs_a_merge(run_root):
-    """A merge's end makes the next round's train tasks ready: an island that took a round's commit
-    or an evaluation just before started its next path 1-2 s late across hosts. While another
-    island runs a merge, an idle island waits; once no merge runs, it takes the commit."""
+def test_no_evaluation_is_claimed_while_another_island_runs_a_merge_and_a_commit_is(run_root):
+    """A merge's end makes the next round's train tasks ready: an island that took an evaluation
+    just before started its next path 1-2 s late across hosts. While another island runs a merge,
+    an idle island takes no evaluation; it takes a round's commit (the run's end waits for those:
+    withheld too, they piled up there). Once no merge runs, it evaluates."""
     config = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]")
     root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
     write_plan(root, 2)
 
     def published(r: int, job: str) -> None:
@@ -536,12 +538,14 @@ def test_no_commit_or_evaluation_is_claimed_while_another_island_runs_a_merge(ru
     merging = TaskQueue(root, config).claim(Task.of("merge", 1, "l0m0"), "island-a")
     training = TaskQueue(root, config).claim(Task.of("train", 1, "p1"), "island-c")
     queue = TaskQueue(root, config)
-    assert "commit.r0" in [task.name for task in queue.ready(2)]
-    assert queue.next_claim("island-b", 2) is None  # the commit waits while island-a merges
+    assert {"commit.r0", "eval.r1.p0"} <= {task.name for task in queue.ready(2)}
+    commit = queue.next_claim("island-b", 2)
+    assert commit is not None and commit.task.name == "commit.r0"
+    assert queue.next_claim("island-d", 2) is None  # the evaluations wait while island-a merges
 
     merged(1, ModuleKey(0, 0))
     merging.finish("done")
-    lease = queue.next_claim("island-b", 2)
-    assert lease is not None and lease.task.name == "commit.r0"
-    for held in (lease, training):
+    lease = queue.next_claim("island-d", 2)
+    assert lease is not None and lease.task.kind == "eval"
+    for held in (lease, training, commit):
         held.finish("released")

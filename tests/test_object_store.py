@@ -1046,3 +1046,33 @@ def test_a_file_another_process_copied_on_the_server_is_read_from_memory_by_its_
     assert recent.get_same(record) == b"x" * (100 << 10)  # still under a
     recent.forget_under("s3://b/a")
     assert recent.get_same(record) is None
+
+
+def test_a_merge_none_of_whose_paths_an_island_holds_is_left_one_look_to_an_island_that_does(s3_root):
+    """The island that published a merge's last path holds its paths and claims the merge right
+    after its publish; an idle island, polling, took it first and downloaded that path (1.2 s on
+    the round's critical path across hosts). A merge newly ready that an island does not hold
+    whole waits for its next look; found again, it is claimed."""
+    from pipeline import stages
+    from pipeline.islands.task_queue import TaskQueue, write_plan
+    from pipeline.run import Run
+    from pipeline.state import layout
+    from pipeline.state.store import RECENT
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "model.grid=[2,1]", "model.blocks_per_level=[1,1]")
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    write_plan(root, 1)
+    for job in ("p0-0", "p1-0"):
+        _published(root, 0, job, os.urandom(100_000))
+        RECENT.forget_under(root.path(layout.path_dir(0, job)))  # as another host published them
+    idle = TaskQueue(root, config)
+    assert idle.next_claim("island-0", 1) is None  # three merges, none held, all new: one look's wait
+    root.read_committed(layout.path_dir(0, "p1-0"), "model.safetensors")  # as its publisher holds it
+    holder = TaskQueue(root, config).next_claim("island-1", 1)
+    assert holder.task.name == "merge.r0.l0m1"  # every path held: at once
+    again = idle.next_claim("island-0", 1)
+    assert again.task.name == "merge.r0.l1m0"  # found again: claimed, the longest first
+    for lease in (holder, again):
+        lease.finish("released")

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dipaco.island")
 POLL_S = 0.5  # how often an idle island looks for ready work
+PLAN_TTL_S = 2.0  # how long an island's read of the plan stands (Island._plan)
 IDLE_BROADCAST_S = 5.0  # an idle rank 0 tells its peers so every few seconds (keeps collectives short)
 LEFT_EXIT = 0
 
@@ -63,6 +64,8 @@ class Island:
         self.keeping: list[tuple[Lease, threading.Thread]] = []  # published tasks whose inner state uploads
         self.next_up: list[Lease] = []  # merges claimed with the one it runs (TaskQueue.claim_held_merges)
         self.until: int | None = None  # the plan's until_round, as its last look at the queue read it
+        self._plan_read_at: float | None = None  # monotonic time of that read
+        self.finishing: list[threading.Thread] = []  # records of done small tasks still going up
         self.leaving = False
         self.done: list[dict] = []
         self.rank, self.world = 0, 1
@@ -101,9 +104,10 @@ class Island:
                 self.lease = self.next_up.pop(0)
                 if not self.lease.lost.is_set():
                     return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
-            until = self.until = read_plan(self.root)
-            if until is None:
+            until = self._plan()
+            if until is None and self._plan(fresh=True) is None:
                 return {"exit": "finished"}
+            until = self.until
             # Ready work first: a finished plan has none, and on an object store every question
             # before a claim is a round trip between one task and the next.
             self.lease = self.queue.next_claim(self.name, until, self.id)
@@ -114,10 +118,22 @@ class Island:
                 return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
             self.start_keeping()  # idle: nothing for the uplink to carry first
             if self.queue.finished(until):
-                return {"exit": "finished"}
+                if self._plan(fresh=True) == until:  # leave on what the plan says now
+                    return {"exit": "finished"}
+                continue
             if self.world > 1 and time.monotonic() - waited > IDLE_BROADCAST_S:
                 return {"idle": True}
             time.sleep(POLL_S)
+
+    def _plan(self, fresh: bool = False) -> int | None:
+        """The plan's until_round, read again after PLAN_TTL_S (or `fresh`): on an object store a
+        read is a round trip before a look at the queue, between a merge and the next task across
+        hosts. A run that raises the plan is seen that much later; an island leaves only on a
+        fresh read."""
+        now = time.monotonic()
+        if fresh or self._plan_read_at is None or now - self._plan_read_at >= PLAN_TTL_S:
+            self.until, self._plan_read_at = read_plan(self.root), now
+        return self.until
 
     def _execute(self, task: Task, attempt: int | None = None) -> None:
         from pipeline.train.train_path import AttemptCancelled
@@ -208,7 +224,14 @@ class Island:
                 outcome.setdefault("error", "its output could not be published, or its inner state kept")
             lease.finish("cancelled" if lost_to_peer else "failed", seconds=seconds, **outcome)
             return
-        lease.finish("done", seconds=seconds, **outcome)
+        if task.kind == "train":
+            lease.finish("done", seconds=seconds, **outcome)
+        else:  # its output is committed: the record goes up while the island looks for its next task
+            done = threading.Thread(
+                target=lease.finish, args=("done",), kwargs={"seconds": seconds, **outcome}, daemon=True
+            )
+            done.start()
+            self.finishing = [t for t in self.finishing if t.is_alive()] + [done]
         self.done.append({"task": task.name, "seconds": seconds})
         log.info("island %s: %s done in %.1f s", self.name, task.name, seconds)
 
@@ -217,6 +240,8 @@ class Island:
         still running after `timeout` is released, so another island keeps it."""
         self.start_keeping()
         deadline = time.monotonic() + timeout
+        for thread in self.finishing:
+            thread.join(max(0.0, deadline - time.monotonic()))
         for lease, thread in self.keeping:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():

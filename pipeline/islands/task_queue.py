@@ -71,7 +71,6 @@ KIND_ORDER = {"merge": 0, "commit": 1, "reroute": 2, "evalsum": 3, "train": 4, "
 # over a 50 Mbit/s link (benchmarks/RESULTS.md, "Islands on separate hosts").
 REPORT_ONLY = frozenset({"eval", "evalsum"})
 CHECK_EVERY = 3  # a lease's beats per look at its task's attempts (Lease._beat)
-FILL_IN = REPORT_ONLY | {"commit"}  # nothing trains from them: they fill the gaps (TaskQueue.next_claim)
 HELD_MERGES_AT_ONCE = 4  # merges an island claims at once, of paths it holds (TaskQueue.claim_held_merges)
 STATES = ("running", "done", "failed", "released", "cancelled")
 # Test-only: seconds added to every wall-clock time this process writes into lease records, to
@@ -243,6 +242,8 @@ class TaskQueue:
         self._medians: dict[int, TaskTimes | None] = {}
         self._last_ready: list[Task] = []  # the last look's ready tasks (next_claim), in claim order
         self._claim_found_live = False  # the last claim refused: another island holds the task
+        self._ready_before: set[Task] = set()  # what the look before the last found ready (next_claim)
+        self._listed: TaskQueue | None = None  # the last look's view through its listings (ready())
         # (round, job) -> the inner state this process holds while it keeps it (Island.keep_later)
         self.keeping_here: dict[tuple[int, str], Any] = {}
         self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
@@ -338,13 +339,21 @@ class TaskQueue:
         and that attempt keeps the state); any other once its output is committed."""
         return self.output_committed(task) and (task.kind != "train" or self.inner_kept(task.round, task.target))
 
-    def claim(self, task: Task, island: str, island_id: str | None = None) -> "Lease | None":
-        """The next attempt of `task` for `island`, or None when it is held, done or given up."""
-        attempts = self.attempts(task)
+    def claim(
+        self, task: Task, island: str, island_id: str | None = None, listed: "TaskQueue | None" = None
+    ) -> "Lease | None":
+        """The next attempt of `task` for `island`, or None when it is held, done or given up.
+        `listed`: the queue as next_claim's look listed it (ready()): the listings it took answer
+        which attempts exist and whether the task is done, so a claim is the attempts' record
+        reads and the create, not a listing and a HEAD before them (two round trips between a task
+        and the next across hosts). A listing may miss what came since; the create, conditional,
+        refuses a second taker, and a task whose output came meanwhile stops at its own check."""
+        seen = listed or self
+        attempts = seen.attempts(task)
         self._claim_found_live = any(a.live for a in attempts)
-        if self._claim_found_live or any(a.state == "done" for a in attempts) or self.task_done(task):
+        if self._claim_found_live or any(a.state == "done" for a in attempts) or seen.task_done(task):
             return None
-        if task.kind in self.limited_kinds and not self._may_try_again(task, attempts):
+        if task.kind in self.limited_kinds and not seen._may_try_again(task, attempts):
             return None
         return self._create_attempt(task, attempts, island, island_id)
 
@@ -567,6 +576,7 @@ class TaskQueue:
             return self._ready(until_round)
         view = copy.copy(self)  # the same caches of what never changes, the root seen through listings
         view.root = ListedRoot(self.root, self._listed_directories(until_round))
+        self._listed = view  # next_claim's claims ask it too
         return view._ready(until_round)
 
     def _listed_directories(self, until_round: int) -> list[str]:
@@ -690,6 +700,15 @@ class TaskQueue:
         preference = self.merge_preference(task)
         return task.kind == "merge" and preference[1] < 0 and preference[0] == -1.0
 
+    def _for_its_holder(self, task: Task, seen_before: set[Task]) -> bool:
+        """A merge that became ready since this island's last look, of which it does not hold
+        every path, is left one look to an island that may (on an object store): the island that
+        published the merge's last path holds it and its peers' (peers.PeerReads) and claims its
+        merges right after the publish, while an idle island, polling, took the merge first and
+        downloaded that path (1.2 s over 50 Mbit/s, on the round's critical path). Found again at
+        the next look, it is claimed."""
+        return task.kind == "merge" and not self.root.is_local and task not in seen_before and not self.holds_all(task)
+
     def claim_held_merges(self, claimed: Task, island: str, island_id: str | None = None) -> list["Lease"]:
         """After a claim of a merge whose every path this process holds: the other merges of its
         round, ready at that look (next_claim's), whose paths it holds too, claimed now for it to run
@@ -703,7 +722,7 @@ class TaskQueue:
             if len(leases) >= HELD_MERGES_AT_ONCE:
                 break
             if task != claimed and task.kind == "merge" and task.round == claimed.round and self.holds_all(task):
-                lease = self.claim(task, island, island_id)
+                lease = self.claim(task, island, island_id, self._listed)
                 leases += [lease] if lease is not None else []
         return leases
 
@@ -725,13 +744,15 @@ class TaskQueue:
         train, merge and reroute task of any round: nothing trains from what it gathers (a round
         starts from its modules merged on their own), and claimed first it held one island back
         from the next round's training on two hosts (benchmarks/RESULTS.md, "Islands on separate
-        hosts"); it runs in the gaps, while islands wait for a path to be published. Neither it
-        nor an evaluation is claimed while another island runs a merge: its end makes the next
-        round's train tasks ready, and an island that took a commit or an evaluation just before
-        started its next path 1-2 s late (the same benchmark).
+        hosts"); it runs in the gaps, while islands wait for a path to be published or a merge. No
+        evaluation is claimed while another island runs a merge: its end makes the next round's
+        train tasks ready, and an island that took an evaluation just before started its next path
+        1-2 s late (the same benchmark); commits, which the run's end waits for, are (withheld too,
+        they piled up there: 4 in a row, 5 s).
         Among a round's merges, first those whose paths' weights this island holds in memory (it
         trained them: no download), then those of the modules most paths share (the longest);
         among its train tasks, first those whose inner state this island still holds."""
+        self._listed = None
         ready = sorted(
             self.ready(until_round),
             key=lambda task: (
@@ -745,11 +766,15 @@ class TaskQueue:
         )
         self._medians: dict[int, TaskTimes | None] = {}
         self._last_ready = ready
-        merging = False  # a merge another island runs: its end makes train tasks ready
+        merging = False  # a merge another island runs (or will): its end makes train tasks ready
+        seen_before, self._ready_before = self._ready_before, set(ready)
         for task in ready:
-            if merging and task.kind in FILL_IN:
+            if merging and task.kind in REPORT_ONLY:
                 continue
-            lease = self.claim(task, island, island_id)
+            if self._for_its_holder(task, seen_before):
+                merging = True
+                continue
+            lease = self.claim(task, island, island_id, self._listed)
             if lease is not None:
                 return lease
             merging = merging or (task.kind == "merge" and self._claim_found_live)

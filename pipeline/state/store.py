@@ -871,10 +871,11 @@ class RecentFiles:
             return data
 
     def holds_under(self, prefix: str) -> bool:
-        """Whether any kept file lies below the directory `prefix` (full path)."""
+        """Whether any kept file lies below the directory `prefix` (full path), or one is being
+        read there (one_reader: a reader of it waits for those bytes instead of reading them)."""
         below = prefix.rstrip("/") + "/"
         with self._lock:
-            return any(name.startswith(below) for name in self._files)
+            return any(name.startswith(below) for name in [*self._files, *self._readers])
 
     def forget_under(self, full: str) -> None:
         """A removal: the file `full` and everything below it as a directory."""
