@@ -744,7 +744,7 @@ def test_an_island_claims_first_the_merges_of_the_paths_it_trained(s3_root):
     for job in ("p0-0", "p1-0"):  # two published paths, as a train task leaves them
         root.write_bytes(f"{layout.path_dir(0, job)}/model.safetensors", os.urandom(100_000))
         root.commit(layout.path_dir(0, job))
-    RECENT.forget_under(root.path(layout.path_dir(0, "p0-0")))  # as the island that trained p1-0 only
+    RECENT.forget_under(root.path(layout.path_dir(0, "p0-0")), keep_bytes=False)  # as the island that trained p1-0 only
     queue = TaskQueue(root, config)
     leases = [queue.next_claim(f"island-{k}", 1) for k in range(3)]
     assert [lease.task.name for lease in leases] == ["merge.r0.l0m1", "merge.r0.l1m0", "merge.r0.l0m0"]
@@ -774,7 +774,9 @@ def test_an_island_claims_the_path_whose_inner_state_it_holds_and_reads_none_of_
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 1)
     Island(config, "island-0", reshard=reshard).run()  # round 0: both paths, their merges and the commit
-    RECENT.forget_under(root.path(layout.inner_state_dir(0, "p0")))  # as an island that trained only p1
+    RECENT.forget_under(
+        root.path(layout.inner_state_dir(0, "p0")), keep_bytes=False
+    )  # as an island that trained only p1
     write_plan(root, 2)
     lease = TaskQueue(root, config).next_claim("island-1", 2)
     assert lease is not None and lease.task.name == "train.r1.p1"  # p0 sorts first otherwise
@@ -846,7 +848,7 @@ def test_a_train_task_reads_its_published_peers_files_while_it_publishes_and_its
     _published(root, 0, "p1-0", weights["p1-0"])
     _published(root, 0, "p1-1", weights["p1-1"])
     for job in weights:
-        RECENT.forget_under(root.path(layout.path_dir(0, job)))  # as another host wrote them
+        RECENT.forget_under(root.path(layout.path_dir(0, job)), keep_bytes=False)  # as another host wrote them
 
     peers.start()
     wait_for(lambda: peers.read, 30, "the published peer's weights read")
@@ -863,7 +865,7 @@ def test_a_train_task_reads_its_published_peers_files_while_it_publishes_and_its
     assert peers.read == [f"{layout.path_dir(0, 'p1-0')}/model.safetensors"]
 
     # One reader at a time per file: a read under way (a peer's weights) is waited for, not repeated
-    RECENT.forget_under(root.path(layout.path_dir(0, "p1-0")))
+    RECENT.forget_under(root.path(layout.path_dir(0, "p1-0")), keep_bytes=False)
     marker = root.marker(layout.path_dir(0, "p1-0"))
     s3_requests.clear()
     got: list = []
@@ -905,7 +907,7 @@ def test_an_island_claims_at_once_every_merge_whose_paths_it_holds_and_runs_them
     write_plan(root, 1)
     for job in ("p0-0", "p1-0"):
         _published(root, 0, job, os.urandom(100_000))
-    RECENT.forget_under(root.path(layout.path_dir(0, "p0-0")))  # as the island that trained p1-0 only
+    RECENT.forget_under(root.path(layout.path_dir(0, "p0-0")), keep_bytes=False)  # as the island that trained p1-0 only
     queue = TaskQueue(root, config)
     lease = queue.next_claim("island-1", 1)
     assert lease.task.name == "merge.r0.l0m1" and queue.claim_held_merges(lease.task, "island-1") == []
@@ -1016,7 +1018,8 @@ def test_a_file_another_process_copied_on_the_server_is_read_from_memory_by_its_
     """A round's commit copies each merged module into modules/ on the server; the island that
     merged it held the bytes under the merged name only, and read them again over the link (3.8 MB
     on a round's critical path across hosts). A committed file whose record (length, CRC-32) matches
-    bytes kept under another name is read from memory; other bytes under that record's name are not."""
+    bytes kept under another name (or removed since: the commit removes what it copied) is read from
+    memory; other bytes under that record's name are not."""
     from pipeline.state.store import RECENT, RecentFiles
 
     merged, modules = "rounds/round=0/merged/level=0/module=0", "rounds/round=1/modules"
@@ -1031,8 +1034,7 @@ def test_a_file_another_process_copied_on_the_server_is_read_from_memory_by_its_
     assert [op for op, _ in s3_requests] == ["get_object"], s3_requests  # the marker only
 
     other = os.urandom(300_000)  # a record no kept bytes match: read over the link
-    s3.write_bytes(f"{modules}/level=0/module=1.safetensors", other)
-    RECENT.forget_under(s3.path(modules, "level=0/module=1.safetensors"))
+    s3.store.write(s3.path(modules, "level=0/module=1.safetensors"), other)  # another process's write
     s3.commit(modules)
     s3_requests.clear()
     assert s3.read_committed(modules, "level=0/module=1.safetensors") == other
@@ -1044,7 +1046,10 @@ def test_a_file_another_process_copied_on_the_server_is_read_from_memory_by_its_
     record = {"bytes": 100 << 10, "crc32": f"{zlib.crc32(b'x' * (100 << 10)):08x}"}
     recent.forget_under("s3://b/b")
     assert recent.get_same(record) == b"x" * (100 << 10)  # still under a
-    recent.forget_under("s3://b/a")
+    recent.forget_under("s3://b/a")  # removed: its bytes stay, under no name, for a copy of them
+    assert recent.get_same(record) == b"x" * (100 << 10) and recent.get("s3://b/a") is None
+    for name in "cdefghijkl":  # until the budget needs their room
+        recent.keep(f"s3://b/{name}", os.urandom(100 << 10))
     assert recent.get_same(record) is None
 
 
@@ -1066,7 +1071,7 @@ def test_a_merge_none_of_whose_paths_an_island_holds_is_left_one_look_to_an_isla
     write_plan(root, 1)
     for job in ("p0-0", "p1-0"):
         _published(root, 0, job, os.urandom(100_000))
-        RECENT.forget_under(root.path(layout.path_dir(0, job)))  # as another host published them
+        RECENT.forget_under(root.path(layout.path_dir(0, job)), keep_bytes=False)  # as another host published them
     idle = TaskQueue(root, config)
     assert idle.next_claim("island-0", 1) is None  # three merges, none held, all new: one look's wait
     root.read_committed(layout.path_dir(0, "p1-0"), "model.safetensors")  # as its publisher holds it

@@ -783,6 +783,9 @@ BUDGET_BYTES = 512 << 20  # the demo's island keeps ~40 MB a round; a paper-scal
 SMALLEST_BYTES = 64 << 10  # records, markers and metrics are read in one short request: not worth a slot
 
 
+UNNAMED = "\0removed:"  # the key of bytes kept after their name was removed (RecentFiles.forget_under)
+
+
 class RecentFiles:
     """Full object path -> the bytes this process last wrote or read there, least recently used first.
 
@@ -877,12 +880,20 @@ class RecentFiles:
         with self._lock:
             return any(name.startswith(below) for name in [*self._files, *self._readers])
 
-    def forget_under(self, full: str) -> None:
-        """A removal: the file `full` and everything below it as a directory."""
+    def forget_under(self, full: str, keep_bytes: bool = True) -> None:
+        """A removal: the file `full` and everything below it as a directory. Their bytes stay,
+        under no name, for get_same, until the budget needs their room (unless not `keep_bytes`):
+        a round's commit removes the merged modules it copied into modules/, the same bytes."""
         below = full.rstrip("/") + "/"
         with self._lock:
             for name in [n for n in self._files if n == full or n.startswith(below)]:
+                data, content = self._files.get(name), self._contents.get(name)
                 self._drop(name)
+                if keep_bytes and data is not None and content is not None and content not in self._by_content:
+                    unnamed = f"{UNNAMED}{content[0]}:{content[1]}"  # no path a read asks for
+                    self._files[unnamed], self._contents[unnamed] = data, content
+                    self._by_content[content] = unnamed
+                    self._held += len(data)
 
     def _drop(self, full: str) -> None:
         data = self._files.pop(full, None)
