@@ -997,6 +997,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"benchmarks.hosts: {why}; `--store local` runs the stand-in", file=sys.stderr)
             return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    unwind_on_signals()
     base = Path(tempfile.mkdtemp(prefix="dipaco-hosts-"))
     try:
         runs = ("fault-free",) if args.no_faults else ("faults",) if args.faults_only else ("fault-free", "faults")
@@ -1012,6 +1013,19 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "results.json").write_text(json.dumps(found, indent=2) + "\n")
     return report(args, spec, found)
+
+
+def unwind_on_signals() -> None:
+    """SIGTERM and SIGHUP unwind like Ctrl-C for the whole benchmark, as they do while a lab is open
+    (netns.Lab): the one-host reference run comes before any lab, and a SIGTERM then killed this
+    process and left that run's `dipaco run` and islands behind."""
+
+    def handler(signum, frame):
+        signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the cleanup short
+        raise netns.Interrupted(signal.Signals(signum).name)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, handler)
 
 
 def report(args: argparse.Namespace, spec: Spec, found: dict) -> int:

@@ -730,20 +730,11 @@ def test_an_island_claims_first_the_merges_of_the_paths_it_trained(s3_root):
     """On an object store an island holds in memory the paths it trained: of a round's merges it
     claims first those it reads nothing for, then the shared module, whose other paths it must
     download (a merge of another island's path cost ~1.2 s more per 7.6 MB over 50 Mbit/s)."""
-    from pipeline import stages
-    from pipeline.islands.task_queue import TaskQueue, write_plan
-    from pipeline.run import Run
+    from pipeline.islands.task_queue import TaskQueue
     from pipeline.state import layout
     from pipeline.state.store import RECENT
 
-    url, storage_set = s3_root
-    config = tiny_config(url, storage_set, "model.grid=[2,1]", "model.blocks_per_level=[1,1]")
-    configure(url, config.storage.options)
-    root = stages.init_run(Run(config))
-    write_plan(root, 1)
-    for job in ("p0-0", "p1-0"):  # two published paths, as a train task leaves them
-        root.write_bytes(f"{layout.path_dir(0, job)}/model.safetensors", os.urandom(100_000))
-        root.commit(layout.path_dir(0, job))
+    config, root = _two_published_paths(s3_root)
     RECENT.forget_under(root.path(layout.path_dir(0, "p0-0")), keep_bytes=False)  # as the island that trained p1-0 only
     queue = TaskQueue(root, config)
     leases = [queue.next_claim(f"island-{k}", 1) for k in range(3)]
@@ -753,30 +744,37 @@ def test_an_island_claims_first_the_merges_of_the_paths_it_trained(s3_root):
 
 
 @pytest.mark.slow  # ~20 s: a round of the tiny pipeline and one task of the next, on the S3 server
-def test_an_island_claims_the_path_whose_inner_state_it_holds_and_reads_none_of_it_over_the_link(s3_root, s3_requests):
-    """Islands on separate hosts: the train task an island claims first is the path it trained last
-    round, whose inner state (2x the weights) it still holds; that task resumes it from memory.
-    Which island trains a path changes nothing in what it trains (the run is bitwise the same).
-    The task publishes the path before its own inner state goes up, which the island keeps while
-    it goes on to its next task."""
+def _two_paths_to_train(s3_root, rounds: int) -> tuple:
+    """(config, root): the tiny [2] grid on S3 with its shards, 2 inner steps a task, planned for `rounds`."""
     from pipeline import stages
-    from pipeline.island_rank import reshard
-    from pipeline.islands.island import Island, run_task
-    from pipeline.islands.task_queue import TaskQueue, write_plan
+    from pipeline.islands.task_queue import write_plan
     from pipeline.run import Run
-    from pipeline.state import layout
-    from pipeline.state.store import RECENT
 
     url, storage_set = s3_root
     config = tiny_config(url, storage_set, "model.grid=[2]", "model.blocks_per_level=[1]", "train.inner_steps=2")
     configure(url, config.storage.options)
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
-    write_plan(root, 1)
+    write_plan(root, rounds)
+    return config, root
+
+
+def test_an_island_claims_the_path_whose_inner_state_it_holds_and_reads_none_of_it_over_the_link(s3_root, s3_requests):
+    """Islands on separate hosts: the train task an island claims first is the path it trained last
+    round, whose inner state (2x the weights) it still holds; that task resumes it from memory.
+    Which island trains a path changes nothing in what it trains (the run is bitwise the same).
+    The task publishes the path before its own inner state goes up, which the island keeps while
+    it goes on to its next task."""
+    from pipeline.island_rank import reshard
+    from pipeline.islands.island import Island, run_task
+    from pipeline.islands.task_queue import TaskQueue, write_plan
+    from pipeline.state import layout
+    from pipeline.state.store import RECENT
+
+    config, root = _two_paths_to_train(s3_root, 1)
     Island(config, "island-0", reshard=reshard).run()  # round 0: both paths, their merges and the commit
-    RECENT.forget_under(
-        root.path(layout.inner_state_dir(0, "p0")), keep_bytes=False
-    )  # as an island that trained only p1
+    only_p1 = root.path(layout.inner_state_dir(0, "p0"))
+    RECENT.forget_under(only_p1, keep_bytes=False)  # as an island that trained only p1
     write_plan(root, 2)
     lease = TaskQueue(root, config).next_claim("island-1", 2)
     assert lease is not None and lease.task.name == "train.r1.p1"  # p0 sorts first otherwise
@@ -810,6 +808,23 @@ def _published(root, round_index: int, job: str, data: bytes, grads: dict[int, b
     for level, grad in (grads or {}).items():
         root.write_bytes(f"{rel}/{layout.outer_grad_file(level)}", grad)
     root.commit(rel)
+
+
+def _two_published_paths(s3_root) -> tuple:
+    """(config, root): the tiny [2, 1] grid on S3, planned for one round, both its paths published
+    as train tasks leave them (the module both share, l1m0, and one of its own each)."""
+    from pipeline import stages
+    from pipeline.islands.task_queue import write_plan
+    from pipeline.run import Run
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "model.grid=[2,1]", "model.blocks_per_level=[1,1]")
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    write_plan(root, 1)
+    for job in ("p0-0", "p1-0"):
+        _published(root, 0, job, os.urandom(100_000))
+    return config, root
 
 
 def test_a_train_task_reads_its_published_peers_files_while_it_publishes_and_its_merge_then_reads_none(
@@ -892,21 +907,13 @@ def test_an_island_claims_at_once_every_merge_whose_paths_it_holds_and_runs_them
     peers' it read while publishing): it claims them all at once, so that another island does not
     take one and download its paths first; another island gets none of them. A merge only partly
     held is not claimed with them, and a lease lost meanwhile is skipped."""
-    from pipeline import stages
     from pipeline.island_rank import reshard
     from pipeline.islands.island import Island
-    from pipeline.islands.task_queue import TaskQueue, write_plan
-    from pipeline.run import Run
+    from pipeline.islands.task_queue import TaskQueue
     from pipeline.state import layout
     from pipeline.state.store import RECENT
 
-    url, storage_set = s3_root
-    config = tiny_config(url, storage_set, "model.grid=[2,1]", "model.blocks_per_level=[1,1]")
-    configure(url, config.storage.options)
-    root = stages.init_run(Run(config))
-    write_plan(root, 1)
-    for job in ("p0-0", "p1-0"):
-        _published(root, 0, job, os.urandom(100_000))
+    config, root = _two_published_paths(s3_root)
     RECENT.forget_under(root.path(layout.path_dir(0, "p0-0")), keep_bytes=False)  # as the island that trained p1-0 only
     queue = TaskQueue(root, config)
     lease = queue.next_claim("island-1", 1)
@@ -936,19 +943,12 @@ def test_a_paths_next_round_starts_here_from_the_inner_state_this_island_is_stil
     round. The upload now starts once the island runs something other than a merge, and the path's
     next round starts here from the state in memory (the bytes that go up); another island waits
     for the state to be kept."""
-    from pipeline import stages
     from pipeline.island_rank import reshard
     from pipeline.islands.island import Island, run_task
-    from pipeline.islands.task_queue import TaskQueue, write_plan
-    from pipeline.run import Run
+    from pipeline.islands.task_queue import TaskQueue
     from pipeline.state import layout
 
-    url, storage_set = s3_root
-    config = tiny_config(url, storage_set, "model.grid=[2]", "model.blocks_per_level=[1]", "train.inner_steps=2")
-    configure(url, config.storage.options)
-    root = stages.init_run(Run(config))
-    write_synthetic_shards(root, config.model.grid)
-    write_plan(root, 2)
+    config, root = _two_paths_to_train(s3_root, 2)
     island = Island(config, "island-0", reshard=reshard)
     first = island._next_message()
     assert first["task"]["target"] == "p0" and first["task"]["kind"] == "train"
@@ -1058,19 +1058,12 @@ def test_a_merge_none_of_whose_paths_an_island_holds_is_left_one_look_to_an_isla
     after its publish; an idle island, polling, took it first and downloaded that path (1.2 s on
     the round's critical path across hosts). A merge newly ready that an island does not hold
     whole waits for its next look; found again, it is claimed."""
-    from pipeline import stages
-    from pipeline.islands.task_queue import TaskQueue, write_plan
-    from pipeline.run import Run
+    from pipeline.islands.task_queue import TaskQueue
     from pipeline.state import layout
     from pipeline.state.store import RECENT
 
-    url, storage_set = s3_root
-    config = tiny_config(url, storage_set, "model.grid=[2,1]", "model.blocks_per_level=[1,1]")
-    configure(url, config.storage.options)
-    root = stages.init_run(Run(config))
-    write_plan(root, 1)
+    config, root = _two_published_paths(s3_root)
     for job in ("p0-0", "p1-0"):
-        _published(root, 0, job, os.urandom(100_000))
         RECENT.forget_under(root.path(layout.path_dir(0, job)), keep_bytes=False)  # as another host published them
     idle = TaskQueue(root, config)
     assert idle.next_claim("island-0", 1) is None  # three merges, none held, all new: one look's wait

@@ -208,7 +208,7 @@ class Island:
             thread.start()
 
     def start_keeping(self) -> None:
-        """Start the uploads of the inner states kept_later deferred (each thread starts once)."""
+        """Start the uploads of the inner states keep_later deferred (each thread starts once)."""
         for _, thread in self.keeping:
             if thread.ident is None:
                 thread.start()
