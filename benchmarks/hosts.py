@@ -1019,13 +1019,8 @@ def unwind_on_signals() -> None:
     """SIGTERM and SIGHUP unwind like Ctrl-C for the whole benchmark, as they do while a lab is open
     (netns.Lab): the one-host reference run comes before any lab, and a SIGTERM then killed this
     process and left that run's `dipaco run` and islands behind."""
-
-    def handler(signum, frame):
-        signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the cleanup short
-        raise netns.Interrupted(signal.Signals(signum).name)
-
     for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, handler)
+        signal.signal(signum, netns.unwind)
 
 
 def report(args: argparse.Namespace, spec: Spec, found: dict) -> int:

@@ -194,6 +194,12 @@ class Interrupted(KeyboardInterrupt):
     """SIGTERM or SIGHUP while a lab is open: unwinds like Ctrl-C, through every finally."""
 
 
+def unwind(signum: int, frame) -> None:
+    """A signal handler: raise Interrupted, once (a second signal must not cut the cleanup short)."""
+    signal.signal(signum, signal.SIG_IGN)
+    raise Interrupted(signal.Signals(signum).name)
+
+
 class Lab:
     """A store namespace and `hosts` host namespaces on one shaped bridge (module docstring)."""
 
@@ -275,13 +281,9 @@ class Lab:
         if threading.current_thread() is not threading.main_thread():
             return
 
-        def handler(signum, frame):
-            signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the cleanup short
-            raise Interrupted(signal.Signals(signum).name)
-
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._previous[signum] = signal.getsignal(signum)
-            signal.signal(signum, handler)
+            signal.signal(signum, unwind)
 
     # -- building ----------------------------------------------------------------------------------
 

@@ -105,9 +105,10 @@ class Island:
                 if not self.lease.lost.is_set():
                     return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
             until = self._plan()
-            if until is None and self._plan(fresh=True) is None:
-                return {"exit": "finished"}
-            until = self.until
+            if until is None:  # gone, or the cached read is: leave only on what the plan says now
+                until = self._plan(fresh=True)
+                if until is None:
+                    return {"exit": "finished"}
             # Ready work first: a finished plan has none, and on an object store every question
             # before a claim is a round trip between one task and the next.
             self.lease = self.queue.next_claim(self.name, until, self.id)

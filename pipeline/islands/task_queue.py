@@ -242,7 +242,6 @@ class TaskQueue:
         self._medians: dict[int, TaskTimes | None] = {}
         self._last_ready: list[Task] = []  # the last look's ready tasks (next_claim), in claim order
         self._claim_found_live = False  # the last claim refused: another island holds the task
-        self._ready_before: set[Task] = set()  # what the look before the last found ready (next_claim)
         self._listed: TaskQueue | None = None  # the last look's view through its listings (ready())
         # (round, job) -> the inner state this process holds while it keeps it (Island.keep_later)
         self.keeping_here: dict[tuple[int, str], Any] = {}
@@ -765,9 +764,8 @@ class TaskQueue:
             ),
         )
         self._medians: dict[int, TaskTimes | None] = {}
-        self._last_ready = ready
+        seen_before, self._last_ready = set(self._last_ready), ready
         merging = False  # a merge another island runs (or will): its end makes train tasks ready
-        seen_before, self._ready_before = self._ready_before, set(ready)
         for task in ready:
             if merging and task.kind in REPORT_ONLY:
                 continue

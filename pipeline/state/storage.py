@@ -329,8 +329,9 @@ class RunRoot:
             buffer = io.BytesIO()
             fill(buffer)
             data = buffer.getvalue()
-            full = self._put_object(rel, lambda full: self._remember(full, self.store.write(full, data), data=data))
-            RECENT.keep(full, data)
+            record = checksum_bytes(data)
+            full = self._put_object(rel, lambda full: self._remember(full, self.store.write(full, data), record))
+            RECENT.keep(full, data, record["crc32"])
             return full
         return self._put(rel, make)
 
@@ -392,11 +393,11 @@ class RunRoot:
         """Upload (or copy) a local file into the root, atomically, streaming it in blocks (in parts
         to an object store, where the object appears only once every part is in)."""
         if not self.is_local:
-            full = self._put_object(
-                rel, lambda full: self._remember(full, self.store.upload(str(local), full), local=local)
-            )
-            if RECENT.worth_keeping(os.path.getsize(local)):
-                RECENT.keep(full, Path(local).read_bytes())
+            data = Path(local).read_bytes() if RECENT.worth_keeping(os.path.getsize(local)) else None
+            record = checksum_bytes(data) if data is not None else checksum_file(local)  # one pass over the bytes
+            full = self._put_object(rel, lambda full: self._remember(full, self.store.upload(str(local), full), record))
+            if data is not None:
+                RECENT.keep(full, data, record["crc32"])
             return
         with open(local, "rb") as src:
             self._replace(rel, lambda handle: shutil.copyfileobj(src, handle, 1 << 22))
@@ -550,10 +551,11 @@ class RunRoot:
                 return bytearray(kept) if writable else kept
             kept = RECENT.get_same(expected)  # the same bytes under another name (a server-side copy)
             if kept is not None and matches_record(kept, expected):
-                RECENT.keep(named, kept)
+                RECENT.keep(named, kept, expected.get("crc32"))
                 return bytearray(kept) if writable else kept
             data = self._read_checked(located, name, expected, writable, max_bytes)
-            RECENT.keep(named, data)  # the shard of a path, a shared module: read again next task, next round
+            # the shard of a path, a shared module: read again next task, next round
+            RECENT.keep(named, data, expected.get("crc32"))
             return data
 
     def _read_checked(
@@ -645,11 +647,12 @@ class RunRoot:
         for name in self.marker(rel)["files"]:
             self.read_committed(rel, name)
 
-    def _remember(self, full: str, version: str | None, data: bytes | None = None, local: Any = None) -> None:
-        """An object store: the record of what this process just wrote, with the version the store
-        gave it, so a commit need not download the file again to checksum it (see _file_record)."""
+    def _remember(self, full: str, version: str | None, record: dict[str, Any]) -> None:
+        """An object store: the record of what this process just wrote (`record`: its checksum),
+        with the version the store gave it, so a commit need not download the file again to
+        checksum it (see _file_record)."""
         if version:
-            self._written[full] = (version, checksum_bytes(data) if data is not None else checksum_file(local))
+            self._written[full] = (version, record)
 
     def _file_record(self, rel: str) -> dict[str, Any]:
         """From the bytes on disk, never from what this process believes it wrote: two writers of

@@ -819,19 +819,25 @@ class RecentFiles:
     def worth_keeping(self, size: int) -> bool:
         return SMALLEST_BYTES <= size <= self.budget // 4
 
-    def keep(self, full: str, data: bytes) -> None:
-        """Remember what was just written to `full`, or read from it (a write that failed must not call this)."""
-        content = (len(data), f"{zlib.crc32(data):08x}") if self.worth_keeping(len(data)) else None
+    def keep(self, full: str, data: bytes, crc32: str | None = None) -> None:
+        """Remember what was just written to `full`, or read from it (a write that failed must not
+        call this); `crc32`: the bytes' CRC-32 as a record writes it, when the caller has it."""
+        if not self.worth_keeping(len(data)):
+            with self._lock:
+                self._drop(full)
+            return
+        content = (len(data), crc32 or f"{zlib.crc32(data):08x}")
         with self._lock:
             self._drop(full)
-            if content is None:
-                return
-            self._files[full] = bytes(data)  # the same object when it is bytes already (an alias)
-            self._contents[full] = content
-            self._by_content[content] = full
-            self._held += len(data)
-            while self._held > self.budget:
-                self._drop(next(iter(self._files)))
+            self._add(full, bytes(data), content)  # the same object when it is bytes already (an alias)
+
+    def _add(self, full: str, data: bytes, content: tuple[int, str]) -> None:
+        """Keep `data` under `full` (absent) and its content, within the budget; under the lock."""
+        self._files[full], self._contents[full] = data, content
+        self._by_content[content] = full
+        self._held += len(data)
+        while self._held > self.budget:
+            self._drop(next(iter(self._files)))
 
     def get_same(self, record: dict) -> bytes | None:
         """Kept bytes of the length and CRC-32 a `_SUCCESS` record gives, under whatever name: a
@@ -861,9 +867,9 @@ class RecentFiles:
     def alias(self, src: str, dst: str) -> None:
         """A server-side copy from `src` to `dst`: the same bytes under a second name."""
         with self._lock:
-            data = self._files.get(src)
-        if data is not None:
-            self.keep(dst, data)
+            data, content = self._files.get(src), self._contents.get(src)
+        if data is not None and content is not None:
+            self.keep(dst, data, content[1])
 
     def get(self, full: str) -> bytes | None:
         """The bytes last written to `full`, or None; the caller checks them against their record."""
@@ -890,10 +896,7 @@ class RecentFiles:
                 data, content = self._files.get(name), self._contents.get(name)
                 self._drop(name)
                 if keep_bytes and data is not None and content is not None and content not in self._by_content:
-                    unnamed = f"{UNNAMED}{content[0]}:{content[1]}"  # no path a read asks for
-                    self._files[unnamed], self._contents[unnamed] = data, content
-                    self._by_content[content] = unnamed
-                    self._held += len(data)
+                    self._add(f"{UNNAMED}{content[0]}:{content[1]}", data, content)  # no path a read asks for
 
     def _drop(self, full: str) -> None:
         data = self._files.pop(full, None)
