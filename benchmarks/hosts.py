@@ -730,6 +730,16 @@ def predicted_bytes(
         held.setdefault(island, set()).update(content(n) for n in names if sizes.get(n, 0) >= SMALLEST_BYTES)
         return sum(sizes.get(n, 0) for n in names)
 
+    def merge_inputs(r: int, key, at: float) -> list[str]:
+        """What module `key`'s merge of round r reads (and an early start of round r+1 with it):
+        each path's compressed outer gradient at the module's level (outer.compression), else its
+        weights, then the module and its momentum."""
+        through = [path_id(p) for p in paths_through(key, grid)]
+        grads = [f"rounds/round={r}/paths/path={p}/{outer_grad_file(key.level)}" for p in through]
+        weights = [f"rounds/round={r}/paths/path={p}/model.safetensors" for p in through]
+        before = [module(r, key, at), f"rounds/round={r}/outer_state/{key}.safetensors"]
+        return (grads if all(f in sizes for f in grads) else weights) + before
+
     out: dict[int, list[dict[str, int]]] = {}
     done = sorted((a for a in summary["attempts"] if a.get("state") == "done"), key=lambda a: a.get("claimed_at") or 0)
     committed = {  # round -> when its commit task was done
@@ -743,22 +753,19 @@ def predicted_bytes(
         row = out.setdefault(r, [{"up": 0, "down": 0} for _ in range(n_hosts)])[island_host(island)]
         if kind == "train":
             path = target.split(".w")[0]
-            row["down"] += read(island, modules(r, path, a["claimed_at"]) + under(f"shards/path={path}/"))
+            early = set(a.get("early_start") or [])  # computed here from round r-1's inputs (outer/early.py)
+            keys = path_modules(parse_path_id(path, grid))
+            later = [module(r, k, a["claimed_at"]) for k in keys if f"l{k.level}m{k.index}" not in early]
+            row["down"] += read(island, later + under(f"shards/path={path}/"))
+            for key in (k for k in keys if f"l{k.level}m{k.index}" in early):
+                row["down"] += read(island, merge_inputs(r - 1, key, a["claimed_at"]))
             row["down"] += read(island, [inner(target, r - 1)]) if r else 0
             row["down"] += read(island, a.get("peer_reads") or [])  # its peers' files, read while it published
             row["up"] += wrote(island, under(f"rounds/round={r}/paths/path={target}/") + [inner(target, r)])
         elif kind == "merge":
             level, index = (int(x) for x in target.lstrip("l").split("m"))
             key = ModuleKey(level, index)
-            through = [path_id(p) for p in paths_through(key, grid)]
-            # each path's compressed outer gradient at the module's level (outer.compression), else its weights
-            grads = [f"rounds/round={r}/paths/path={p}/{outer_grad_file(level)}" for p in through]
-            weights = [f"rounds/round={r}/paths/path={p}/model.safetensors" for p in through]
-            row["down"] += read(island, grads if all(f in sizes for f in grads) else weights)
-            row["down"] += read(
-                island,
-                [module(r, key, a["claimed_at"]), f"rounds/round={r}/outer_state/{key}.safetensors"],
-            )
+            row["down"] += read(island, merge_inputs(r, key, a["claimed_at"]))
             # what it commits in merged/ (pruned once the round is gathered): round r+1's copies of it
             merged = [
                 f"rounds/round={r + 1}/modules/{key}.safetensors",

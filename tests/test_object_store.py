@@ -810,9 +810,9 @@ def _published(root, round_index: int, job: str, data: bytes, grads: dict[int, b
     root.commit(rel)
 
 
-def _two_published_paths(s3_root) -> tuple:
-    """(config, root): the tiny [2, 1] grid on S3, planned for one round, both its paths published
-    as train tasks leave them (the module both share, l1m0, and one of its own each)."""
+def _two_published_paths(s3_root, jobs: tuple[str, ...] = ("p0-0", "p1-0")) -> tuple:
+    """(config, root): the tiny [2, 1] grid on S3, planned for one round, its paths (`jobs`: both)
+    published as train tasks leave them (the module both share, l1m0, and one of its own each)."""
     from pipeline import stages
     from pipeline.islands.task_queue import write_plan
     from pipeline.run import Run
@@ -822,7 +822,7 @@ def _two_published_paths(s3_root) -> tuple:
     configure(url, config.storage.options)
     root = stages.init_run(Run(config))
     write_plan(root, 1)
-    for job in ("p0-0", "p1-0"):
+    for job in jobs:
         _published(root, 0, job, os.urandom(100_000))
     return config, root
 
@@ -937,15 +937,19 @@ def test_an_island_claims_at_once_every_merge_whose_paths_it_holds_and_runs_them
 
 
 @pytest.mark.slow  # ~20 s: two train tasks and a merge of the tiny model on the S3 server
-def test_a_paths_next_round_starts_here_from_the_inner_state_this_island_is_still_keeping(s3_root, s3_requests):
-    """The island that published a round's last path ran its merges while its inner state (2x the
-    weights) went up on the same uplink, and then waited for that upload before the path's next
-    round. The upload now starts once the island runs something other than a merge, and the path's
-    next round starts here from the state in memory (the bytes that go up); another island waits
-    for the state to be kept."""
+def test_a_paths_next_round_starts_here_before_its_merge_from_the_state_this_island_is_still_keeping(
+    s3_root, s3_requests
+):
+    """Across hosts a round's end was a chain of transfers the next round waited for: the merges
+    put up, read back, the inner state (2x the weights) kept first. The island that keeps a path's
+    inner state now starts the path's next round at once, from the state in memory and from its
+    modules as their merge will write them (computed here, pipeline/outer/early.py); the merge runs
+    on a thread beside the training, the state goes up after it, and the publish waits until the
+    merge is committed with those very bytes. Another island waits for the merge and the state."""
+    from models.grid import ModuleKey
     from pipeline.island_rank import reshard
     from pipeline.islands.island import Island, run_task
-    from pipeline.islands.task_queue import TaskQueue
+    from pipeline.islands.task_queue import Task, TaskQueue
     from pipeline.state import layout
 
     config, root = _two_paths_to_train(s3_root, 2)
@@ -962,17 +966,19 @@ def test_a_paths_next_round_starts_here_from_the_inner_state_this_island_is_stil
     ((_, keeper),) = island.keeping
     assert keeper.ident is None and not island.queue.inner_kept(0, "p0")  # not started yet
 
-    merge = island._next_message()  # the merge of p0's module: the upload still waits
-    assert merge["task"]["kind"] == "merge" and merge["task"]["target"] == "l0m0" and keeper.ident is None
-    run_task(config, island.lease.task, 0, island.lease.number, island.lease)
-    island.lease.finish("done", seconds=0.1)
-    assert "train.r1.p0" not in [t.name for t in TaskQueue(root, config).ready(2)]  # elsewhere it waits
-
+    nxt = island._next_message()  # round 1 of p0 before its module's merge, which runs beside it
+    assert nxt["task"] == {"round": 1, "kind": "train", "target": "p0"} and island.lease.early == [ModuleKey(0, 0)]
+    ((behind, _),) = island.behind
+    assert [held.task.name for held in behind] == ["merge.r0.l0m0"]
     s3_requests.clear()
-    nxt = island._next_message()  # round 1 of p0, from the state in memory; its upload starts now
-    assert nxt["task"] == {"round": 1, "kind": "train", "target": "p0"} and keeper.ident is not None
-    run_task(config, island.lease.task, 0, island.lease.number, island.lease)
+    trained = run_task(config, island.lease.task, 0, island.lease.number, island.lease)
     island.wait_for_keeping(60.0)
+    assert trained["published"] and trained["early_start"] == ["l0m0"]
+    queue = TaskQueue(root, config)
+    merge = queue.attempts(Task.of("merge", 0, "l0m0"))[-1].record
+    assert merge["state"] == "done" and merge["beside"] == "train.r1.p0" and merge["island"] == "island-0"
+    claimed = queue.attempts(island.lease.task)[-1].record["claimed_at"]
+    assert claimed < merge["finished_at"]  # claimed, and trained, before the merge was in
     read = [key for op, key in s3_requests if op == "get_object"]
     assert not [key for key in read if "/inner/" in key and key.endswith(".safetensors")], read
     assert root.read_committed_json(layout.path_dir(1, "p0"), "metrics.json")["resumed_inner_state_from"] == 0
@@ -981,6 +987,82 @@ def test_a_paths_next_round_starts_here_from_the_inner_state_this_island_is_stil
     assert root.read_committed(rel, "optimizer-rank-00000.safetensors") == inner.data  # what it resumed
     for held in (island.lease, other):
         held.finish("released")
+
+
+def test_an_early_start_waits_until_every_path_through_its_modules_is_published(s3_root):
+    """A merge is a pure function of what is committed only once every path through its module is
+    in: the path's next round starts early (TaskQueue.early_trains) only then, and only on the
+    island that keeps its inner state; what it starts from before their merge is named."""
+    from models.grid import ModuleKey
+    from pipeline.islands.task_queue import TaskQueue, write_plan
+    from pipeline.state import layout
+
+    config, root = _two_published_paths(s3_root, jobs=("p0-0",))  # p1-0 still trains
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 2)
+    queue = TaskQueue(root, config)
+    assert queue.early_trains(2) == []  # keeps no inner state: another island's path
+    queue.keeping_here[(0, "p0-0")] = object()
+    assert queue.early_trains(2) == []  # l1m0 waits for p1-0
+    assert queue.early_trains(1) == []  # no round 1 in the plan
+    _published(root, 0, "p1-0", os.urandom(100_000))
+    ((task, pending),) = queue.early_trains(2)
+    assert task.name == "train.r1.p0-0" and pending == [ModuleKey(0, 0), ModuleKey(1, 0)]
+    root.commit(layout.merged_module_dir(0, ModuleKey(0, 0)))  # merged already: read as committed
+    assert queue.early_trains(2)[0][1] == [ModuleKey(1, 0)]
+
+
+@pytest.mark.slow  # ~25 s: three train tasks and a merge of the tiny model on the S3 server
+def test_an_early_start_merges_what_nobody_merged_and_one_merged_differently_is_trained_again(s3_root, monkeypatch):
+    """An early start's publish waits for the merges it started from. One whose holder left is
+    merged by the island itself (the other islands may all be training); a merge whose file is not
+    the bytes the attempt started from cancels the attempt (a cancel counts toward no limit), and
+    the path trains again from the committed module and publishes."""
+    from pipeline.island_rank import reshard
+    from pipeline.islands.island import Island, run_task
+    from pipeline.islands.task_queue import Task, TaskQueue
+    from pipeline.outer.early import EarlyStart
+    from pipeline.state import layout
+
+    config, root = _two_paths_to_train(s3_root, 2)
+    island = Island(config, "island-0", reshard=reshard)
+    island._next_message()
+    lease = island.lease
+    other = TaskQueue(root, config).next_claim("island-1", 2)  # p1 is another island's
+    outcome = run_task(config, lease.task, 0, lease.number, lease)
+    island.lease = None
+    island.keep_later(lease.task, lease, outcome.pop("inner_state"), outcome.pop("published"), 1.0, outcome)
+
+    queue = island.queue
+    left = queue.next_claim("island-9", 2)  # the merge's holder, gone before it ran it
+    assert left.task.name == "merge.r0.l0m0"
+    left.finish("released")
+    island.lease = queue.claim_early(island.name, island.id)
+    assert island.lease.task.name == "train.r1.p0"
+    computed = EarlyStart.modules
+
+    def off_by_one_bit(self):
+        modules = computed(self)
+        (record,) = self.expected.values()
+        record["crc32"] = f"{int(record['crc32'], 16) ^ 1:08x}"  # as if computed on other hardware
+        return modules
+
+    monkeypatch.setattr(EarlyStart, "modules", off_by_one_bit)
+    island._execute(island.lease.task, island.lease.number)
+    merge = TaskQueue(root, config).attempts(Task.of("merge", 0, "l0m0"))[-1].record
+    assert merge["state"] == "done" and merge["island"] == "island-0" and merge["beside"] == "train.r1.p0"
+    cancelled = queue.attempts(Task.of("train", 1, "p0"))[-1].record
+    assert cancelled["state"] == "cancelled" and "merged differently" in cancelled["error"]
+    assert not root.is_committed(layout.path_dir(1, "p0"))
+
+    monkeypatch.setattr(EarlyStart, "modules", computed)
+    again = island._next_message()
+    assert again["task"] == {"round": 1, "kind": "train", "target": "p0"} and island.lease.early == []
+    island._execute(island.lease.task, island.lease.number)
+    island.wait_for_keeping(60.0)
+    assert root.is_committed(layout.path_dir(1, "p0"))
+    assert [a.state for a in queue.attempts(Task.of("train", 1, "p0"))] == ["cancelled", "done"]
+    other.finish("released")
 
 
 def test_a_lease_beat_is_one_request_and_every_third_looks_at_the_tasks_attempts(s3_root, s3_requests):

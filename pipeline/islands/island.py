@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from pipeline.core.config import Config
 from pipeline.core.errors import DipacoError
 from pipeline.islands.peers import PeerReads
-from pipeline.islands.task_queue import ISLANDS, Lease, Task, TaskQueue, read_plan
+from pipeline.islands.task_queue import ISLANDS, Lease, Task, TaskQueue, module_target, read_plan
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
@@ -47,6 +47,13 @@ POLL_S = 0.5  # how often an idle island looks for ready work
 PLAN_TTL_S = 2.0  # how long an island's read of the plan stands (Island._plan)
 IDLE_BROADCAST_S = 5.0  # an idle rank 0 tells its peers so every few seconds (keeps collectives short)
 LEFT_EXIT = 0
+BEHIND_KINDS = ("merge", "commit")  # small tasks an early start runs on a thread beside its training
+
+
+def early_wait_s(lease_seconds: float) -> float:
+    """How long an early start's publish waits for the merges it started from (pipeline/outer/early.py):
+    a holder that died is expired after a lease, and its merge then taken over."""
+    return max(60.0, 4 * lease_seconds)
 
 
 class Island:
@@ -66,6 +73,8 @@ class Island:
         self.until: int | None = None  # the plan's until_round, as its last look at the queue read it
         self._plan_read_at: float | None = None  # monotonic time of that read
         self.finishing: list[threading.Thread] = []  # records of done small tasks still going up
+        self.behind: list[tuple[list[Lease], threading.Thread]] = []  # small tasks run beside an early start
+        self._keeping_lock = threading.Lock()  # start_keeping runs on the main thread and the one behind
         self.leaving = False
         self.done: list[dict] = []
         self.rank, self.world = 0, 1
@@ -114,6 +123,9 @@ class Island:
             self.lease = self.queue.next_claim(self.name, until, self.id)
             if self.lease is not None:
                 self.next_up = self.queue.claim_held_merges(self.lease.task, self.name, self.id)
+            if (self.lease is None or self.lease.task.kind != "train") and self._start_early():
+                return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
+            if self.lease is not None:
                 if self.lease.task.kind != "merge":
                     self.start_keeping()
                 return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
@@ -125,6 +137,53 @@ class Island:
             if self.world > 1 and time.monotonic() - waited > IDLE_BROADCAST_S:
                 return {"idle": True}
             time.sleep(POLL_S)
+
+    def _start_early(self) -> bool:
+        """Claim a path's next round to start before its merges are committed (TaskQueue.claim_early,
+        pipeline/outer/early.py) and make it this island's task; the merges and commits claimed
+        at this look run on a thread beside it (their uploads overlap the inner loop), then the
+        inner states kept later go up. An evaluation or re-routing claimed at this look is
+        released: it would take the cores from the training. One-rank islands only: only they
+        keep an inner state in memory (keep_later)."""
+        if self.world > 1:
+            return False
+        early = self.queue.claim_early(self.name, self.id)
+        if early is None:
+            return False
+        claimed = ([self.lease] if self.lease is not None else []) + self.next_up
+        self.next_up = []
+        behind = [lease for lease in claimed if lease.task.kind in BEHIND_KINDS]
+        for lease in claimed:
+            if lease.task.kind not in BEHIND_KINDS:
+                lease.finish("released")
+        self.lease = early
+        log.info(
+            "island %s: %s starts before the merges of %s (%d run beside it)",
+            self.name,
+            early.task.name,
+            ", ".join(module_target(key) for key in early.early),
+            len(behind),
+        )
+        if not behind:
+            self.start_keeping()
+            return True
+
+        def run_behind() -> None:
+            for lease in behind:
+                began = time.time()
+                try:
+                    run_task(self.config, lease.task, 0, lease.number, lease, reshard=self.reshard)
+                except Exception as exc:  # noqa: BLE001 - the lease records it; the task is retaken
+                    log.warning("island %s: %s (beside the training) failed: %s", self.name, lease.task.name, exc)
+                    lease.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+                    continue
+                self._end(lease.task, lease, True, time.time() - began, {"beside": early.task.name})
+            self.start_keeping()
+
+        thread = threading.Thread(target=run_behind, daemon=True, name=f"behind-{early.task.name}")
+        self.behind.append((behind, thread))
+        thread.start()
+        return True
 
     def _plan(self, fresh: bool = False) -> int | None:
         """The plan's until_round, read again after PLAN_TTL_S (or `fresh`): on an object store a
@@ -210,9 +269,10 @@ class Island:
 
     def start_keeping(self) -> None:
         """Start the uploads of the inner states keep_later deferred (each thread starts once)."""
-        for _, thread in self.keeping:
-            if thread.ident is None:
-                thread.start()
+        with self._keeping_lock:
+            for _, thread in self.keeping:
+                if thread.ident is None:
+                    thread.start()
 
     def _end(self, task: Task, lease: Lease, ok: bool, seconds: float, outcome: dict) -> None:
         """Record how an attempt ended. A train attempt that published nothing and kept no inner
@@ -239,8 +299,13 @@ class Island:
     def wait_for_keeping(self, timeout: float) -> None:
         """Let the inner states still uploading finish (the plan's end needs them anyway); what is
         still running after `timeout` is released, so another island keeps it."""
-        self.start_keeping()
         deadline = time.monotonic() + timeout
+        for leases, thread in self.behind:  # merges and commits beside an early start: they keep after them
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                for lease in leases:
+                    lease.finish("released")
+        self.start_keeping()
         for thread in self.finishing:
             thread.join(max(0.0, deadline - time.monotonic()))
         for lease, thread in self.keeping:
@@ -255,6 +320,9 @@ class Island:
             lease.finish("released")
         for lease in self.next_up:  # claimed, not started: another island takes it at once
             lease.finish("released")
+        for leases, _ in self.behind:  # those done are ended already: finish() ends a lease once
+            for lease in leases:
+                lease.finish("released")
         if self.rank == 0 and self.lease is not None:
             self.lease.finish("released")
             self._record(state="left", finished_at=time.time())
@@ -325,11 +393,21 @@ def run_task(
     island; a reroute task re-shards with `reshard` (the Beam job)."""
     root = RunRoot(config.run_root)
     if task.kind == "train":
-        from pipeline.train.train_path import train_path
+        from pipeline.train.train_path import AttemptCancelled, train_path
 
         stop = (lambda: lease.cancelled.is_set() or lease.lost.is_set()) if lease is not None else (lambda: False)
         peers = PeerReads(lease.queue, task) if lease is not None else None
         held = lease.queue.keeping_here.get((task.round - 1, task.target)) if lease is not None else None
+        early = _early_start(config, task, lease) if lease is not None and lease.early else None
+        merge_here = _merge_here(config, task, lease) if early is not None else None
+
+        def early_checked() -> bool:  # the merges it started from committed, bitwise, and the lease held
+            why = early.difference(early_wait_s(lease.queue.lease_seconds), merge_here)
+            if why is not None:
+                raise AttemptCancelled(f"{task.name}: {why}")
+            return lease.held()
+
+        may_publish = early_checked if early is not None else lease.held if lease is not None else None
 
         def on_step(step: int, from_step: int, inner_s: float) -> None:
             lease.report_step(step, from_step, inner_s)
@@ -342,11 +420,12 @@ def run_task(
                 task.round,
                 task.target,
                 attempt=f"attempt-{attempt}" if attempt else None,
-                may_publish=lease.held if lease is not None else None,
+                may_publish=may_publish,
                 should_stop=stop,
                 on_step=on_step if lease is not None else None,
                 keep_inner_state_later=lease is not None,
                 held_inner_state=held,
+                start_modules=early.modules if early is not None else None,
             )
         finally:
             if peers is not None:
@@ -359,6 +438,7 @@ def run_task(
             "published": metrics.get("published", True),
             "inner_state": metrics.get("inner_state", True),  # kept, or an InnerState still to keep
             **({"peer_reads": peers.read} if peers is not None and peers.started else {}),  # filled as they come
+            **({"early_start": [module_target(key) for key in early.pending]} if early is not None else {}),
         }
     if rank != 0:
         return None
@@ -395,6 +475,35 @@ def run_task(
             )
         reroute(config, task.round, reshard)
     return None
+
+
+def _early_start(config: Config, task: Task, lease: Lease):
+    from pipeline.outer.early import EarlyStart
+
+    return EarlyStart(config, task.round, task.target, lease.early)
+
+
+def _merge_here(config: Config, task: Task, lease: Lease):
+    """For an early start's publish: merge module `key` of the round before here, when nobody
+    holds that merge (its holder died, and the other islands are training); True when it did."""
+
+    def merge_here(key) -> bool:
+        from pipeline.outer.merge import merge_module
+
+        merge = Task.of("merge", task.round - 1, module_target(key))
+        held = lease.queue.claim(merge, lease.record["island"], lease.record.get("island_id"))
+        if held is None:
+            return False
+        began = time.time()
+        try:
+            merge_module(config, merge.round, key)
+        except BaseException as exc:
+            held.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+            raise
+        held.finish("done", seconds=time.time() - began, beside=task.name)
+        return True
+
+    return merge_here
 
 
 def broadcast_json(message: dict | None, rank: int, world: int) -> dict:

@@ -243,6 +243,7 @@ class TaskQueue:
         self._last_ready: list[Task] = []  # the last look's ready tasks (next_claim), in claim order
         self._claim_found_live = False  # the last claim refused: another island holds the task
         self._listed: TaskQueue | None = None  # the last look's view through its listings (ready())
+        self._early: list[tuple[Task, list[ModuleKey]]] = []  # the last look's early starts (early_trains)
         # (round, job) -> the inner state this process holds while it keeps it (Island.keep_later)
         self.keeping_here: dict[tuple[int, str], Any] = {}
         self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
@@ -736,6 +737,41 @@ class TaskQueue:
             return True
         return RECENT.holds_under(self.root.path(layout.inner_state_dir(task.round - 1, task.target)))
 
+    def early_trains(self, until_round: int) -> list[tuple[Task, list[ModuleKey]]]:
+        """Train tasks this process may start before the merges they start from are committed
+        (pipeline/outer/early.py), each with those merges' modules: on an object store, a path's
+        next round whose inner state this process keeps (it trained the round before, and the
+        state is resumed from memory), once every path through each of its modules not merged yet
+        is published. A path given up leaves its merges as they are: they wait. Asked of the last
+        look's listings (next_claim), no request of its own."""
+        if self.root.is_local or not self.keeping_here:
+            return []
+        seen = self._listed or self
+        found = []
+        for before, job in sorted(self.keeping_here):
+            r = before + 1
+            if r >= until_round or job not in self.jobs_of(r) or not seen.shards_ready(r):
+                continue
+            keys = self.job_modules[job]
+            pending = [key for key in keys if not seen.root.is_committed(layout.merged_module_dir(before, key))]
+            if not pending or seen.modules_ready(r, keys):
+                continue  # ready as it is: a plain claim takes it
+            jobs_before = set(self.jobs_of(before))
+            through = {j for key in pending for j in self.jobs_through[key] if j in jobs_before}
+            if all(seen.output_committed(Task.of("train", before, j)) for j in through):
+                found.append((Task.of("train", r, job), pending))
+        return found
+
+    def claim_early(self, island: str, island_id: str | None = None) -> "Lease | None":
+        """A claim of the first of the last look's early starts (early_trains) nobody holds; the
+        lease names the modules it starts from before their merges are committed (`early`)."""
+        for task, pending in self._early:
+            lease = self.claim(task, island, island_id, self._listed)
+            if lease is not None:
+                lease.early = pending
+                return lease
+        return None
+
     def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
         """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler.
 
@@ -765,6 +801,7 @@ class TaskQueue:
         )
         self._medians: dict[int, TaskTimes | None] = {}
         seen_before, self._last_ready = set(self._last_ready), ready
+        self._early = self.early_trains(until_round)
         merging = False  # a merge another island runs (or will): its end makes train tasks ready
         for task in ready:
             if merging and task.kind in REPORT_ONLY:
@@ -816,6 +853,7 @@ class Lease:
         self.lost = threading.Event()
         self.cancelled = threading.Event()
         self._claimed = time.monotonic()
+        self.early: list[ModuleKey] = []  # modules a train attempt starts from before their merge (claim_early)
         self._progress: dict = {}  # the trainer's last step report, written with the next beat
         self._recent: deque[tuple[float, int]] = deque()  # (inner seconds, step) of the last reports
         self._stop = threading.Event()

@@ -118,7 +118,10 @@ def one_torch_thread():
     """The merge's math on one torch thread: its pieces are small, and torch's spinning worker
     threads would take the cores from the threads reading and writing module files."""
     threads = torch.get_num_threads()
-    if threads == 1:  # already (merge_round's module threads): nothing to set from each of them
+    # Already one (merge_round's module threads), or a thread beside the main one (an island's
+    # merges while it trains: pipeline/outer/early.py): the setting is the process's, and the
+    # main thread's inner loop would run on one thread meanwhile.
+    if threads == 1 or threading.current_thread() is not threading.main_thread():
         yield
         return
     torch.set_num_threads(1)
@@ -367,6 +370,19 @@ def merge_module(config: Config, round_index: int, key: ModuleKey, inputs: Round
 def _merge_module(config: Config, round_index: int, key: ModuleKey, inputs: RoundInputs) -> dict:
     """merge_module's outer step, once it found the module not merged yet."""
     root, rel = inputs.root, layout.merged_module_dir(round_index, key)
+    written, info = merged_files(config, round_index, key, inputs)
+    meta = merged_info(config, round_index)
+    map_io(lambda name: write_state(root, rel, key, written[name], meta, name), list(written), root.io_threads)
+    return root.commit(rel, files=list(written), info=info)
+
+
+def merged_files(
+    config: Config, round_index: int, key: ModuleKey, inputs: RoundInputs
+) -> tuple[dict[str, ModuleState], dict]:
+    """Module `key`'s outer step of round r: the states its merge writes ({file name: state}) and
+    what its marker records. A pure function of round r's committed inputs: an island that trains
+    a path's next round computes its modules with it before their merges are committed
+    (pipeline/outer/early.py), and they come out bitwise the files the merge writes."""
     start = time.perf_counter()
     through = inputs.through(key)
     for path_id in through:  # every read it needs asked for at once: one wave, not three in a row
@@ -383,22 +399,15 @@ def _merge_module(config: Config, round_index: int, key: ModuleKey, inputs: Roun
             [inputs.committed[p] for p in through],
             private=is_private(key, config.model.grid),
         )
-    info = merged_info(config, round_index)
     written = {layout.MERGED_MODULE: new, **({layout.MERGED_MOMENTUM: buffers} if buffers else {})}
-    map_io(lambda name: write_state(root, rel, key, written[name], info, name), list(written), root.io_threads)
-    files = list(written)
-    return root.commit(
-        rel,
-        files=files,
-        info={
-            "round": round_index,
-            "module": [key.level, key.index],
-            "paths": through,
-            "grad_norm": grad_norm,
-            "bytes": module_bytes(before),
-            "seconds": time.perf_counter() - start,
-        },
-    )
+    return written, {
+        "round": round_index,
+        "module": [key.level, key.index],
+        "paths": through,
+        "grad_norm": grad_norm,
+        "bytes": module_bytes(before),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def finish_round(config: Config, round_index: int) -> dict:

@@ -101,8 +101,12 @@ def write_state(
 ) -> None:
     """One module's safetensors file (atomic; `name` defaults to its place in a modules/ directory);
     the directory counts once it is committed."""
-    meta = {"level": str(key.level), "module": str(key.index), **{k: str(v) for k, v in info.items()}}
-    root.write_bytes(posixpath.join(rel_dir, name or layout.module_file(key)), encode(state, meta))
+    root.write_bytes(posixpath.join(rel_dir, name or layout.module_file(key)), encode(state, state_metadata(key, info)))
+
+
+def state_metadata(key: ModuleKey, info: dict) -> dict[str, str]:
+    """What a module file's safetensors metadata holds: its place in the grid and `info`."""
+    return {"level": str(key.level), "module": str(key.index), **{k: str(v) for k, v in info.items()}}
 
 
 def commit_states(

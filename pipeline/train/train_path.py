@@ -122,6 +122,7 @@ def train_path(
     on_step: StepReport | None = None,
     keep_inner_state_later: bool = False,
     held_inner_state: InnerState | None = None,
+    start_modules: Callable[[], list[ModuleState]] | None = None,
 ) -> dict:
     """Run on every rank of the island; returns the job's metrics (committed by rank 0), with
     `published` (rank 0: whether this attempt's output is the one committed) and `inner_state`:
@@ -136,7 +137,9 @@ def train_path(
     `should_stop` (given on every rank or none) ends the attempt early with AttemptCancelled;
     `on_step` (rank 0's lease) hears of every step done, for the backup estimate;
     `held_inner_state`: the path's inner state of round r-1 as this process kept it, resumed from
-    memory while it is still going up (Island.keep_later)."""
+    memory while it is still going up (Island.keep_later); `start_modules`: the path's modules at
+    the round's start as the caller has them (an early start, pipeline/outer/early.py: its
+    `may_publish` checks them against the committed merges), instead of reading them committed."""
     root = RunRoot(config.run_root)
     workers = config.train.workers_per_path
     try:
@@ -166,7 +169,11 @@ def train_path(
         )
     stream = RowStream(rows, seed=train.seed + worker)
 
-    merged = load_path_modules(root, round_index, modules, shape, config.model.grid)
+    merged = (
+        start_modules()
+        if start_modules is not None
+        else load_path_modules(root, round_index, modules, shape, config.model.grid)
+    )
     model = build_path_model(shape, merged, seed=train.seed)
     start_state = {k: v.detach().clone() for k, v in model.named_parameters()}
     precision = agree(resolve_precision(train, shape) if rank == 0 else None, rank, world)  # cached per host

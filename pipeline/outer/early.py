@@ -1,0 +1,97 @@
+"""A path's next round, started from its modules as their merges will write them.
+
+Across hosts a round ends in a chain of transfers that the next round's training waits for: the
+last path's weights go up, an island merges the modules it shares and puts them up, the other
+islands read them back, and only then does the next round start (benchmarks/RESULTS.md, "Islands
+on separate hosts": 3.4-3.7 s over a 50 Mbit/s link, each round). Yet a merge is a pure function of
+what is already committed: the module at the round's start, its momentum, and the trained paths
+through it (merge.merged_files). So an island that keeps a path's inner state (it trained the
+path's round r) computes the modules of the path's round r+1 itself, once every path through them
+is published, and trains from them at once; the merges are committed meanwhile, by this island
+behind its training or by any other, and their files go up while the inner loop runs.
+
+Nothing is trusted that was not committed: before the attempt publishes, each module's committed
+merge is compared with what it started from, by the record of the merge's file (its length and
+CRC-32). Equal, the attempt is the one a start after the merge would have trained, bitwise; else
+the attempt is cancelled and the path trains again from the committed module. A merge nobody
+has committed by then is merged by the caller (`merge_here`), and one that never comes cancels
+the attempt after `wait_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from models.grid import ModuleKey, parse_job_id, path_modules
+from models.modular import ModelShape, ModuleState
+from pipeline.core.config import Config
+from pipeline.outer.merge import RoundInputs, merged_files, merged_info
+from pipeline.state import layout
+from pipeline.state.module_store import decode, encode, load_modules, state_metadata
+from pipeline.state.storage import IO_THREADS, RunRoot, checksum_bytes
+
+log = logging.getLogger("dipaco.early")
+POLL_S = 0.5  # how often a publish that waits for a merge asks again
+
+
+class EarlyStart:
+    """Round r's modules of one path, those in `pending` computed here from round r-1's committed
+    paths (the others read as committed), and the check that their merges wrote the same bytes."""
+
+    def __init__(self, config: Config, round_index: int, path_id: str, pending: list[ModuleKey]):
+        self.config, self.round, self.path_id = config, round_index, path_id
+        self.root = RunRoot(config.run_root)
+        self.shape = ModelShape.from_config(config.model)
+        modules = parse_job_id(path_id, config.model.grid, config.train.workers_per_path)[1]
+        self.keys = path_modules(modules, config.model.grid, private=self.shape.path_blocks > 0)
+        self.pending = [key for key in self.keys if key in set(pending)]
+        self.expected: dict[ModuleKey, dict] = {}  # key -> the record of the merged file computed here
+
+    def modules(self) -> list[ModuleState]:
+        """The path's modules in level order (train_path's start_modules): the pending ones as
+        their merge of round r-1 will write them, byte for byte, the rest as committed."""
+        before = self.round - 1
+        committed = [key for key in self.keys if key not in self.pending]
+        loaded = load_modules(self.root, self.round, committed, self.shape) if committed else {}
+        levels = sorted({key.level for key in self.pending})
+        meta = merged_info(self.config, before)
+        with ThreadPoolExecutor(IO_THREADS) as pool:
+            inputs = RoundInputs(self.root, self.config, before, pool, levels)
+            for key in self.pending:
+                written, _ = merged_files(self.config, before, key, inputs)
+                data = encode(written[layout.MERGED_MODULE], state_metadata(key, meta))
+                self.expected[key] = checksum_bytes(data)
+                where = self.root.path(layout.merged_module_dir(before, key), layout.MERGED_MODULE)
+                loaded[key] = decode(bytearray(data), where)  # what reading the merge's file gives
+        return [loaded[key] for key in self.keys]
+
+    def difference(self, wait_s: float, merge_here: Callable[[ModuleKey], bool] | None = None) -> str | None:
+        """None once every pending module's merge is committed with the bytes computed here; else
+        why not (a merge that differs, or none committed within `wait_s`). `merge_here(key)` may
+        run a merge nobody has taken (True when it did): the islands may all be training."""
+        deadline = time.monotonic() + wait_s
+        before = self.round - 1
+        for key in self.pending:
+            rel = layout.merged_module_dir(before, key)
+            marker = self.root.marker_if_committed(rel)
+            while marker is None:
+                if not (merge_here is not None and merge_here(key)):
+                    if time.monotonic() > deadline:
+                        return f"module {key.level}/{key.index} of round {before} was not merged within {wait_s:.0f} s"
+                    time.sleep(POLL_S)
+                marker = self.root.marker_if_committed(rel)
+            record = (marker.get("files") or {}).get(layout.MERGED_MODULE) or {}
+            mine = self.expected.get(key, {})
+            if (record.get("bytes"), record.get("crc32")) != (mine.get("bytes"), mine.get("crc32")):
+                log.warning(
+                    "%s: its merge wrote %s, this attempt of %s started from %s",
+                    self.root.path(rel, layout.MERGED_MODULE),
+                    record,
+                    self.path_id,
+                    mine,
+                )
+                return f"module {key.level}/{key.index} of round {before} was merged differently from its early start"
+        return None
