@@ -102,6 +102,7 @@ def summary(config: Config, root: RunRoot) -> dict:
                 "heartbeat",
                 "error",
                 "peer_reads",
+                "early_start",
             )
             attempts.append({"task": task, "attempt": attempt.removesuffix(".json")} | {k: record.get(k) for k in keep})
     per_round, tokens = {}, 0

@@ -737,20 +737,33 @@ class TaskQueue:
             return True
         return RECENT.holds_under(self.root.path(layout.inner_state_dir(task.round - 1, task.target)))
 
+    def _held_next_rounds(self, until_round: int) -> list[Task]:
+        """The planned train tasks not published yet whose inner state this process holds in memory
+        (it trained the path's round before: _held_here), on an object store."""
+        if self.root.is_local:
+            return []
+        seen = self._listed or self
+        return [
+            task
+            for r in range(1, until_round)
+            if not self._committed(r)
+            for task in (Task.of("train", r, job) for job in self.jobs_of(r))
+            if self._held_here(task) and not seen.output_committed(task)
+        ]
+
     def early_trains(self, until_round: int) -> list[tuple[Task, list[ModuleKey]]]:
         """Train tasks this process may start before the merges they start from are committed
         (pipeline/outer/early.py), each with those merges' modules: on an object store, a path's
-        next round whose inner state this process keeps (it trained the round before, and the
-        state is resumed from memory), once every path through each of its modules not merged yet
-        is published. A path given up leaves its merges as they are: they wait. Asked of the last
-        look's listings (next_claim), no request of its own."""
-        if self.root.is_local or not self.keeping_here:
-            return []
+        next round whose inner state this process holds in memory (it trained the round before:
+        the state is resumed from memory, whether it is still going up or kept), once every path
+        through each of its modules not merged yet is published. A path given up leaves its
+        merges as they are: they wait. Asked of the last look's listings (next_claim), no request
+        of its own."""
         seen = self._listed or self
         found = []
-        for before, job in sorted(self.keeping_here):
-            r = before + 1
-            if r >= until_round or job not in self.jobs_of(r) or not seen.shards_ready(r):
+        for task in self._held_next_rounds(until_round):
+            r, job, before = task.round, task.target, task.round - 1
+            if not seen.shards_ready(r) or not seen.resumable(r, job):
                 continue
             keys = self.job_modules[job]
             pending = [key for key in keys if not seen.root.is_committed(layout.merged_module_dir(before, key))]
@@ -759,7 +772,7 @@ class TaskQueue:
             jobs_before = set(self.jobs_of(before))
             through = {j for key in pending for j in self.jobs_through[key] if j in jobs_before}
             if all(seen.output_committed(Task.of("train", before, j)) for j in through):
-                found.append((Task.of("train", r, job), pending))
+                found.append((task, pending))
         return found
 
     def claim_early(self, island: str, island_id: str | None = None) -> "Lease | None":
@@ -803,8 +816,11 @@ class TaskQueue:
         seen_before, self._last_ready = set(self._last_ready), ready
         self._early = self.early_trains(until_round)
         merging = False  # a merge another island runs (or will): its end makes train tasks ready
+        # A path's next round this island holds the state of starts as soon as its peers publish
+        # (early_trains): an evaluation claimed just before held it back 2-3 s across hosts.
+        training_soon = any(task.kind in REPORT_ONLY for task in ready) and bool(self._held_next_rounds(until_round))
         for task in ready:
-            if merging and task.kind in REPORT_ONLY:
+            if (merging or training_soon) and task.kind in REPORT_ONLY:
                 continue
             if self._for_its_holder(task, seen_before):
                 merging = True
