@@ -1011,6 +1011,47 @@ def test_an_early_start_waits_until_every_path_through_its_modules_is_published(
     root.commit(layout.merged_module_dir(0, ModuleKey(0, 0)))  # merged already: read as committed
     assert queue.early_trains(2)[0][1] == [ModuleKey(1, 0)]
 
+    # The state kept (its upload ended while the island waited for its peers), still in memory.
+    del queue.keeping_here[(0, "p0-0")]
+    assert queue.early_trains(2) == []
+    rel = layout.inner_state_dir(0, "p0-0", "attempt-1")
+    root.write_bytes(f"{rel}/optimizer-rank-00000.safetensors", os.urandom(100_000))  # kept in memory: written here
+    root.commit(rel)
+    root.write_json(layout.inner_state_kept(0, "p0-0"), {"attempt": "attempt-1"})
+    assert [task.name for task, _ in queue.early_trains(2)] == ["train.r1.p0-0"]
+
+
+def test_no_evaluation_is_claimed_by_an_island_whose_next_path_waits_for_its_peers(s3_root):
+    """Across hosts, the island that published first waits for its peers' paths, then starts its
+    next round at once (early_trains): an evaluation it claimed in that wait held the start back
+    2-3 s. It leaves evaluations to islands with no path to train next (or to the plan's end)."""
+    from models.grid import ModuleKey
+    from pipeline.islands.task_queue import Task, TaskQueue, write_plan
+    from pipeline.state import layout
+
+    config, root = _two_published_paths(s3_root)
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 3)
+    for key in (ModuleKey(0, 0), ModuleKey(0, 1), ModuleKey(1, 0)):
+        root.commit(layout.merged_module_dir(0, key))  # round 1 starts from these
+    for job in ("p0-0", "p1-0"):
+        root.write_json(layout.inner_state_kept(0, job), {"attempt": "attempt-1"})  # round 0 done
+    _published(root, 1, "p0-0", os.urandom(100_000))  # this island's; p1-0 still trains round 1
+    root.commit(layout.merged_module_dir(1, ModuleKey(0, 0)))
+    held = TaskQueue(root, config)
+    held.keeping_here[(1, "p0-0")] = object()
+    keeping = held.claim(Task.of("train", 1, "p0-0"), "island-0")  # its lease, held while the state goes up
+    other = TaskQueue(root, config).next_claim("island-1", 3)
+    assert other is not None and other.task.name == "train.r1.p1-0", other and other.task.name
+    mine = []  # eval.r1.* are ready: not for it (round 0's commit is)
+    while (lease := held.next_claim("island-0", 3)) is not None and len(mine) < 5:
+        mine.append(lease)
+    assert [lease.task.name for lease in mine] == ["commit.r0"]
+    idle = TaskQueue(root, config).next_claim("island-2", 3)
+    assert idle is not None and idle.task.name == "eval.r1.p0-0"  # an island with nothing to train next
+    for lease in (keeping, other, idle, *mine):
+        lease.finish("released")
+
 
 @pytest.mark.slow  # ~25 s: three train tasks and a merge of the tiny model on the S3 server
 def test_an_early_start_merges_what_nobody_merged_and_one_merged_differently_is_trained_again(s3_root, monkeypatch):

@@ -140,9 +140,9 @@ class Island:
 
     def _start_early(self) -> bool:
         """Claim a path's next round to start before its merges are committed (TaskQueue.claim_early,
-        pipeline/outer/early.py) and make it this island's task; the merges and commits claimed
-        at this look run on a thread beside it (their uploads overlap the inner loop), then the
-        inner states kept later go up. An evaluation or re-routing claimed at this look is
+        pipeline/outer/early.py) and make it this island's task; the merges claimed at this look,
+        and the round commits ready at it, run on a thread beside it (their uploads overlap the
+        inner loop), then the inner states kept later go up. An evaluation or re-routing claimed at this look is
         released: it would take the cores from the training. One-rank islands only: only they
         keep an inner state in memory (keep_later)."""
         if self.world > 1:
@@ -151,6 +151,7 @@ class Island:
         if early is None:
             return False
         claimed = ([self.lease] if self.lease is not None else []) + self.next_up
+        claimed += self.queue.claim_ready_commits(self.name, self.id)  # one claimed already is held: skipped
         self.next_up = []
         behind = [lease for lease in claimed if lease.task.kind in BEHIND_KINDS]
         for lease in claimed:

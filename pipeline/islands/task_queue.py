@@ -775,6 +775,19 @@ class TaskQueue:
                 found.append((task, pending))
         return found
 
+    def claim_ready_commits(self, island: str, island_id: str | None = None) -> list["Lease"]:
+        """Claims of the round commits ready at the last look: an island that starts a path early
+        (claim_early) runs them beside its training. Claimed after every ready train and merge
+        task, commits otherwise waited for an idle island, and islands that start early are never
+        idle: three rounds' commits piled up at the end of a demo run across hosts, and every
+        look listed the rounds they left open."""
+        leases = []
+        for task in self._last_ready:
+            if task.kind == "commit":
+                lease = self.claim(task, island, island_id, self._listed)
+                leases += [lease] if lease is not None else []
+        return leases
+
     def claim_early(self, island: str, island_id: str | None = None) -> "Lease | None":
         """A claim of the first of the last look's early starts (early_trains) nobody holds; the
         lease names the modules it starts from before their merges are committed (`early`)."""
