@@ -125,6 +125,8 @@ class Island:
                 self.next_up = self.queue.claim_held_merges(self.lease.task, self.name, self.id)
             if (self.lease is None or self.lease.task.kind != "train") and self._start_early():
                 return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
+            if self._commit_beside():
+                continue
             if self.lease is not None:
                 if self.lease.task.kind != "merge":
                     self.start_keeping()
@@ -142,9 +144,9 @@ class Island:
         """Claim a path's next round to start before its merges are committed (TaskQueue.claim_early,
         pipeline/outer/early.py) and make it this island's task; the merges claimed at this look,
         and the round commits ready at it, run on a thread beside it (their uploads overlap the
-        inner loop), then the inner states kept later go up. An evaluation or re-routing claimed at this look is
-        released: it would take the cores from the training. One-rank islands only: only they
-        keep an inner state in memory (keep_later)."""
+        inner loop), then the inner states kept later go up. An evaluation or re-routing claimed
+        at this look is released: it would take the cores from the training. One-rank islands
+        only: only they keep an inner state in memory (keep_later)."""
         if self.world > 1:
             return False
         early = self.queue.claim_early(self.name, self.id)
@@ -165,26 +167,42 @@ class Island:
             ", ".join(module_target(key) for key in early.early),
             len(behind),
         )
-        if not behind:
-            self.start_keeping()
-            return True
+        self._run_beside(behind, early.task.name)
+        return True
 
-        def run_behind() -> None:
-            for lease in behind:
+    def _commit_beside(self) -> bool:
+        """Run a round commit this island just claimed on a thread, and look again at once (one-rank
+        islands on an object store): a commit is server-side copies and a few small writes, and
+        claimed in the wait for a peer's path, it held back the early start that path's publish
+        allowed (1-2 s across hosts)."""
+        if self.world > 1 or self.root.is_local or self.lease is None or self.lease.task.kind != "commit":
+            return False
+        self._run_beside([self.lease, *self.next_up], "")
+        self.lease, self.next_up = None, []
+        return True
+
+    def _run_beside(self, leases: list[Lease], beside: str) -> None:
+        """Small tasks (merges, commits) on a thread beside what the island runs next, then the inner
+        states kept later go up; a task that fails ends its lease failed (another island retakes it)."""
+        if not leases:
+            self.start_keeping()
+            return
+
+        def run() -> None:
+            for lease in leases:
                 began = time.time()
                 try:
                     run_task(self.config, lease.task, 0, lease.number, lease, reshard=self.reshard)
                 except Exception as exc:  # noqa: BLE001 - the lease records it; the task is retaken
-                    log.warning("island %s: %s (beside the training) failed: %s", self.name, lease.task.name, exc)
+                    log.warning("island %s: %s (on a thread beside) failed: %s", self.name, lease.task.name, exc)
                     lease.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
                     continue
-                self._end(lease.task, lease, True, time.time() - began, {"beside": early.task.name})
+                self._end(lease.task, lease, True, time.time() - began, {"beside": beside} if beside else {})
             self.start_keeping()
 
-        thread = threading.Thread(target=run_behind, daemon=True, name=f"behind-{early.task.name}")
-        self.behind.append((behind, thread))
+        thread = threading.Thread(target=run, daemon=True, name=f"beside-{beside or leases[0].task.name}")
+        self.behind.append((leases, thread))
         thread.start()
-        return True
 
     def _plan(self, fresh: bool = False) -> int | None:
         """The plan's until_round, read again after PLAN_TTL_S (or `fresh`): on an object store a
