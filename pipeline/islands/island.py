@@ -507,15 +507,13 @@ def _merge_here(config: Config, task: Task, lease: Lease):
     holds that merge (its holder died, and the other islands are training); True when it did."""
 
     def merge_here(key) -> bool:
-        from pipeline.outer.merge import merge_module
-
         merge = Task.of("merge", task.round - 1, module_target(key))
         held = lease.queue.claim(merge, lease.record["island"], lease.record.get("island_id"))
         if held is None:
             return False
         began = time.time()
         try:
-            merge_module(config, merge.round, key)
+            run_task(config, merge, 0, held.number, held)
         except BaseException as exc:
             held.finish("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
             raise

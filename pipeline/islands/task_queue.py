@@ -751,17 +751,17 @@ class TaskQueue:
             if self._held_here(task) and not seen.output_committed(task)
         ]
 
-    def early_trains(self, until_round: int) -> list[tuple[Task, list[ModuleKey]]]:
+    def early_trains(self, until_round: int, held: list[Task] | None = None) -> list[tuple[Task, list[ModuleKey]]]:
         """Train tasks this process may start before the merges they start from are committed
         (pipeline/outer/early.py), each with those merges' modules: on an object store, a path's
         next round whose inner state this process holds in memory (it trained the round before:
         the state is resumed from memory, whether it is still going up or kept), once every path
         through each of its modules not merged yet is published. A path given up leaves its
         merges as they are: they wait. Asked of the last look's listings (next_claim), no request
-        of its own."""
+        of its own; `held`: _held_next_rounds, when the caller has it."""
         seen = self._listed or self
         found = []
-        for task in self._held_next_rounds(until_round):
+        for task in self._held_next_rounds(until_round) if held is None else held:
             r, job, before = task.round, task.target, task.round - 1
             if not seen.shards_ready(r) or not seen.resumable(r, job):
                 continue
@@ -827,11 +827,12 @@ class TaskQueue:
         )
         self._medians: dict[int, TaskTimes | None] = {}
         seen_before, self._last_ready = set(self._last_ready), ready
-        self._early = self.early_trains(until_round)
+        held = self._held_next_rounds(until_round)
+        self._early = self.early_trains(until_round, held)
         merging = False  # a merge another island runs (or will): its end makes train tasks ready
         # A path's next round this island holds the state of starts as soon as its peers publish
         # (early_trains): an evaluation claimed just before held it back 2-3 s across hosts.
-        training_soon = any(task.kind in REPORT_ONLY for task in ready) and bool(self._held_next_rounds(until_round))
+        training_soon = bool(held)
         for task in ready:
             if (merging or training_soon) and task.kind in REPORT_ONLY:
                 continue
