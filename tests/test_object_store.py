@@ -13,10 +13,12 @@ import http.server
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -979,6 +981,8 @@ def test_a_paths_next_round_starts_here_before_its_merge_from_the_state_this_isl
     assert merge["state"] == "done" and merge["beside"] == "train.r1.p0" and merge["island"] == "island-0"
     claimed = queue.attempts(island.lease.task)[-1].record["claimed_at"]
     assert claimed < merge["finished_at"]  # claimed, and trained, before the merge was in
+    # the merge waited for the training's first step: the start's load computed it, alone on the cores
+    assert merge["finished_at"] - merge["seconds"] > trained["inner_started_at"]
     read = [key for op, key in s3_requests if op == "get_object"]
     assert not [key for key in read if "/inner/" in key and key.endswith(".safetensors")], read
     assert root.read_committed_json(layout.path_dir(1, "p0"), "metrics.json")["resumed_inner_state_from"] == 0
@@ -987,6 +991,51 @@ def test_a_paths_next_round_starts_here_before_its_merge_from_the_state_this_isl
     assert root.read_committed(rel, "optimizer-rank-00000.safetensors") == inner.data  # what it resumed
     for held in (island.lease, other):
         held.finish("released")
+
+
+def test_an_early_start_reads_each_committed_marker_once_and_its_next_round_reads_the_module_from_memory(
+    s3_root, s3_requests
+):
+    """An early start's merges asked for the same markers over and over (the round's modules/ and
+    outer_state/, each path's), a round trip each: 0.2-0.4 s of a train task's load on an object
+    store. Each is read once now; and the module it computed is what the next round starts from
+    once its merge commits those bytes, read from memory, not downloaded."""
+    from models.grid import ModuleKey
+    from pipeline.outer.early import EarlyStart
+    from pipeline.outer.merge import merge_module
+    from pipeline.state import layout
+    from pipeline.state.module_store import load_modules, load_path_model
+    from pipeline.state.store import RECENT
+
+    config, root = _two_published_paths(s3_root, jobs=())
+    for job in ("p0-0", "p1-0"):  # weights a merge can read: the round's start, moved a little
+        model = load_path_model(root, config, 0, job)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.01 * torch.randn_like(param))
+        with tempfile.TemporaryDirectory() as out:
+            model.save_pretrained(out)
+            root.write_bytes(
+                f"{layout.path_dir(0, job)}/model.safetensors", (Path(out) / "model.safetensors").read_bytes()
+            )
+        root.commit(layout.path_dir(0, job), info={"round": 0, "path": job, "tokens": 1000})
+    keys = [ModuleKey(0, 0), ModuleKey(1, 0)]
+    s3_requests.clear()
+    start = EarlyStart(config, 1, "p0-0", keys)
+    start.modules()
+    markers = [key for op, key in s3_requests if op == "get_object" and key.endswith("/_SUCCESS")]
+    assert markers and len(markers) == len(set(markers)), markers
+
+    for key in keys:  # as if another island merged them: nothing of it left in this one's memory
+        merge_module(config, 0, key)
+    RECENT.forget_under(root.path("rounds/round=0/merged"), keep_bytes=False)
+    assert start.difference(1.0) is None
+    start.modules()  # computed here again: kept in memory, as after an early start
+    s3_requests.clear()
+    load_modules(root, 1, keys)
+    read = [key for op, key in s3_requests if op == "get_object" and key.endswith(".safetensors")]
+    assert read == [], read
+    assert all(root.is_committed(layout.merged_module_dir(0, key)) for key in keys)
 
 
 def test_an_early_start_waits_until_every_path_through_its_modules_is_published(s3_root):

@@ -884,6 +884,7 @@ class Lease:
         self.cancelled = threading.Event()
         self._claimed = time.monotonic()
         self.early: list[ModuleKey] = []  # modules a train attempt starts from before their merge (claim_early)
+        self.training = threading.Event()  # a train attempt's first step is done: its load no longer needs the cores
         self._progress: dict = {}  # the trainer's last step report, written with the next beat
         self._recent: deque[tuple[float, int]] = deque()  # (inner seconds, step) of the last reports
         self._stop = threading.Event()
