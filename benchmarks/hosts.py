@@ -759,6 +759,7 @@ def predicted_bytes(
             row["down"] += read(island, later + under(f"shards/path={path}/"))
             for key in (k for k in keys if f"l{k.level}m{k.index}" in early):
                 row["down"] += read(island, merge_inputs(r - 1, key, a["claimed_at"]))
+                held.setdefault(island, set()).add(f"rounds/round={r}/modules/{key}.safetensors")  # computed: kept
             row["down"] += read(island, [inner(target, r - 1)]) if r else 0
             row["down"] += read(island, a.get("peer_reads") or [])  # its peers' files, read while it published
             row["up"] += wrote(island, under(f"rounds/round={r}/paths/path={target}/") + [inner(target, r)])
