@@ -983,6 +983,8 @@ def test_a_paths_next_round_starts_here_before_its_merge_from_the_state_this_isl
     assert claimed < merge["finished_at"]  # claimed, and trained, before the merge was in
     # the merge waited for the training's first step: the start's load computed it, alone on the cores
     assert merge["finished_at"] - merge["seconds"] > trained["inner_started_at"]
+    staged = root.marker(layout.path_dir(1, "p0"))["files_at"]  # the published attempt: its record written
+    assert staged.startswith("rounds/round=1/staging/") and not root.has_file(f"{staged}/_SUCCESS")  # once
     read = [key for op, key in s3_requests if op == "get_object"]
     assert not [key for key in read if "/inner/" in key and key.endswith(".safetensors")], read
     assert root.read_committed_json(layout.path_dir(1, "p0"), "metrics.json")["resumed_inner_state_from"] == 0

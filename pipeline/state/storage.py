@@ -466,10 +466,12 @@ class RunRoot:
         info: dict[str, Any] | None = None,
         files: list[str] | None = None,
         linked: dict[str, dict[str, Any]] | None = None,
+        write: bool = True,
     ) -> dict:
         """Mark a directory complete: `_SUCCESS` with the checksum of each file, written last.
         `linked` holds the records of files that are committed files under a second name
-        (copy_committed's links): the same bytes on disk, so their records are taken, not read again."""
+        (copy_committed's links): the same bytes on disk, so their records are taken, not read again.
+        Not `write`: the record only, for a publish to write under its final name (publish_dir)."""
         names = self.files_under(rel) if files is None else sorted(files)
         linked = {n: r for n, r in (linked or {}).items() if r is not None}
         found = map_io(
@@ -477,7 +479,8 @@ class RunRoot:
         )
         records = dict(zip(names, found))
         record = {"committed_at": time.time(), "files": records, **(info or {})}
-        self.write_json(posixpath.join(rel, SUCCESS), record)
+        if write:
+            self.write_json(posixpath.join(rel, SUCCESS), record)
         return record
 
     def is_committed(self, rel: str) -> bool:
@@ -675,7 +678,9 @@ class RunRoot:
         exclusively (If-None-Match: *), a copy of the staged record that names the staged attempt
         (`files_at`), where the files stay and are read from (files_location). One request, no
         byte copied: a publish once took a token, a server-side copy of each file and a marker.
-        `staged_record`: the `_SUCCESS` its caller just committed to `staged`: one request fewer."""
+        `staged_record`: the `_SUCCESS` record its caller just made for `staged` (commit): one
+        request fewer. On an object store the caller need not write it there (commit's `write`):
+        this create is then the record's only write, and until it the attempt counts for nothing."""
         if self.is_local:
             if self.is_committed(final):
                 return False

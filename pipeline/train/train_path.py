@@ -630,6 +630,9 @@ def commit_path(
                     "metrics.json",
                     *(layout.outer_grad_file(int(level)) for level in grads),
                 ],
+                # an object store's publish writes the record once, under the path's own name
+                # (publish_dir): a staged `_SUCCESS` as well was one more PUT, a round trip, a task
+                write=staging is None or root.is_local,
             )
     dist.barrier()
     return committed, inner
