@@ -44,19 +44,34 @@ def traced(handler: BaseHTTPRequestHandler, began: float, up: int, down: int, st
         State.trace.write(json.dumps(line) + "\n")
 
 
+class Truncated(Exception):
+    """The client went away before its request's body was all in."""
+
+
+def read_exactly(handler: BaseHTTPRequestHandler, size: int) -> bytes:
+    data = handler.rfile.read(size)
+    if len(data) < size:  # never forwarded as if whole: S3 stores no object from a cut-off PUT
+        raise Truncated(f"{len(data)} of {size} bytes")
+    return data
+
+
 def read_body(handler: BaseHTTPRequestHandler) -> bytes:
-    """The request body, whether sized or chunked (the chunked framing is hop-by-hop: dropped)."""
+    """The request body, whether sized or chunked (the chunked framing is hop-by-hop: dropped);
+    Truncated when the client's connection ended before it (a host killed mid-upload)."""
     if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
         parts = []
         while True:
-            size = int(handler.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            line = handler.rfile.readline()
+            if not line:
+                raise Truncated("the chunked body ended early")
+            size = int(line.split(b";")[0].strip() or b"0", 16)
             if size == 0:
                 while handler.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
                     pass
                 return b"".join(parts)
-            parts.append(handler.rfile.read(size))
+            parts.append(read_exactly(handler, size))
             handler.rfile.readline()
-    return handler.rfile.read(int(handler.headers.get("Content-Length") or 0))
+    return read_exactly(handler, int(handler.headers.get("Content-Length") or 0))
 
 
 def make_handler(upstream: tuple[str, int]):
@@ -69,7 +84,11 @@ def make_handler(upstream: tuple[str, int]):
 
         def forward(self) -> None:
             began = time.time()
-            body = read_body(self)
+            try:
+                body = read_body(self)
+            except Truncated:  # moto would store the cut-off body under the client's checksum header
+                self.close_connection = True
+                return
             if State.throttling.is_set():
                 with State.lock:
                     State.refused += 1

@@ -171,3 +171,56 @@ def test_the_cpu_meter_counts_a_groups_processes_and_keeps_what_an_exited_one_us
         burner.wait()
     after = meter.read({"store": [burner.pid], "relays": [], "h0": [burner.pid + 10**7]})
     assert after == {"store": used, "relays": 0, "h0": 0}
+
+
+def test_the_labs_store_proxy_never_forwards_a_put_whose_client_went_away_mid_body():
+    """A host killed mid-upload left its PUT cut off; the proxy forwarded the part it had read as a
+    whole request, and moto stored an empty lease record under the client's checksum header: every
+    later read of it failed (FlexibleChecksumError), which S3 itself never does. A whole PUT still
+    goes through."""
+    import http.server
+    import socket
+    import threading
+
+    received: list[tuple[str, bytes]] = []
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            received.append((self.path, self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.throttleproxy", "--listen", f"127.0.0.1:{port}"]
+        + ["--upstream", f"127.0.0.1:{upstream.server_address[1]}"],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the proxy did not start"
+                time.sleep(0.1)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as cut:
+            cut.sendall(b"PUT /bucket/cut HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"a" * 10)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as whole:
+            whole.sendall(b"PUT /bucket/whole HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+            assert whole.recv(100).startswith(b"HTTP/1.1 200")
+        assert received == [("/bucket/whole", b"hello")]
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        upstream.shutdown()
