@@ -801,15 +801,18 @@ def test_an_island_claims_the_path_whose_inner_state_it_holds_and_reads_none_of_
     assert queue.task_done(lease.task) and root.read_json(layout.inner_state_kept(1, "p1"))["attempt"] == "attempt-1"
 
 
-def _published(root, round_index: int, job: str, data: bytes, grads: dict[int, bytes] | None = None) -> None:
-    """A path published as a train task leaves it: its weights (and outer gradients) and marker."""
+def _published(
+    root, round_index: int, job: str, data: bytes, grads: dict[int, bytes] | None = None, info: dict | None = None
+) -> None:
+    """A path published as a train task leaves it: its weights (and outer gradients) and marker
+    (with `info`, what a merge reads of it: its tokens)."""
     from pipeline.state import layout
 
     rel = layout.path_dir(round_index, job)
     root.write_bytes(f"{rel}/model.safetensors", data)
     for level, grad in (grads or {}).items():
         root.write_bytes(f"{rel}/{layout.outer_grad_file(level)}", grad)
-    root.commit(rel)
+    root.commit(rel, info=info)
 
 
 def _two_published_paths(s3_root, jobs: tuple[str, ...] = ("p0-0", "p1-0")) -> tuple:
@@ -1017,10 +1020,8 @@ def test_an_early_start_reads_each_committed_marker_once_and_its_next_round_read
                 param.add_(0.01 * torch.randn_like(param))
         with tempfile.TemporaryDirectory() as out:
             model.save_pretrained(out)
-            root.write_bytes(
-                f"{layout.path_dir(0, job)}/model.safetensors", (Path(out) / "model.safetensors").read_bytes()
-            )
-        root.commit(layout.path_dir(0, job), info={"round": 0, "path": job, "tokens": 1000})
+            weights = (Path(out) / "model.safetensors").read_bytes()
+        _published(root, 0, job, weights, info={"round": 0, "path": job, "tokens": 1000})
     keys = [ModuleKey(0, 0), ModuleKey(1, 0)]
     s3_requests.clear()
     start = EarlyStart(config, 1, "p0-0", keys)

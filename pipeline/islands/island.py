@@ -145,9 +145,9 @@ class Island:
         """Claim a path's next round to start before its merges are committed (TaskQueue.claim_early,
         pipeline/outer/early.py) and make it this island's task; the merges claimed at this look,
         and the round commits ready at it, run on a thread beside it from its first step (their
-        uploads overlap the inner loop), then the inner states kept later go up. An evaluation or re-routing claimed
-        at this look is released: it would take the cores from the training. One-rank islands
-        only: only they keep an inner state in memory (keep_later)."""
+        uploads overlap the inner loop), then the inner states kept later go up. An evaluation or
+        re-routing claimed at this look is released: it would take the cores from the training.
+        One-rank islands only: only they keep an inner state in memory (keep_later)."""
         if self.world > 1:
             return False
         early = self.queue.claim_early(self.name, self.id)
@@ -192,9 +192,6 @@ class Island:
         def run() -> None:
             if after is not None:
                 after.wait(BESIDE_WAIT_S)
-            if not leases:
-                self.start_keeping()
-                return
             for lease in leases:
                 began = time.time()
                 try:
