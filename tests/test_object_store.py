@@ -2,9 +2,10 @@
 store's operations (conditional create, compare-and-swap, reads of objects replaced meanwhile,
 multipart, retries), the run lock, lease fencing by compare-and-swap, and the preflight's refusals.
 
-A small HTTP proxy in front of the server plays the two stores moto cannot be: one that ignores
-conditional writes (it drops If-None-Match and If-Match, as some S3-compatible stores do), and one
-that throttles (503 SlowDown for its first N requests)."""
+A small HTTP proxy in front of the server plays the stores moto cannot be: one that ignores
+conditional writes (it drops If-None-Match and If-Match, as some S3-compatible stores do), one
+that throttles (503 SlowDown for its first N requests), and a link that corrupts the bodies of its
+first N answers to a GET (a byte flipped in transit)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,15 @@ CONDITIONAL_HEADERS = ("if-none-match", "if-match")
 
 
 class Proxy(http.server.ThreadingHTTPServer):
-    """Forwards to `upstream`, dropping conditional headers (`ignore_conditions`) or answering 503
-    SlowDown to its first `throttle` requests."""
+    """Forwards to `upstream`, dropping conditional headers (`ignore_conditions`), answering 503
+    SlowDown to its first `throttle` requests, or flipping a byte of its first `corrupt` GET bodies."""
 
     daemon_threads = True
 
-    def __init__(self, upstream: str, ignore_conditions: bool = False, throttle: int = 0):
+    def __init__(self, upstream: str, ignore_conditions: bool = False, throttle: int = 0, corrupt: int = 0):
         self.upstream = urllib.parse.urlsplit(upstream)
         self.ignore_conditions, self.throttle, self.throttled = ignore_conditions, throttle, 0
+        self.corrupt, self.corrupted = corrupt, 0
         super().__init__(("127.0.0.1", 0), _ProxyHandler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -74,6 +76,9 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         upstream.request(self.command, self.path, body=body, headers=headers)
         response = upstream.getresponse()
         data = response.read()
+        if self.command == "GET" and response.status == 200 and data and server.corrupted < server.corrupt:
+            server.corrupted += 1
+            data = bytes([data[0] ^ 0xFF]) + data[1:]  # the same length: only a checksum can tell
         self.send_response(response.status)
         for key, value in response.getheaders():
             if key.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -219,6 +224,27 @@ def test_throttling_is_retried_with_backoff_and_a_permanent_error_is_not(s3_serv
         assert proxy.throttled == 4 and time.monotonic() - started < 30
         with pytest.raises(FileNotFoundError):  # a 404 is an answer, not a reason to retry
             store.read(url.removeprefix("s3://") + "/absent.json")
+    finally:
+        proxy.shutdown()
+
+
+def test_a_body_corrupted_in_transit_is_read_again_and_the_reader_gets_the_stored_bytes(s3_server, s3_root):
+    """S3 keeps an object's checksum and botocore checks the body it reads against it: a body
+    corrupted on the way fails that check (FlexibleChecksumError), and the next read is whole."""
+    url, _ = s3_root
+    proxy = Proxy(s3_server.endpoint, corrupt=2)
+    try:
+        import s3fs
+
+        from pipeline.state.store import S3Store
+
+        fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, skip_instance_cache=True, use_listings_cache=False)
+        store = S3Store(fs, retry_s=30)
+        path = url.removeprefix("s3://") + "/queue/leases/train.r0.p0/attempt-1.json"
+        record = b'{"holder": "island-0", "state": "running"}'
+        assert store.create(path, record)
+        assert store.read(path).data == record  # after two corrupted answers
+        assert proxy.corrupted == 2
     finally:
         proxy.shutdown()
 

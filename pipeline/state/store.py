@@ -182,7 +182,9 @@ def error_code(exc: BaseException) -> str | None:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Worth another try: throttling, a 5xx, a timeout, a dropped connection."""
+    """Worth another try: throttling, a 5xx, a timeout, a dropped connection, a body that failed
+    its checksum on the way (botocore's FlexibleChecksumError: S3 checks a PUT's checksum, so
+    what it stored is whole, and the next read brings it)."""
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)):
         return False
     if error_code(exc) in TRANSIENT_CODES:
@@ -199,6 +201,7 @@ def is_transient(exc: BaseException) -> bool:
         "TimeoutError",
         "FSTimeoutError",
         "IncompleteRead",
+        "FlexibleChecksumError",
     }:
         return True
     return isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.EBUSY)
