@@ -67,6 +67,14 @@ DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
 POLL_S = 1.0  # how often the watcher looks at the store and the counters are read
 PARTITION_MAX_S = 180.0  # a partition ends by then even when no island was free to take the host's tasks over
 MAX_RESTARTS = 6  # a host's island process started again at most this many times in a run
+# The store's processes (moto, its proxy, MLflow) and the watcher run at this nice value: they stand
+# for machines that are not the hosts', yet take their CPU from the same cores as the hosts'
+# training (6.5-10 CPU s a round on 2 cores, and the hosts' inner loops ran up to 28 % longer than
+# the one-host run's). Lowered, the hosts' training comes first, as on machines of their own, and
+# the store still has the cores whenever the hosts wait on it (a round's hand-over). `--store-nice 0`
+# puts them level again. The links' delay relays keep the hosts' priority: they are the wire, and a
+# relay that waits for a core adds to the link's delay.
+STORE_NICE = 10
 
 
 @dataclass
@@ -85,6 +93,7 @@ class Spec:
     timeout_s: float = 1200.0
     store_python: str = sys.executable  # moto's interpreter (it need not be the pipeline's)
     mlflow: bool = True  # an MLflow server in the store namespace, which host 0's `dipaco run` reports to
+    store_nice: int = STORE_NICE  # the store's processes' and the watcher's nice value
 
 
 # -- the configs ------------------------------------------------------------------------------------
@@ -175,7 +184,8 @@ class Store:
     def start(self) -> None:
         lab, env = self.lab, host_env(self.dir)
         moto = [self.spec.store_python, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(MOTO_PORT)]
-        lab.spawn(lab.store, moto, self.dir / "moto.log", env=env, cwd=self.dir)
+        nice = self.spec.store_nice
+        lab.spawn(lab.store, moto, self.dir / "moto.log", env=env, cwd=self.dir, nice=nice)
         self.proxy = lab.spawn(
             lab.store,
             [sys.executable, "-m", "benchmarks.throttleproxy", "--listen", f"0.0.0.0:{S3_PORT}"]
@@ -183,6 +193,7 @@ class Store:
             self.dir / "proxy.log",
             env=env,
             cwd=self.dir,
+            nice=nice,
         )
         self.wait_http(f"http://127.0.0.1:{MOTO_PORT}/", "moto")
         self.make_bucket()
@@ -192,7 +203,8 @@ class Store:
         mlflow += [str(MLFLOW_PORT), "--workers", "1", "--backend-store-uri", f"sqlite:///{self.dir}/mlflow.db"]
         mlflow += ["--serve-artifacts", "--artifacts-destination", str(self.dir / "mlartifacts")]
         mlflow += ["--allowed-hosts", f"{STORE_IP}:{MLFLOW_PORT},{STORE_IP},localhost:{MLFLOW_PORT}"]
-        lab.spawn(lab.store, mlflow, self.dir / "mlflow.log", env=env | {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+        env |= {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        lab.spawn(lab.store, mlflow, self.dir / "mlflow.log", env=env, nice=nice)
         self.wait_http(f"http://127.0.0.1:{MLFLOW_PORT}/health", "MLflow", timeout_s=120)
 
     def make_bucket(self) -> None:
@@ -354,7 +366,8 @@ def island_host(name: str) -> int:
 
 def watch(lab: Lab, spec: Spec, overrides: list[str], timeout_s: float) -> tuple[subprocess.Popen, queue.Queue]:
     """benchmarks.hosts_watch in the store's namespace; its JSON lines arrive on the queue."""
-    argv = ["ip", "netns", "exec", lab.store, sys.executable, "-m", "benchmarks.hosts_watch"]
+    argv = ["ip", "netns", "exec", lab.store, "nice", "-n", str(spec.store_nice), sys.executable]
+    argv += ["-m", "benchmarks.hosts_watch"]
     argv += ["--config", str(REPO / spec.config), *set_args(overrides), "--interval", str(POLL_S)]
     argv += ["--timeout", str(timeout_s)]
     env = host_env(lab.store_dir() / "watch", DUMMY_AWS)
@@ -842,7 +855,7 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
     lines = [
         f"Hosts benchmark (`python -m benchmarks.hosts`, {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}): "
         f"{spec.config} {' '.join(spec.overrides)}, {spec.hosts} hosts x {spec.islands_per_host} island, "
-        f"links {lab_info['links']}, store {spec.store}, lease {spec.lease_seconds:g} s."
+        f"links {lab_info['links']}, store {spec.store} (nice {spec.store_nice}), lease {spec.lease_seconds:g} s."
         + (
             f" The runs across the hosts pin what the one-host run resolved: {', '.join(lab_info['pinned'])}."
             if lab_info.get("pinned")
@@ -965,6 +978,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
     parser.add_argument("--no-faults", action="store_true")
     parser.add_argument("--faults-only", action="store_true", help="no fault-free run across the hosts")
     parser.add_argument("--no-mlflow", action="store_true", help="no MLflow server; host 0 tracks nothing")
+    parser.add_argument(
+        "--store-nice", type=int, default=STORE_NICE, help="the store's processes' nice value (0: the hosts' own)"
+    )
     parser.add_argument("--timeout", type=float, default=1200.0, help="each run's limit, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the lab's directories (logs) after the run")
     parser.add_argument("--commit", action="store_true", help="put the table into benchmarks/RESULTS.md")
@@ -984,6 +1000,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
         timeout_s=args.timeout,
         store_python=args.store_python,
         mlflow=not args.no_mlflow,
+        store_nice=args.store_nice,
     )
     return args, spec
 

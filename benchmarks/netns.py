@@ -377,15 +377,16 @@ class Lab:
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
         isolate: bool = True,
+        nice: int = 0,
     ) -> subprocess.Popen:
         """`argv` in namespace `ns`, in a mount namespace where every other lab member's directory
         is an empty read-only tmpfs (`isolate`): a host sees its own disk, the code and nothing of
-        the others'. stdout and stderr go to `log_path`."""
+        the others'. stdout and stderr go to `log_path`; `nice` lowers its priority (nice(1))."""
         hide = [str(d) for other, d in self.private_dirs().items() if other != ns] if isolate else []
         script = 'for d in "$@"; do [ "$d" = -- ] && break; mount -t tmpfs -o ro,size=4k,mode=0 none "$d"; shift; done'
         script += '; shift; exec "$@"'
         wrapped = ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private", "--"]
-        wrapped += ["sh", "-c", script, "sh", *hide, "--", *argv]
+        wrapped += ["sh", "-c", script, "sh", *hide, "--", *(["nice", "-n", str(nice)] if nice else []), *argv]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             return subprocess.Popen(
