@@ -185,7 +185,9 @@ class Store:
         lab, env = self.lab, host_env(self.dir)
         moto = [self.spec.store_python, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(MOTO_PORT)]
         nice = self.spec.store_nice
-        lab.spawn(lab.store, moto, self.dir / "moto.log", env=env, cwd=self.dir, nice=nice)
+        # objects held in memory, not spooled to this machine's disk (tests/s3_endpoint.py)
+        moto_env = env | {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(128 << 20)}
+        lab.spawn(lab.store, moto, self.dir / "moto.log", env=moto_env, cwd=self.dir, nice=nice)
         self.proxy = lab.spawn(
             lab.store,
             [sys.executable, "-m", "benchmarks.throttleproxy", "--listen", f"0.0.0.0:{S3_PORT}"]

@@ -17,6 +17,10 @@ import uuid
 from dataclasses import dataclass
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+# moto holds an object of up to this size in memory; by default it spools any over 5 MB to a
+# temporary file on this machine's disk. A real store's disks are not its clients', yet here the
+# spool took a third of moto's CPU per 7.6 MB PUT (45 -> 30 ms, on the cores the islands train on).
+MOTO_SETTINGS = {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(128 << 20)}
 
 
 def free_port() -> int:
@@ -72,7 +76,7 @@ def start_moto(timeout_s: float = 30.0) -> MotoServer:
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, **CREDENTIALS},
+        env={**os.environ, **CREDENTIALS, **MOTO_SETTINGS},
     )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
