@@ -1024,22 +1024,14 @@ def test_a_paths_next_round_starts_here_before_its_merge_from_the_state_this_isl
         held.finish("released")
 
 
-def test_an_early_start_reads_each_committed_marker_once_and_its_next_round_reads_the_module_from_memory(
-    s3_root, s3_requests
-):
-    """An early start's merges asked for the same markers over and over (the round's modules/ and
-    outer_state/, each path's), a round trip each: 0.2-0.4 s of a train task's load on an object
-    store. Each is read once now; and the module it computed is what the next round starts from
-    once its merge commits those bytes, read from memory, not downloaded."""
+def _two_trained_paths(s3_root) -> tuple:
+    """Round 0's two paths published with weights a merge can read (the round's start, moved a
+    little), not merged: (config, root, the modules of p0)."""
     from models.grid import ModuleKey
-    from pipeline.outer.early import EarlyStart
-    from pipeline.outer.merge import merge_module
-    from pipeline.state import layout
-    from pipeline.state.module_store import load_modules, load_path_model
-    from pipeline.state.store import RECENT
+    from pipeline.state.module_store import load_path_model
 
     config, root = _two_published_paths(s3_root, jobs=())
-    for job in ("p0-0", "p1-0"):  # weights a merge can read: the round's start, moved a little
+    for job in ("p0-0", "p1-0"):
         model = load_path_model(root, config, 0, job)
         with torch.no_grad():
             for param in model.parameters():
@@ -1048,7 +1040,47 @@ def test_an_early_start_reads_each_committed_marker_once_and_its_next_round_read
             model.save_pretrained(out)
             weights = (Path(out) / "model.safetensors").read_bytes()
         _published(root, 0, job, weights, info={"round": 0, "path": job, "tokens": 1000})
-    keys = [ModuleKey(0, 0), ModuleKey(1, 0)]
+    return config, root, [ModuleKey(0, 0), ModuleKey(1, 0)]
+
+
+def test_an_early_starts_check_of_its_merges_runs_beside_its_commit_and_ends_with_the_attempt(s3_root):
+    """An early start's publish asked, after its weights went up, each merge it started from
+    whether it was committed with the same bytes: one round trip per module, in a row, over the
+    host's link. The check now starts at the inner loop's end, on a thread beside the commit: it
+    sees the merges committed meanwhile, and it gives up when the attempt ends, not after its wait."""
+    from pipeline.outer.early import EarlyStart
+    from pipeline.outer.merge import merge_module
+
+    config, _, keys = _two_trained_paths(s3_root)
+    start = EarlyStart(config, 1, "p0-0", keys)
+    start.modules()
+    start.check_beside(60.0)
+    for key in keys:  # committed while the check runs
+        merge_module(config, 0, key)
+    assert start.checked(60.0) is None
+
+    never = EarlyStart(config, 2, "p0-0", keys)  # round 1's merges: nobody runs them here
+    never.check_beside(60.0)
+    time.sleep(1.0)
+    ended = time.monotonic()
+    never.stop()
+    assert "ended" in never.checked(60.0) and time.monotonic() - ended < 5
+
+
+def test_an_early_start_reads_each_committed_marker_once_and_its_next_round_reads_the_module_from_memory(
+    s3_root, s3_requests
+):
+    """An early start's merges asked for the same markers over and over (the round's modules/ and
+    outer_state/, each path's), a round trip each: 0.2-0.4 s of a train task's load on an object
+    store. Each is read once now; and the module it computed is what the next round starts from
+    once its merge commits those bytes, read from memory, not downloaded."""
+    from pipeline.outer.early import EarlyStart
+    from pipeline.outer.merge import merge_module
+    from pipeline.state import layout
+    from pipeline.state.module_store import load_modules
+    from pipeline.state.store import RECENT
+
+    config, root, keys = _two_trained_paths(s3_root)
     s3_requests.clear()
     start = EarlyStart(config, 1, "p0-0", keys)
     start.modules()

@@ -428,10 +428,10 @@ def run_task(
         merge_here = _merge_here(config, task, lease) if early is not None else None
 
         def early_checked() -> bool:  # the merges it started from committed, bitwise, and the lease held
-            why = early.difference(early_wait_s(lease.queue.lease_seconds), merge_here)
+            why = early.checked(early_wait_s(lease.queue.lease_seconds), merge_here)
             if why is not None:
                 raise AttemptCancelled(f"{task.name}: {why}")
-            return lease.held()
+            return lease.held()  # asked last, right before the publish: the fence
 
         may_publish = early_checked if early is not None else lease.held if lease is not None else None
 
@@ -440,6 +440,8 @@ def run_task(
             lease.training.set()
             if step >= config.train.inner_steps:  # the inner loop is over: its weights go up next
                 peers.start()
+                if early is not None:  # its merges' check too, while the weights go up
+                    early.check_beside(early_wait_s(lease.queue.lease_seconds), merge_here)
 
         try:
             metrics = train_path(
@@ -457,6 +459,8 @@ def run_task(
         finally:
             if peers is not None:
                 peers.stop()
+            if early is not None:
+                early.stop()
             if lease is not None:  # what waits for the first step waits no longer
                 lease.training.set()
         return {

@@ -32,7 +32,7 @@ from pipeline.core.config import Config
 from pipeline.outer.merge import RoundInputs, merged_files, merged_info
 from pipeline.state import layout
 from pipeline.state.module_store import decode, encode, load_modules, state_metadata
-from pipeline.state.storage import IO_THREADS, RunRoot, checksum_bytes
+from pipeline.state.storage import IO_THREADS, RunRoot, checksum_bytes, map_io
 from pipeline.state.store import RECENT
 
 log = logging.getLogger("dipaco.early")
@@ -84,6 +84,8 @@ class EarlyStart:
         self.keys = path_modules(modules, config.model.grid, private=self.shape.path_blocks > 0)
         self.pending = [key for key in self.keys if key in set(pending)]
         self.expected: dict[ModuleKey, dict] = {}  # key -> the record of the merged file computed here
+        self._check: Future | None = None  # difference() asked beside the commit (check_beside)
+        self._stopped = threading.Event()
 
     def modules(self) -> list[ModuleState]:
         """The path's modules in level order (train_path's start_modules): the pending ones as
@@ -105,16 +107,42 @@ class EarlyStart:
                 loaded[key] = decode(bytearray(data), where)  # what reading the merge's file gives
         return [loaded[key] for key in self.keys]
 
+    def check_beside(self, wait_s: float, merge_here: Callable[[ModuleKey], bool] | None = None) -> None:
+        """Start difference() on a thread, once (at the inner loop's end): a committed merge never
+        changes, so its answer can be asked while the path's weights go up, and the publish then
+        waits for no round trip of it (one per pending module, in a row, over the host's link)."""
+        if self._check is None:
+            self._check = Future()
+            threading.Thread(target=self._run_check, args=(wait_s, merge_here), daemon=True, name="early-check").start()
+
+    def _run_check(self, wait_s: float, merge_here: Callable[[ModuleKey], bool] | None) -> None:
+        try:
+            self._check.set_result(self.difference(wait_s, merge_here))
+        except BaseException as exc:  # noqa: BLE001 - the publish's check raises it
+            self._check.set_exception(exc)
+
+    def checked(self, wait_s: float, merge_here: Callable[[ModuleKey], bool] | None = None) -> str | None:
+        """difference(), as check_beside asked it (or now, when it was not)."""
+        return self._check.result() if self._check is not None else self.difference(wait_s, merge_here)
+
+    def stop(self) -> None:
+        """The attempt is over: a check beside it that still waits for a merge gives up."""
+        self._stopped.set()
+
     def difference(self, wait_s: float, merge_here: Callable[[ModuleKey], bool] | None = None) -> str | None:
         """None once every pending module's merge is committed with the bytes computed here; else
         why not (a merge that differs, or none committed within `wait_s`). `merge_here(key)` may
-        run a merge nobody has taken (True when it did): the islands may all be training."""
+        run a merge nobody has taken (True when it did): the islands may all be training. The
+        pending modules' markers are asked in one wave."""
         deadline = time.monotonic() + wait_s
         before = self.round - 1
-        for key in self.pending:
-            rel = layout.merged_module_dir(before, key)
-            marker = self.root.marker_if_committed(rel)
+        rels = [layout.merged_module_dir(before, key) for key in self.pending]
+        markers = dict(zip(self.pending, map_io(self.root.marker_if_committed, rels)))
+        for key, rel in zip(self.pending, rels):
+            marker = markers[key]
             while marker is None:
+                if self._stopped.is_set():
+                    return "the attempt ended before its merges were committed"
                 if not (merge_here is not None and merge_here(key)):
                     if time.monotonic() > deadline:
                         return f"module {key.level}/{key.index} of round {before} was not merged within {wait_s:.0f} s"
