@@ -366,12 +366,15 @@ def island_host(name: str) -> int:
     return int(head[1:]) if head.startswith("h") and head[1:].isdigit() else 0
 
 
-def watch(lab: Lab, spec: Spec, overrides: list[str], timeout_s: float) -> tuple[subprocess.Popen, queue.Queue]:
-    """benchmarks.hosts_watch in the store's namespace; its JSON lines arrive on the queue."""
+def watch(
+    lab: Lab, spec: Spec, overrides: list[str], timeout_s: float, faults: bool = True
+) -> tuple[subprocess.Popen, queue.Queue]:
+    """benchmarks.hosts_watch in the store's namespace; its JSON lines arrive on the queue. Without
+    `faults` nothing needs the leases past the first claim, so it stops reading them then."""
     argv = ["ip", "netns", "exec", lab.store, "nice", "-n", str(spec.store_nice), sys.executable]
     argv += ["-m", "benchmarks.hosts_watch"]
     argv += ["--config", str(REPO / spec.config), *set_args(overrides), "--interval", str(POLL_S)]
-    argv += ["--timeout", str(timeout_s)]
+    argv += ["--timeout", str(timeout_s), "--leases", "always" if faults else "until-held"]
     env = host_env(lab.store_dir() / "watch", DUMMY_AWS)
     proc = subprocess.Popen(
         argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(lab.store_dir() / "watch.log", "ab"), text=True
@@ -427,7 +430,8 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
         env = host_env(home, DUMMY_AWS if spec.store == "s3" else None)
         procs[key] = (host, lab.spawn(lab.hosts[host], argv, logs / f"{key}.log", env=env, cwd=home), argv)
 
-    watcher, lines = watch(lab, spec, run.watch_overrides, spec.timeout_s)
+    watcher, lines = watch(lab, spec, run.watch_overrides, spec.timeout_s, run.faults)
+    lab.observers.add(watcher.pid)  # its CPU is counted apart from the store's
     started = time.monotonic()
     driver_overrides = [*run.overrides, f"train.islands={spec.islands_per_host}"]
     start(0, "h0-driver", dipaco("run", spec, driver_overrides))
@@ -805,11 +809,12 @@ def predicted_bytes(
 
 
 def cpu_cell(cpu: dict[str, float], hosts: int) -> str:
-    """A round's CPU seconds as "store / relays / h0 + h1 + ...", or "-" where none were sampled."""
+    """A round's CPU seconds as "store / watcher / relays / h0 + h1 + ...", or "-" where none were sampled."""
     if not cpu:
         return "-"
     own = " + ".join(f"{cpu.get(f'h{i}', 0.0):.0f}" for i in range(hosts))
-    return f"{cpu.get('store', 0.0):.1f} / {cpu.get('relays', 0.0):.1f} / {own}"
+    watcher = f"{cpu['watcher']:.1f}" if "watcher" in cpu else "-"  # counted in the store's before
+    return f"{cpu.get('store', 0.0):.1f} / {watcher} / {cpu.get('relays', 0.0):.1f} / {own}"
 
 
 def rest(row: dict) -> float | None:
@@ -880,7 +885,7 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
         hosts = " | ".join(f"h{i} up / down MB" for i in range(spec.hosts))
         lines += [
             f"| round | wall s | {hosts} | inner s | load s | engine s | commit s | rest s | utilisation "
-            "| CPU s: store / relays / hosts |",
+            "| CPU s: store / watcher / relays / hosts |",
             "| ---: | ---: |" + " ---: |" * spec.hosts + " ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for row in per_round(res, spec.hosts):

@@ -214,6 +214,7 @@ class Lab:
         self.made: list[str] = []
         self.netem = False
         self.relays: dict[str, subprocess.Popen] = {}
+        self.observers: set[int] = set()  # the benchmark's own processes in the store's namespace (its watcher)
         self._previous: dict[int, object] = {}
         self._closed = False
 
@@ -433,11 +434,17 @@ class Lab:
         ip("-n", self.switch, "link", "set", f"h{i}", "up")
 
     def cpu_groups(self) -> dict[str, list[int]]:
-        """The lab's processes by what they stand for: "store" (the S3 server, its proxy, MLflow and
-        the watcher), "relays" (the links' delay relays, which a real link would not run on the
-        hosts' cores), and "h<i>" (host i's own: its islands and, on host 0, `dipaco run`)."""
+        """The lab's processes by what they stand for: "store" (the S3 server, its proxy, MLflow),
+        "watcher" (the benchmark's `observers`, which look at the store), "relays" (the links'
+        delay relays, which a real link would not run on the hosts' cores), and "h<i>" (host i's
+        own: its islands and, on host 0, `dipaco run`)."""
         relays = {proc.pid for proc in self.relays.values()}
-        groups = {"store": ns_pids(self.store), "relays": sorted(relays)}
+        store = ns_pids(self.store)
+        groups = {
+            "store": [pid for pid in store if pid not in self.observers],
+            "watcher": [pid for pid in store if pid in self.observers],
+            "relays": sorted(relays),
+        }
         for i, ns in enumerate(self.hosts):
             groups[f"h{i}"] = [pid for pid in ns_pids(ns) if pid not in relays]
         return groups
