@@ -933,6 +933,46 @@ def test_a_train_task_reads_its_published_peers_files_while_it_publishes_and_its
     ]
 
 
+def test_a_path_published_first_reads_its_peers_weights_as_they_are_published_for_a_bounded_while(s3_root, monkeypatch):
+    """The island that publishes first starts its next round from the modules it shares, computed
+    from every path through them: it downloaded the last path's weights after claiming that round
+    (1.1 s of a round's hand-over over a 50 Mbit/s link). Its watch now goes on once its task has
+    published, and reads a peer's weights as soon as the peer publishes; it ends by its bound."""
+    from pipeline import stages
+    from pipeline.islands import peers as peers_module
+    from pipeline.islands.peers import PeerReads
+    from pipeline.islands.task_queue import Task, TaskQueue, write_plan
+    from pipeline.run import Run
+    from pipeline.state import layout
+    from pipeline.state.store import RECENT
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "model.grid=[2,1]")
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    write_plan(root, 1)
+    queue = TaskQueue(root, config)
+    peers = PeerReads(queue, Task(0, 0, "train", "p0-0"))
+    assert peers.wanted == {"p1-0": ["model.safetensors"]}
+    peers.start()
+    peers.published()  # its own task published; p1-0 still trains
+    time.sleep(0.6)
+    weights = os.urandom(300_000)
+    _published(root, 0, "p1-0", weights)
+    RECENT.forget_under(root.path(layout.path_dir(0, "p1-0")), keep_bytes=False)  # as another host wrote it
+    wait_for(lambda: peers.read, 30, "the peer's weights, read after this task published")
+    assert peers.read == [f"{layout.path_dir(0, 'p1-0')}/model.safetensors"]
+    assert RECENT.holds_under(root.path(layout.path_dir(0, "p1-0")))
+
+    monkeypatch.setattr(peers_module, "PEER_AFTER_S", 1.0)  # a peer that never publishes: the watch ends
+    write_plan(root, 2)
+    waiting = PeerReads(TaskQueue(root, config), Task(1, 0, "train", "p0-0"))
+    waiting.start()
+    waiting.published()
+    wait_for(lambda: not waiting._thread.is_alive(), 10, "the watch's end, PEER_AFTER_S after its publish")
+    assert waiting.read == []
+
+
 def test_an_island_claims_at_once_every_merge_whose_paths_it_holds_and_runs_them_before_looking_again(s3_root):
     """The island that published last holds every path of its module's merges (its own, and the
     peers' it read while publishing): it claims them all at once, so that another island does not

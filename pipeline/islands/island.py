@@ -443,6 +443,7 @@ def run_task(
                 if early is not None:  # its merges' check too, while the weights go up
                     early.check_beside(early_wait_s(lease.queue.lease_seconds), merge_here)
 
+        published = False
         try:
             metrics = train_path(
                 config,
@@ -456,9 +457,10 @@ def run_task(
                 held_inner_state=held,
                 start_modules=early.modules if early is not None else None,
             )
+            published = bool(metrics.get("published", True))
         finally:
-            if peers is not None:
-                peers.stop()
+            if peers is not None:  # published: the peers still training are watched a while more
+                peers.published() if published else peers.stop()
             if early is not None:
                 early.stop()
             if lease is not None:  # what waits for the first step waits no longer

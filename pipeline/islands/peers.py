@@ -9,6 +9,12 @@ one free first for that merge; with the peers' files in memory (pipeline.state.s
 the merge reads nothing over the link, and the queue offers it first those merges whose paths it
 holds (TaskQueue.merge_preference).
 
+The island that publishes first needs the others' weights too: its next round starts from the
+modules they share, computed from every path through them (pipeline/outer/early.py). So once its
+task has published, the watch goes on for the peers still training (`published`), for at most
+PEER_AFTER_S, while the island merges or waits: their weights come down as soon as they are
+published, not after the island's next claim (they were 1.1 s of a round's hand-over).
+
 Only where it pays: a run root on an object store, a file the memory keeps (RecentFiles'
 bounds), a path of the same round that shares a module with this task's (its private module, never
 shared, aside). What is read is checked against the path's `_SUCCESS` as every read is, and named
@@ -30,11 +36,14 @@ from pipeline.state.store import RECENT
 log = logging.getLogger("dipaco.island")
 PEER_POLL_S = 0.25  # how often, while this task's weights go up, it looks for the peers' publishes
 PEER_WATCH_S = 600.0  # a bound on the watch, should its task never say it ended
+PEER_AFTER_S = 120.0  # how long the watch goes on once its task has published (the peers still training)
+PEER_POLL_AFTER_S = 0.5  # and how often it looks then: as often as an idle island looks at the queue
 
 
 class PeerReads:
-    """One train task's watch for its peers' published files (start once its inner loop ends; stop
-    once it has published). `read` lists the files read, by their names in the run root."""
+    """One train task's watch for its peers' published files (start once its inner loop ends; once
+    it has published, `published` bounds the rest of the watch, else `stop` ends it). `read` lists
+    the files read, by their names in the run root."""
 
     def __init__(self, queue: TaskQueue, task: Task):
         self.root, self.round = queue.root, task.round
@@ -53,6 +62,8 @@ class PeerReads:
         self.read: list[str] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._deadline = time.monotonic() + PEER_WATCH_S
+        self._after = False  # its task has published
 
     @property
     def started(self) -> bool:
@@ -69,16 +80,21 @@ class PeerReads:
         waits for it instead of reading it again: RecentFiles.one_reader)."""
         self._stop.set()
 
+    def published(self) -> None:
+        """Its task published: the peers still training are watched for PEER_AFTER_S more."""
+        self._after = True
+        self._deadline = min(self._deadline, time.monotonic() + PEER_AFTER_S)
+
     def _watch(self) -> None:
-        paths, deadline = f"{layout.round_dir(self.round)}/paths", time.monotonic() + PEER_WATCH_S
+        paths = f"{layout.round_dir(self.round)}/paths"
         try:
-            while self.wanted and not self._stop.is_set() and time.monotonic() < deadline:
+            while self.wanted and not self._stop.is_set() and time.monotonic() < self._deadline:
                 listed = ListedRoot(self.root, [paths])  # one listing a look, for every peer
                 for job in [j for j in self.wanted if listed.is_committed(layout.path_dir(self.round, j))]:
                     if self._stop.is_set():
                         return
                     self._read(job, self.wanted.pop(job))
-                self._stop.wait(PEER_POLL_S)
+                self._stop.wait(PEER_POLL_AFTER_S if self._after else PEER_POLL_S)
         except Exception as exc:  # noqa: BLE001 - a watch's last word: the merge reads what it needs itself
             log.info("reading the peers' published files of round %d stopped: %s", self.round, exc)
 
