@@ -742,11 +742,11 @@ class TaskQueue:
         (it trained the path's round before: _held_here), on an object store."""
         if self.root.is_local:
             return []
-        seen = self._listed or self
+        seen = self._listed or self  # the look's listings: a round's marker is no request of its own
         return [
             task
             for r in range(1, until_round)
-            if not self._committed(r)
+            if not seen._committed(r)
             for task in (Task.of("train", r, job) for job in self.jobs_of(r))
             if self._held_here(task) and not seen.output_committed(task)
         ]
