@@ -146,13 +146,20 @@ def train_path(
         shard_path, modules, worker = parse_job_id(path_id, config.model.grid, workers)
     except ValueError as exc:
         raise ConfigError(f"--path: {exc}") from None
+    shape = ModelShape.from_config(config.model)
     # Input first, the process group after: a missing or unreadable shard fails the job in seconds.
     began = time.perf_counter()
+    # The modules on a thread meanwhile: on an object store they are round trips (each module's
+    # marker, an early start's merge inputs), which the shard's reading and packing overlap.
+    reading = ThreadPoolExecutor(1, thread_name_prefix="modules")
+    start = start_modules or (lambda: load_path_modules(root, round_index, modules, shape, config.model.grid))
+    modules_read = reading.submit(start)
+    reading.shutdown(wait=False)
     routing = layout.routing(config.router.discriminative_after, round_index)  # k-means or re-routed
     shards = routing.shards
     docs = worker_documents(root, config, routing, shard_path, worker, config.train.workers_in_round(round_index))
     rank, world = init_distributed()
-    train, shape = config.train, ModelShape.from_config(config.model)
+    train = config.train
     torch.manual_seed(train.seed + round_index)
 
     top = max((int(doc.max()) for doc in docs if len(doc)), default=-1)
@@ -169,12 +176,7 @@ def train_path(
         )
     stream = RowStream(rows, seed=train.seed + worker)
 
-    merged = (
-        start_modules()
-        if start_modules is not None
-        else load_path_modules(root, round_index, modules, shape, config.model.grid)
-    )
-    model = build_path_model(shape, merged, seed=train.seed)
+    model = build_path_model(shape, modules_read.result(), seed=train.seed)
     start_state = {k: v.detach().clone() for k, v in model.named_parameters()}
     precision = agree(resolve_precision(train, shape) if rank == 0 else None, rank, world)  # cached per host
     ds_config = load_ds_config(train, shape, world, precision)
