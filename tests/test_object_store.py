@@ -9,6 +9,7 @@ first N answers to a GET (a byte flipped in transit)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import os
@@ -209,45 +210,42 @@ def test_a_large_file_goes_up_in_parts_and_listings_see_writes_at_once(s3, s3_se
         assert f"i{i}.json" in s3.listdir("queue/islands")
 
 
+@contextlib.contextmanager
+def _store_behind(s3_server, **proxy_args):
+    """(an S3Store that reaches the session's server through a Proxy(**proxy_args), the proxy)."""
+    import s3fs
+
+    from pipeline.state.store import S3Store
+
+    proxy = Proxy(s3_server.endpoint, **proxy_args)
+    try:
+        fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, skip_instance_cache=True, use_listings_cache=False)
+        yield S3Store(fs, retry_s=30), proxy
+    finally:
+        proxy.shutdown()
+
+
 def test_throttling_is_retried_with_backoff_and_a_permanent_error_is_not(s3_server, s3_root):
     url, _ = s3_root
-    proxy = Proxy(s3_server.endpoint, throttle=4)
-    try:
-        import s3fs
-
-        from pipeline.state.store import S3Store
-
-        fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, skip_instance_cache=True, use_listings_cache=False)
-        store = S3Store(fs, retry_s=30)
+    with _store_behind(s3_server, throttle=4) as (store, proxy):
         path = url.removeprefix("s3://") + "/throttled.json"
         started = time.monotonic()
         assert store.create(path, b"{}")  # after 4 SlowDowns
         assert proxy.throttled == 4 and time.monotonic() - started < 30
         with pytest.raises(FileNotFoundError):  # a 404 is an answer, not a reason to retry
             store.read(url.removeprefix("s3://") + "/absent.json")
-    finally:
-        proxy.shutdown()
 
 
 def test_a_body_corrupted_in_transit_is_read_again_and_the_reader_gets_the_stored_bytes(s3_server, s3_root):
     """S3 keeps an object's checksum and botocore checks the body it reads against it: a body
     corrupted on the way fails that check (FlexibleChecksumError), and the next read is whole."""
     url, _ = s3_root
-    proxy = Proxy(s3_server.endpoint, corrupt=2)
-    try:
-        import s3fs
-
-        from pipeline.state.store import S3Store
-
-        fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, skip_instance_cache=True, use_listings_cache=False)
-        store = S3Store(fs, retry_s=30)
+    with _store_behind(s3_server, corrupt=2) as (store, proxy):
         path = url.removeprefix("s3://") + "/queue/leases/train.r0.p0/attempt-1.json"
         record = b'{"holder": "island-0", "state": "running"}'
         assert store.create(path, record)
         assert store.read(path).data == record  # after two corrupted answers
         assert proxy.corrupted == 2
-    finally:
-        proxy.shutdown()
 
 
 # -- the run lock ----------------------------------------------------------------------------------
