@@ -185,9 +185,10 @@ class Store:
         lab, env = self.lab, host_env(self.dir)
         moto = [self.spec.store_python, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(MOTO_PORT)]
         nice = self.spec.store_nice
-        # objects held in memory, not spooled to this machine's disk (tests/s3_endpoint.py)
-        moto_env = env | {"MOTO_S3_DEFAULT_KEY_BUFFER_SIZE": str(128 << 20)}
-        lab.spawn(lab.store, moto, self.dir / "moto.log", env=moto_env, cwd=self.dir, nice=nice)
+        sys.path.insert(0, str(REPO / "tests"))  # moto's settings as the tests' server has them
+        from s3_endpoint import MOTO_SETTINGS
+
+        lab.spawn(lab.store, moto, self.dir / "moto.log", env=env | MOTO_SETTINGS, cwd=self.dir, nice=nice)
         self.proxy = lab.spawn(
             lab.store,
             [sys.executable, "-m", "benchmarks.throttleproxy", "--listen", f"0.0.0.0:{S3_PORT}"]
