@@ -953,7 +953,8 @@ def test_a_path_published_first_reads_its_peers_weights_as_they_are_published_fo
     """The island that publishes first starts its next round from the modules it shares, computed
     from every path through them: it downloaded the last path's weights after claiming that round
     (1.1 s of a round's hand-over over a 50 Mbit/s link). Its watch now goes on once its task has
-    published, and reads a peer's weights as soon as the peer publishes; it ends by its bound."""
+    published, and reads a peer's weights as soon as the peer publishes; it ends by its bound. In
+    the plan's last round no round starts early: the watch ends with the publish, reading nothing."""
     from pipeline import stages
     from pipeline.islands import peers as peers_module
     from pipeline.islands.peers import PeerReads
@@ -966,7 +967,7 @@ def test_a_path_published_first_reads_its_peers_weights_as_they_are_published_fo
     config = tiny_config(url, storage_set, "model.grid=[2,1]")
     configure(url, config.storage.options)
     root = stages.init_run(Run(config))
-    write_plan(root, 1)
+    write_plan(root, 2)
     queue = TaskQueue(root, config)
     peers = PeerReads(queue, Task(0, 0, "train", "p0-0"))
     assert peers.wanted == {"p1-0": ["model.safetensors"]}
@@ -981,12 +982,21 @@ def test_a_path_published_first_reads_its_peers_weights_as_they_are_published_fo
     assert RECENT.holds_under(root.path(layout.path_dir(0, "p1-0")))
 
     monkeypatch.setattr(peers_module, "PEER_AFTER_S", 1.0)  # a peer that never publishes: the watch ends
-    write_plan(root, 2)
+    write_plan(root, 3)
     waiting = PeerReads(TaskQueue(root, config), Task(1, 0, "train", "p0-0"))
     waiting.start()
     waiting.published()
     wait_for(lambda: not waiting._thread.is_alive(), 10, "the watch's end, PEER_AFTER_S after its publish")
     assert waiting.read == []
+
+    monkeypatch.setattr(peers_module, "PEER_AFTER_S", 5.0)
+    last = PeerReads(TaskQueue(root, config), Task(2, 0, "train", "p0-0"))  # round 2 of 3: the last
+    last.start()
+    last.published()
+    _published(root, 2, "p1-0", os.urandom(300_000))
+    RECENT.forget_under(root.path(layout.path_dir(2, "p1-0")), keep_bytes=False)
+    last._thread.join(10)
+    assert last.read == [] and not last._thread.is_alive()
 
 
 def test_an_island_claims_at_once_every_merge_whose_paths_it_holds_and_another_island_gets_none(s3_root):
