@@ -181,8 +181,9 @@ class Island:
         by the island that published first, of the module only its path feeds, while its peers
         still train: run in the foreground it took 1.1-1.3 s across hosts (its 3.8 MB go up), and a
         peer that published meanwhile found this island busy, its next round's start that late.
-        The inner states kept later wait for these merges (start_keeping): the merges gate the
-        round's next tasks, and on a host's one uplink the state (2x the weights) slowed them."""
+        An idle island starts no upload of the inner states kept later while they run (they start
+        with its next other task, or after them): the merges gate the round's next tasks, and on a
+        host's one uplink the state (2x the weights) slowed them."""
         if self.world > 1 or self.root.is_local or self.lease is None or self.lease.task.kind not in BEHIND_KINDS:
             return False
         self._run_beside([self.lease, *self.next_up], "")
