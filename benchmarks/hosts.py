@@ -11,7 +11,7 @@ that no process of a host has a working directory, an open file or a TMPDIR in a
 own (`/proc/<pid>/cwd`, `/proc/<pid>/fd`, `/proc/<pid>/environ`).
 
 The run: host 0 runs `dipaco run --config C` (prepare, plan, its islands, the rounds' reports to
-MLflow), every other host `dipaco island --config C --name h<i>-<k>` once shards/ is committed,
+MLflow), every other host `dipaco island --config C --name h<i>-<k> --wait S` at the same time,
 all on one `s3://` run root (`storage.options.endpoint_url` = the store, AWS_* variables for the
 credentials). `benchmarks.hosts_watch`, in the store's namespace, follows the queue. A host's
 island process that exits with an error is started again, as a service manager would (counted).
@@ -94,6 +94,7 @@ class Spec:
     store_python: str = sys.executable  # moto's interpreter (it need not be the pipeline's)
     mlflow: bool = True  # an MLflow server in the store namespace, which host 0's `dipaco run` reports to
     store_nice: int = STORE_NICE  # the store's processes' and the watcher's nice value
+    compile_cache: Path | None = None  # one inductor cache per host under it, kept: compile_env
 
 
 # -- the configs ------------------------------------------------------------------------------------
@@ -428,7 +429,7 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
 
     def start(host: int, key: str, argv: list[str]) -> None:
         home = lab.host_dir(host)
-        env = host_env(home, DUMMY_AWS if spec.store == "s3" else None)
+        env = host_env(home, (DUMMY_AWS if spec.store == "s3" else {}) | compile_env(spec, f"h{host}"))
         procs[key] = (host, lab.spawn(lab.hosts[host], argv, logs / f"{key}.log", env=env, cwd=home), argv)
 
     watcher, lines = watch(lab, spec, run.watch_overrides, spec.timeout_s, run.faults)
@@ -436,8 +437,16 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
     started = time.monotonic()
     driver_overrides = [*run.overrides, f"train.islands={spec.islands_per_host}"]
     start(0, "h0-driver", dipaco("run", spec, driver_overrides))
+    # every other host's islands start with it and wait for the plan (`dipaco island --wait`), as a
+    # host's service would: their ranks start within a poll of the plan. Started once the lab saw
+    # the plan, they began compiling 7 s after host 0's island (3 s with the wait), and round 0
+    # waited for them.
+    for host in range(1, lab.n_hosts):
+        for k in range(spec.islands_per_host):
+            wait = ("--wait", f"{spec.timeout_s:g}")
+            start(host, f"h{host}-{k}", dipaco("island", spec, run.overrides, "--name", f"h{host}-{k}", *wait))
     faults = Faults(lab, store, spec, run, procs) if run.faults else None
-    joined, finished, first_claim = False, None, None
+    finished, first_claim = None, None
     try:
         while True:
             try:
@@ -456,14 +465,9 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
                 continue
             if line.get("held") and first_claim is None:
                 first_claim = time.time()
-            if line.get("prepared") and line.get("planned") and not joined:
-                for host in range(1, lab.n_hosts):
-                    for k in range(spec.islands_per_host):
-                        start(host, f"h{host}-{k}", dipaco("island", spec, run.overrides, "--name", f"h{host}-{k}"))
-                joined = True
             if faults is not None:
                 faults.step(line, now)
-            restart_failed(lab, procs, run, faults)
+            restart_failed(lab, spec, procs, run, faults)
             if len(run.samples) % 5 == 0:
                 run.violations += isolation_violations(lab)
             if line.get("finished") and finished is None:
@@ -508,7 +512,7 @@ def sample(lab: Lab, cpu: netns.CpuMeter) -> tuple:
     )
 
 
-def restart_failed(lab: Lab, procs: dict, run: HostRun, faults: Faults | None) -> None:
+def restart_failed(lab: Lab, spec: Spec, procs: dict, run: HostRun, faults: Faults | None) -> None:
     """A host's island process that exited with an error starts again (a service manager's
     restart), unless its host was killed for good, is partitioned now, or has restarted too often."""
     for key, (host, proc, argv) in list(procs.items()):
@@ -522,7 +526,7 @@ def restart_failed(lab: Lab, procs: dict, run: HostRun, faults: Faults | None) -
         run.restarts[key] = run.restarts.get(key, 0) + 1
         log.info("%s: %s exited %s: starting it again (%d)", run.name, key, code, run.restarts[key])
         home = lab.host_dir(host)
-        env = host_env(home, DUMMY_AWS if "s3://" in " ".join(argv) else None)
+        env = host_env(home, (DUMMY_AWS if "s3://" in " ".join(argv) else {}) | compile_env(spec, f"h{host}"))
         logs = lab.base / "logs" / run.name
         procs[key] = (
             host,
@@ -561,13 +565,45 @@ def resolved_choices(summary: dict) -> list[str]:
     return [f"train.precision={paths[0]['precision']}", f"train.compile={str(bool(paths[0]['compiled'])).lower()}"]
 
 
+def compile_env(spec: Spec, member: str) -> dict[str, str]:
+    """Where a host (`h<i>`, or `one-host`) keeps torch.compile's kernels. By default inductor's
+    own place, the host's TMPDIR, new each invocation: every host compiles the path's forward for
+    the first time. Then the one-host run's islands share one cache and one host compiles less
+    (two cold compiles at once on 2 cores: 25.7 s sharing one, 34.9 s each on its own; 2.9 s warm).
+    With `--compile-cache DIR` each host has its own cache under DIR, kept between invocations,
+    as a fleet's hosts that trained this model before have: fill it once, then measure."""
+    if spec.compile_cache is None:
+        return {}
+    cache = spec.compile_cache / member
+    cache.mkdir(parents=True, exist_ok=True)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+
+
+def compile_caches_warm(spec: Spec) -> dict[str, bool] | None:
+    """Which hosts' kept compile caches hold kernels already (None: none are kept)."""
+    if spec.compile_cache is None or not spec.compile_cache.is_dir():
+        return None if spec.compile_cache is None else {}
+    return {d.name: any(d.iterdir()) for d in sorted(spec.compile_cache.iterdir()) if d.is_dir()}
+
+
+def compile_caches_said(caches: dict | None) -> str:
+    """The report's words for where the runs found torch.compile's kernels."""
+    if not caches:
+        return "Compile caches: each host's TMPDIR, new (every host compiles for the first time)."
+    warm = [name for name, full in caches["warm"].items() if full]
+    return (
+        f"Compile caches: one per host in {caches['dir']}, kept between invocations; "
+        f"{'warm for ' + ', '.join(warm) if warm else 'all new'} at the start."
+    )
+
+
 def run_one_host(spec: Spec, base: Path, islands: int) -> dict:
     """The same config on this machine with a local root and `islands` islands: the reference."""
     root = base / "one-host" / "root"
     overrides = [*base_overrides(spec), f"run_root={root}", f"train.islands={islands}"]
     overrides.append(f"mlflow.enabled={str(spec.store == 's3' and spec.mlflow).lower()}")
     home = base / "one-host" / "home"
-    env = host_env(home)
+    env = host_env(home, compile_env(spec, "one-host"))
     log_path = base / "logs" / "one-host.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -868,7 +904,8 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
             f" The runs across the hosts pin what the one-host run resolved: {', '.join(lab_info['pinned'])}."
             if lab_info.get("pinned")
             else ""
-        ),
+        )
+        + f" {compile_caches_said(lab_info.get('compile_caches'))}",
         "",
         "| run | wall s | train s | committed tokens | goodput vs one host | past round 0 | "
         "final modules = one host's | island restarts | isolation breaches |",
@@ -938,7 +975,7 @@ def s3_ready(spec: Spec) -> str | None:
 def benchmark(spec: Spec, base: Path, runs: tuple[str, ...] = ("fault-free", "faults"), reference: bool = True) -> dict:
     """The runs of the module docstring in a lab under `base` (`runs`: which of the two across the
     hosts); every figure."""
-    results, pinned = [], []
+    results, pinned, warm = [], [], compile_caches_warm(spec)  # as the first run found them
     if reference:
         results.append(run_one_host(spec, base, spec.hosts * spec.islands_per_host))
         pinned = resolved_choices(results[0]["summary"])
@@ -965,6 +1002,7 @@ def benchmark(spec: Spec, base: Path, runs: tuple[str, ...] = ("fault-free", "fa
             "links": spec.shape.describe()
             + (" (netem)" if lab.netem else " (tbf + relay)" if spec.shape.shaped else ""),
             "pinned": pinned,
+            "compile_caches": None if warm is None else {"dir": str(spec.compile_cache), "warm": warm},
         }
     return {"results": results, "lab": info}
 
@@ -989,6 +1027,13 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
     parser.add_argument(
         "--store-nice", type=int, default=STORE_NICE, help="the store's processes' nice value (0: the hosts' own)"
     )
+    parser.add_argument(
+        "--compile-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="one torch.compile cache per host under DIR, kept between invocations (default: a first compile)",
+    )
     parser.add_argument("--timeout", type=float, default=1200.0, help="each run's limit, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the lab's directories (logs) after the run")
     parser.add_argument("--commit", action="store_true", help="put the table into benchmarks/RESULTS.md")
@@ -1009,6 +1054,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
         store_python=args.store_python,
         mlflow=not args.no_mlflow,
         store_nice=args.store_nice,
+        compile_cache=args.compile_cache.resolve() if args.compile_cache else None,
     )
     return args, spec
 

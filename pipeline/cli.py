@@ -70,9 +70,11 @@ COMMANDS = {
         "Start one island (a long-lived `deepspeed` launch of pipeline.island_rank) on the run root of the config: "
         "it takes tasks of the rounds the run planned (queue/plan.json) until they are done, or until SIGTERM, "
         "which releases its task and leaves. Its train section may differ from the run's (procs_per_path, "
-        "num_nodes, hostfile, ds_config): islands may be heterogeneous; the model is the run's.",
+        "num_nodes, hostfile, ds_config): islands may be heterogeneous; the model is the run's. On a run not "
+        "planned yet it exits 2, or with --wait waits for the plan: hosts may start in any order.",
         [
             "dipaco island --config configs/demo.yaml              # while `make demo` runs in another shell",
+            "dipaco island --config configs/demo.yaml --wait 600   # started before `make demo`: waits for its plan",
             "dipaco island --config configs/demo.yaml --set train.ds_config=ds_configs/zero3.json --name big",
         ],
     ),
@@ -198,8 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
     command("export", round_help="export the modules round R starts from (after `merge --round R-1`)").add_argument(
         "--out", required=True, metavar="DIR", help="a new directory: paths/<id>/, router/, README.md"
     )
-    command("island").add_argument(
+    island = command("island")
+    island.add_argument(
         "--name", default=None, metavar="NAME", help="the island's name in the queue's records (default: host-pid)"
+    )
+    island.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to SECONDS for the run to be planned (default 0: exit 2 at once if it is not)",
     )
     command("run")
     command("clean").add_argument(
@@ -229,6 +239,8 @@ def check(args: argparse.Namespace, config: Config) -> None:
     """Every refusal this command can know of before it writes (pipeline.preflight)."""
     if args.command != "clean":
         preflight.check_object_store(config)
+    if args.command == "island" and args.wait:
+        preflight.wait_for_plan(config, args.wait)  # before the checks that need the run prepared
     if args.command in ("prepare", "run"):
         preflight.check_data(config)
     if args.command == "train-path":

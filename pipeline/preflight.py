@@ -10,7 +10,9 @@ run.yaml and round 0.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from pathlib import Path
 
 from models.grid import parse_job_id
@@ -20,6 +22,8 @@ from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
 PREPARE_FIRST = "shards are not committed; run `dipaco prepare` first"
+PLAN_POLL_S = 1.0  # how often `dipaco island --wait` looks for the run's plan: an island's rank starts within it
+log = logging.getLogger("dipaco")
 
 
 def check_job_id(config: Config, path_id: str) -> None:
@@ -64,6 +68,32 @@ def _matches_a_file(pattern: str, key: str) -> bool:
 
     local = pattern.removeprefix("file://")
     return any(Path(p).is_file() for p in glob.iglob(local, recursive=True))
+
+
+def wait_for_plan(config: Config, seconds: float) -> None:
+    """`dipaco island --wait S`: an island started before the run is planned waits for the plan
+    (queue/plan.json, written once prepare is done), for at most `seconds`, instead of exiting.
+    Hosts can then be started in any order (a service manager, a queue per host), and every
+    host's island starts its ranks within a poll of the plan, where one started once the plan was
+    seen began seconds after the planning host's (benchmarks/RESULTS.md, "Islands on separate
+    hosts"). A run that is never planned still ends in one line, after the bound."""
+    from pipeline.islands.task_queue import PLAN, read_plan  # no torch: the queue's records only
+
+    if seconds < 0:
+        raise ConfigError(f"--wait: {seconds:g} seconds; use 0 (do not wait) or more")
+    root = RunRoot(config.run_root)
+    deadline = time.monotonic() + seconds
+    if read_plan(root) is not None:
+        return
+    log.info("island: waiting up to %g s for a run to be planned at %s", seconds, root.path(PLAN))
+    while read_plan(root) is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise InputError(
+                f"{root.path(PLAN)}: no run planned here after waiting {seconds:g} s; start `dipaco run` "
+                "(or the DAG) on this run root"
+            )
+        time.sleep(min(PLAN_POLL_S, left))
 
 
 def require_prepared(config: Config) -> None:

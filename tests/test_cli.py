@@ -208,6 +208,35 @@ def test_round_numbers_are_checked_by_the_parser(capsys):
         assert exit_info.value.code == 2 and "--round" in capsys.readouterr().err
 
 
+def test_an_island_started_before_its_run_is_planned_waits_for_the_plan_within_its_bound(tmp_path, capsys):
+    """`dipaco island --wait S`: hosts start in any order. Unplanned for the whole bound, it exits
+    2 in one line naming the plan file and writes nothing; a plan written meanwhile ends the wait
+    within a poll."""
+    import threading
+
+    from pipeline import preflight
+    from pipeline.islands.task_queue import write_plan
+    from pipeline.state.storage import RunRoot
+
+    run_root = tmp_path / "run"
+    began = time.monotonic()
+    assert main(["island", "--wait", "1.5", *tiny_cli_args(run_root)]) == 2
+    assert 1.5 <= time.monotonic() - began < 10
+    err = capsys.readouterr().err.strip()
+    assert f"{run_root}/queue/plan.json: no run planned here after waiting 1.5 s" in err
+    assert len(err.splitlines()) == 1 and not run_root.exists()
+
+    assert main(["island", "--wait", "-1", *tiny_cli_args(run_root)]) == 2
+    assert "--wait: -1 seconds" in capsys.readouterr().err
+
+    planned = threading.Timer(0.6, write_plan, args=(RunRoot(str(run_root)), 2))
+    planned.start()
+    began = time.monotonic()
+    preflight.wait_for_plan(tiny_config(run_root), 60)
+    assert 0.6 <= time.monotonic() - began < 0.6 + preflight.PLAN_POLL_S + 2  # not the 60 s bound
+    planned.join()
+
+
 def test_train_path_on_an_unprepared_root_exits_2_saying_prepare_and_launches_nothing(tmp_path):
     run_root = tmp_path / "run"
     result = dipaco(["train-path", "--config", TINY, "--set", f"run_root={run_root}", "--round", "0", "--path", "p0-1"])

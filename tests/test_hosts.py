@@ -43,9 +43,9 @@ def test_two_hosts_survive_a_partition_with_bitwise_equal_modules(tmp_path):
     if why:
         pytest.skip(f"network namespaces: {why}")
     spec = hosts.Spec(
-        # Host 1's island joins once the run is planned, after its own start (torch, DeepSpeed): on a
-        # loaded 2-core machine ~9 s after host 0's first claim. With the tiny config's 4 steps host 0's
-        # island trained all 8 tasks in 9 s, host 1 never trained, and no partition cut a task off.
+        # Host 1's island waits for the plan (`--wait`), then starts its ranks (torch, DeepSpeed): on a
+        # loaded 2-core machine seconds after host 0's first claim. With the tiny config's 4 steps host
+        # 0's island trained all 8 tasks in 9 s, host 1 never trained, and no partition cut a task off.
         overrides=["train.inner_steps=300"],
         hosts=2,
         shape=netns.LinkShape(None, None),
