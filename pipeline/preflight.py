@@ -79,7 +79,7 @@ def wait_for_plan(config: Config, seconds: float) -> None:
     hosts"). A run that is never planned still ends in one line, after the bound."""
     from pipeline.islands.task_queue import PLAN, read_plan  # no torch: the queue's records only
 
-    if seconds < 0:
+    if not seconds >= 0:  # nan too: a deadline it never reaches
         raise ConfigError(f"--wait: {seconds:g} seconds; use 0 (do not wait) or more")
     root = RunRoot(config.run_root)
     deadline = time.monotonic() + seconds

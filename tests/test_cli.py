@@ -226,8 +226,9 @@ def test_an_island_started_before_its_run_is_planned_waits_for_the_plan_within_i
     assert f"{run_root}/queue/plan.json: no run planned here after waiting 1.5 s" in err
     assert len(err.splitlines()) == 1 and not run_root.exists()
 
-    assert main(["island", "--wait", "-1", *tiny_cli_args(run_root)]) == 2
-    assert "--wait: -1 seconds" in capsys.readouterr().err
+    for bad in ("-1", "nan"):
+        assert main(["island", "--wait", bad, *tiny_cli_args(run_root)]) == 2
+        assert f"--wait: {bad} seconds" in capsys.readouterr().err
 
     planned = threading.Timer(0.6, write_plan, args=(RunRoot(str(run_root)), 2))
     planned.start()
