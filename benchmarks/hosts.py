@@ -429,7 +429,7 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
 
     def start(host: int, key: str, argv: list[str]) -> None:
         home = lab.host_dir(host)
-        env = host_env(home, (DUMMY_AWS if spec.store == "s3" else {}) | compile_env(spec, f"h{host}"))
+        env = lab_host_env(lab, spec, host)
         procs[key] = (host, lab.spawn(lab.hosts[host], argv, logs / f"{key}.log", env=env, cwd=home), argv)
 
     watcher, lines = watch(lab, spec, run.watch_overrides, spec.timeout_s, run.faults)
@@ -526,7 +526,7 @@ def restart_failed(lab: Lab, spec: Spec, procs: dict, run: HostRun, faults: Faul
         run.restarts[key] = run.restarts.get(key, 0) + 1
         log.info("%s: %s exited %s: starting it again (%d)", run.name, key, code, run.restarts[key])
         home = lab.host_dir(host)
-        env = host_env(home, (DUMMY_AWS if "s3://" in " ".join(argv) else {}) | compile_env(spec, f"h{host}"))
+        env = lab_host_env(lab, spec, host)
         logs = lab.base / "logs" / run.name
         procs[key] = (
             host,
@@ -579,10 +579,18 @@ def compile_env(spec: Spec, member: str) -> dict[str, str]:
     return {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
 
 
+def lab_host_env(lab: Lab, spec: Spec, host: int) -> dict[str, str]:
+    """The environment of a process on lab host `host` (started, or started again): its own
+    directories, the store's credentials, its compile cache."""
+    return host_env(lab.host_dir(host), (DUMMY_AWS if spec.store == "s3" else {}) | compile_env(spec, f"h{host}"))
+
+
 def compile_caches_warm(spec: Spec) -> dict[str, bool] | None:
     """Which hosts' kept compile caches hold kernels already (None: none are kept)."""
-    if spec.compile_cache is None or not spec.compile_cache.is_dir():
-        return None if spec.compile_cache is None else {}
+    if spec.compile_cache is None:
+        return None
+    if not spec.compile_cache.is_dir():
+        return {}
     return {d.name: any(d.iterdir()) for d in sorted(spec.compile_cache.iterdir()) if d.is_dir()}
 
 

@@ -86,14 +86,14 @@ def wait_for_plan(config: Config, seconds: float) -> None:
     if read_plan(root) is not None:
         return
     log.info("island: waiting up to %g s for a run to be planned at %s", seconds, root.path(PLAN))
-    while read_plan(root) is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise InputError(
-                f"{root.path(PLAN)}: no run planned here after waiting {seconds:g} s; start `dipaco run` "
-                "(or the DAG) on this run root"
-            )
+    while (left := deadline - time.monotonic()) > 0:
         time.sleep(min(PLAN_POLL_S, left))
+        if read_plan(root) is not None:
+            return
+    raise InputError(
+        f"{root.path(PLAN)}: no run planned here after waiting {seconds:g} s; start `dipaco run` "
+        "(or the DAG) on this run root"
+    )
 
 
 def require_prepared(config: Config) -> None:
