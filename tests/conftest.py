@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,8 +23,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# train.precision: auto's probe cache, kept out of the user's ~/.cache for the session
-os.environ.setdefault("DIPACO_CACHE_DIR", tempfile.mkdtemp(prefix="dipaco-test-cache-"))
+# train.precision: auto's probe cache, kept out of the user's ~/.cache for the session, and removed
+# with it by the process that made it (subprocesses inherit the variable and leave it be)
+if "DIPACO_CACHE_DIR" not in os.environ:
+    os.environ["DIPACO_CACHE_DIR"] = tempfile.mkdtemp(prefix="dipaco-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["DIPACO_CACHE_DIR"], ignore_errors=True)
 
 from models.grid import all_path_ids  # noqa: E402
 from pipeline.core.config import Config, load_config  # noqa: E402
