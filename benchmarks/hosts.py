@@ -27,7 +27,8 @@ seconds against their load/commit seconds (what the transfers cost them), utilis
 seconds of the lab's store, relays and hosts (which share this machine's cores), and goodput
 against the one-host run (whole, and past round 0); the store's proxy keeps every request
 (benchmarks/out/hosts/requests.jsonl); last, whether each run's final modules and momentum are
-bitwise equal to the one-host run's.
+bitwise equal to the one-host run's. With `--bracket` the one-host run runs again last, and goodput
+is against both: this machine's speed drifts by up to 10 % within an hour, more than the target's margin.
 
 `--store local` is a stand-in for machines whose pipeline has no object-store run roots yet: the
 run root is a directory every host sees (so not "no shared filesystem"), a partition also freezes
@@ -75,6 +76,7 @@ MAX_RESTARTS = 6  # a host's island process started again at most this many time
 # puts them level again. The links' delay relays keep the hosts' priority: they are the wire, and a
 # relay that waits for a core adds to the link's delay.
 STORE_NICE = 10
+ONE_HOST, ONE_HOST_AFTER = "one-host", "one-host-after"  # the reference run's names (and directories)
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Spec:
     mlflow: bool = True  # an MLflow server in the store namespace, which host 0's `dipaco run` reports to
     store_nice: int = STORE_NICE  # the store's processes' and the watcher's nice value
     compile_cache: Path | None = None  # one inductor cache per host under it, kept: compile_env
+    bracket: bool = False  # the one-host run again after the runs across the hosts (ONE_HOST_AFTER)
 
 
 # -- the configs ------------------------------------------------------------------------------------
@@ -605,14 +608,15 @@ def compile_caches_said(caches: dict | None) -> str:
     )
 
 
-def run_one_host(spec: Spec, base: Path, islands: int) -> dict:
-    """The same config on this machine with a local root and `islands` islands: the reference."""
-    root = base / "one-host" / "root"
+def run_one_host(spec: Spec, base: Path, islands: int, name: str = ONE_HOST) -> dict:
+    """The same config on this machine with a local root and `islands` islands: the reference
+    (`name`: ONE_HOST, or ONE_HOST_AFTER for its second run with --bracket)."""
+    root = base / name / "root"
     overrides = [*base_overrides(spec), f"run_root={root}", f"train.islands={islands}"]
     overrides.append(f"mlflow.enabled={str(spec.store == 's3' and spec.mlflow).lower()}")
-    home = base / "one-host" / "home"
-    env = host_env(home, compile_env(spec, "one-host"))
-    log_path = base / "logs" / "one-host.log"
+    home = base / name / "home"
+    env = host_env(home, compile_env(spec, name))
+    log_path = base / "logs" / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with open(log_path, "wb") as out:  # its own session: an interrupt here stops its islands too
@@ -630,11 +634,11 @@ def run_one_host(spec: Spec, base: Path, islands: int) -> dict:
         stop_process(proc, grace_s=30.0)  # SIGTERM: `dipaco run` stops the islands it started
     wall = time.monotonic() - started
     if code != 0:
-        raise RuntimeError(f"one-host run: `dipaco run` exited {code} (log: {log_path})")
+        raise RuntimeError(f"{name} run: `dipaco run` exited {code} (log: {log_path})")
     argv = [sys.executable, "-m", "benchmarks.hosts_watch", "--config", str(REPO / spec.config), *set_args(overrides)]
     out = subprocess.run([*argv, "--summary-only"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     summary = json.loads(out.stdout.strip().splitlines()[-1])["summary"]
-    return {"run": "one-host", "wall_s": round(wall, 1), "finished_s": round(wall, 1), "summary": summary}
+    return {"run": name, "wall_s": round(wall, 1), "finished_s": round(wall, 1), "summary": summary}
 
 
 # -- figures -------------------------------------------------------------------------------------------
@@ -652,6 +656,19 @@ def goodput(result: dict) -> float:
     return result["summary"]["tokens"] / train_span(result)
 
 
+def is_reference(result: dict) -> bool:
+    return result["run"] in (ONE_HOST, ONE_HOST_AFTER)
+
+
+def reference_goodput(results: list[dict]) -> float:
+    """Tokens a second of the one-host runs, pooled: the first one's alone, or with --bracket the
+    first's and the second's together, which take the machine's drift between them out of the
+    comparison (the same code and caches read 0.80 and 0.86 an hour apart, the one-host run's train
+    seconds 155.6 and 171.1)."""
+    refs = [r for r in results if is_reference(r)]
+    return sum(r["summary"]["tokens"] for r in refs) / sum(train_span(r) for r in refs)
+
+
 def span_past_round_0(result: dict) -> float | None:
     """Seconds from round 0's end (its last merge) to the last round's commit: the training phase
     without round 0, whose first compile (train.compile) every host pays with its own cache, and
@@ -663,13 +680,13 @@ def span_past_round_0(result: dict) -> float | None:
     return max(r["committed_at"] for r in rounds.values()) - first.get("ended_at", first["committed_at"])
 
 
-def goodput_past_round_0(result: dict, ref: dict) -> str:
-    """The one-host run's seconds past round 0 over this run's, where both committed the same
+def goodput_past_round_0(result: dict, refs: list[dict]) -> str:
+    """The one-host runs' mean seconds past round 0 over this run's, where they committed the same
     tokens (a fault-free run); "-" otherwise."""
-    mine, theirs = span_past_round_0(result), span_past_round_0(ref)
-    if mine is None or theirs is None or result["summary"]["tokens"] != ref["summary"]["tokens"]:
+    mine, theirs = span_past_round_0(result), [span_past_round_0(ref) for ref in refs]
+    if mine is None or None in theirs or any(result["summary"]["tokens"] != r["summary"]["tokens"] for r in refs):
         return "-"
-    return f"{theirs / mine:.2f}"
+    return f"{sum(theirs) / len(theirs) / mine:.2f}"
 
 
 def counters_at(samples: list, t: float, which: int = 1) -> list:
@@ -902,7 +919,7 @@ def whole_run_bytes(res: dict, grid: list[int], spec: Spec) -> list[str]:
 
 
 def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> str:
-    ref = results[0]
+    ref, refs = results[0], [r for r in results if is_reference(r)]
     mb = 1e6
     lines = [
         f"Hosts benchmark (`python -m benchmarks.hosts`, {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}): "
@@ -913,7 +930,13 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
             if lab_info.get("pinned")
             else ""
         )
-        + f" {compile_caches_said(lab_info.get('compile_caches'))}",
+        + f" {compile_caches_said(lab_info.get('compile_caches'))}"
+        + (
+            " Goodput is against the two one-host runs together, one before and one after the runs across the"
+            " hosts (`--bracket`); their own rows show how far the machine drifted between them."
+            if len(refs) > 1
+            else ""
+        ),
         "",
         "| run | wall s | train s | committed tokens | goodput vs one host | past round 0 | "
         "final modules = one host's | island restarts | isolation breaches |",
@@ -923,10 +946,11 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
         same = res["summary"]["modules"] == ref["summary"]["modules"] and bool(ref["summary"]["modules"])
         lines.append(
             f"| {res['run']} | {res['wall_s']} | {train_span(res):.1f} | {res['summary']['tokens']:,} | "
-            f"{goodput(res) / goodput(ref):.2f} | {goodput_past_round_0(res, ref)} | {'yes' if same else 'NO'} | "
+            f"{goodput(res) / reference_goodput(results):.2f} | {goodput_past_round_0(res, refs)} | "
+            f"{'yes' if same else 'NO'} | "
             f"{sum(res.get('restarts', {}).values())} | {len(res.get('violations', []))} |"
         )
-    for res in results[1:]:
+    for res in [r for r in results if not is_reference(r)]:
         lines += ["", f"Per round, {res['run']} (bytes from each host's link counters; seconds per train task):", ""]
         hosts = " | ".join(f"h{i} up / down MB" for i in range(spec.hosts))
         lines += [
@@ -1012,6 +1036,8 @@ def benchmark(spec: Spec, base: Path, runs: tuple[str, ...] = ("fault-free", "fa
             "pinned": pinned,
             "compile_caches": None if warm is None else {"dir": str(spec.compile_cache), "warm": warm},
         }
+    if reference and spec.bracket:  # once the lab is gone, as the first one-host run found the machine
+        results.append(run_one_host(spec, base, spec.hosts * spec.islands_per_host, ONE_HOST_AFTER))
     return {"results": results, "lab": info}
 
 
@@ -1042,6 +1068,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
         metavar="DIR",
         help="one torch.compile cache per host under DIR, kept between invocations (default: a first compile)",
     )
+    parser.add_argument(
+        "--bracket",
+        action="store_true",
+        help="run the one-host reference again after the runs across the hosts; goodput is against both",
+    )
     parser.add_argument("--timeout", type=float, default=1200.0, help="each run's limit, seconds")
     parser.add_argument("--keep", action="store_true", help="keep the lab's directories (logs) after the run")
     parser.add_argument("--commit", action="store_true", help="put the table into benchmarks/RESULTS.md")
@@ -1063,6 +1094,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Spec]:
         mlflow=not args.no_mlflow,
         store_nice=args.store_nice,
         compile_cache=args.compile_cache.resolve() if args.compile_cache else None,
+        bracket=args.bracket,
     )
     return args, spec
 

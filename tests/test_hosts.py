@@ -224,3 +224,26 @@ def test_the_labs_store_proxy_never_forwards_a_put_whose_client_went_away_mid_bo
         proxy.terminate()
         proxy.wait(10)
         upstream.shutdown()
+
+
+def test_a_bracketed_reference_pools_both_one_host_runs_so_the_machines_drift_cancels():
+    """With --bracket the one-host run runs before and after the runs across the hosts, and goodput
+    is against both together: a hosts run exactly as long as their mean reads 1.00, where against
+    the first alone (the machine 10 % slower by the second) it read 0.95."""
+
+    def run(name: str, span: float, round_0_end: float, tokens: int = 1000) -> dict:
+        attempts = [{"task": "train.r0.p0", "claimed_at": 100.0}]
+        rounds = {"0": {"ended_at": 100.0 + round_0_end, "committed_at": 101.0 + round_0_end}}
+        rounds["1"] = {"committed_at": 100.0 + span}
+        return {"run": name, "summary": {"tokens": tokens, "attempts": attempts, "rounds": rounds}}
+
+    before, after = run(hosts.ONE_HOST, 100.0, 20.0), run(hosts.ONE_HOST_AFTER, 110.0, 22.0)
+    across = run("fault-free", 105.0, 21.0)
+    assert hosts.goodput(across) / hosts.reference_goodput([before, across]) == pytest.approx(100 / 105)
+    assert hosts.goodput(across) / hosts.reference_goodput([before, across, after]) == pytest.approx(1.0)
+    assert hosts.goodput_past_round_0(across, [before, after]) == "1.00"  # (80 + 88) / 2 over 84
+    assert hosts.goodput_past_round_0(across, [before]) == "0.95"
+    fewer = run("faults", 105.0, 21.0, tokens=900)  # a run that committed less: no comparison past round 0
+    assert hosts.goodput_past_round_0(fewer, [before, after]) == "-"
+    references = [r["run"] for r in [before, across, after] if hosts.is_reference(r)]
+    assert references == [hosts.ONE_HOST, hosts.ONE_HOST_AFTER]

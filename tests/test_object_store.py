@@ -418,6 +418,9 @@ def mlflow_server(tmp_path):
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        # no job runner (7 huey consumers, 16 CPU s to start, a /dev/shm directory left behind):
+        # the pipeline submits no MLflow server jobs (docs/operations.md)
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
