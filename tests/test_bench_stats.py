@@ -75,3 +75,32 @@ def test_the_trainer_figure_over_launches_keeps_each_launch_and_judges_only_wher
     assert launches_verdict(merged["ratio_by_launch"]["zero2"], 0.95) == "unresolved (launches 0.910-0.980)"
     assert launches_verdict([0.95, 0.97, 0.99], 0.95) == "meets"
     assert launches_verdict([0.90, 0.93, 0.949], 0.95) == "**misses**"
+
+
+def test_the_object_store_benchmarks_repeats_alternate_roots_and_pool_before_the_ratio():
+    """`benchmarks.object_store --repeat N`: local, S3, S3, local (a machine slowing down through the
+    invocation favours neither root), and the ratio is of the pooled means, with each pair's shown."""
+    import argparse
+
+    from benchmarks.object_store import pooled, render, run_order
+
+    assert run_order(1) == ["local", "s3"] and run_order(2) == ["local", "s3", "s3", "local"]
+
+    def fig(steady: float, utilisation: float = 0.95) -> dict:
+        phases = {"load": steady / 2, "engine": 0.02, "commit": steady / 2 - 0.02}
+        return {
+            "seconds": 200.0,
+            "task_overhead_seconds": 2 * steady,
+            "steady_task_overhead_seconds": steady,
+            "steady_phases": phases,
+            "task_commit_seconds": 0.1,
+            "utilisation": utilisation,
+        }
+
+    locals_, s3s = [fig(0.20), fig(0.30)], [fig(0.40, 0.94), fig(0.35, 0.96)]
+    assert pooled(locals_)["steady_task_overhead_seconds"] == pytest.approx(0.25)
+    assert pooled(s3s)["utilisation"] == pytest.approx(0.95)
+    table = render(locals_, s3s, argparse.Namespace(config="configs/demo.yaml", rounds=4, repeat=2))
+    assert "1.50x past round 0" in table and ": met." in table  # 0.375 / 0.25, not the mean of 2.00x and 1.17x
+    assert "run by run, past round 0: 2.00x, 1.17x" in table
+    assert "| s3 (moto, loopback), pooled |" in table and "| local, run 2 |" in table
