@@ -19,6 +19,7 @@ import gzip
 import json
 import math
 import re
+import tempfile
 
 from pipeline.core.config import load_config
 from pipeline.run import Run
@@ -78,11 +79,11 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--seeds is {args.seeds}; give 1 or more")
     config = load_config(args.config)
     mlflow.set_tracking_uri(tracking_uri(config))
-    model = mlflow.pyfunc.load_model(f"models:/{config.mlflow.registered_model}@{CHAMPION}")
+    with tempfile.TemporaryDirectory(prefix="dipaco-demo-check-") as scratch:  # MLflow's own would stay
+        model = mlflow.pyfunc.load_model(f"models:/{config.mlflow.registered_model}@{CHAMPION}", dst_path=scratch)
+        params = {"max_new_tokens": NEW_TOKENS}
+        by_seed = {seed: model.predict(PROMPTS, params={**params, "seed": seed}) for seed in range(args.seeds)}
     known = training_words(config.data.train)
-    by_seed = {
-        seed: model.predict(PROMPTS, params={"max_new_tokens": NEW_TOKENS, "seed": seed}) for seed in range(args.seeds)
-    }
     words_by_seed = {seed: [w for text in texts for w in continuation_words(text)] for seed, texts in by_seed.items()}
     words = [w for seed_words in words_by_seed.values() for w in seed_words]
     hits = sum(w in known for w in words)

@@ -460,8 +460,15 @@ def test_the_tiny_pipeline_on_s3_with_an_mlflow_server_equals_the_local_run_bitw
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "FSSPEC_"))}
     env.update(PYTHONUNBUFFERED="1", MLFLOW_DISABLE_TELEMETRY="true")
     tracked = ["mlflow.enabled=true", f"mlflow.tracking_uri={mlflow_server}", "mlflow.experiment=s3-vs-local"]
-    done = dipaco_run([f"run_root={url}", storage_set, *tracked, "mlflow.registered_model=dipaco-s3"], REPO, env)
+    tracked += ["mlflow.registered_model=dipaco-s3", "eval.sample_prompt=the"]  # the champion's sample ends the run
+    temp = tmp_path / "tmp"  # the run's temp directory
+    temp.mkdir()
+    done = dipaco_run([f"run_root={url}", storage_set, *tracked], REPO, {**env, "TMPDIR": str(temp)})
     assert "registered model: models:/dipaco-s3/" in done.stdout, (done.stdout[-2000:], done.stderr[-3000:])
+    # The sample loaded the champion over HTTP into a directory removed after; MLflow's own mkdtemp()
+    # kept a copy of the whole model there, every run.
+    assert "champion continues 'the'" in done.stdout, done.stdout[-2000:]
+    assert list(temp.rglob("MLmodel")) == []
     dipaco_run([f"run_root={tmp_path / 'local'}", "mlflow.enabled=false"], REPO, env)
     configure(url, {"endpoint_url": s3_server.endpoint})
     s3, local = RunRoot(url), RunRoot(tmp_path / "local")

@@ -32,8 +32,10 @@ import logging
 import os
 import posixpath
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import mlflow
 
@@ -216,8 +218,16 @@ def champion_continuation(config: Config, prompt: str) -> str:
     # this process, so a registry set for another run would otherwise win over the tracking URI.
     mlflow.set_tracking_uri(tracking_uri(config))
     mlflow.set_registry_uri(tracking_uri(config))
-    model = mlflow.pyfunc.load_model(f"models:/{config.mlflow.registered_model}@{CHAMPION}")
-    return model.predict([prompt])[0]
+    name = config.mlflow.registered_model
+    client = mlflow.MlflowClient()
+    location = client.get_model_version_download_uri(name, client.get_model_version_by_alias(name, CHAMPION).version)
+    if urlparse(location).scheme in ("", "file"):  # a local artifact store: MLflow loads it where it lies
+        return mlflow.pyfunc.load_model(location).predict([prompt])[0]
+    # Served artifacts (an MLflow server, S3): downloaded into a directory of ours, removed after.
+    # Without dst_path MLflow downloads into a mkdtemp() it never removes: every `dipaco run`
+    # tracked by a server left a copy of its model, every module of it, in the temp directory.
+    with tempfile.TemporaryDirectory(prefix="dipaco-champion-") as scratch:
+        return mlflow.pyfunc.load_model(location, dst_path=scratch).predict([prompt])[0]
 
 
 def generation_options(
