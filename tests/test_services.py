@@ -291,7 +291,7 @@ def test_a_run_tracked_by_an_mlflow_server_on_postgresql_registers_a_model_that_
         f"model = mlflow.pyfunc.load_model('models:/{name}@champion')\n"
         "print(json.dumps(model.predict(json.loads(sys.argv[1]), params={'max_new_tokens': 4})))\n"
     )
-    fresh = {**env, "MLFLOW_TRACKING_URI": uri}
+    fresh = {**env, "MLFLOW_TRACKING_URI": uri, "TMPDIR": str(tmp_path)}  # MLflow's download stays there
     texts = run_script_json(script, PROMPTS, tmp_path, fresh)
     assert len(texts) == len(PROMPTS) and all(isinstance(t, str) and t for t in texts)
 
