@@ -19,7 +19,6 @@ import gzip
 import json
 import math
 import re
-import tempfile
 
 from pipeline.core.config import load_config
 from pipeline.run import Run
@@ -67,9 +66,7 @@ def continuation_words(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import mlflow
-
-    from pipeline.tracking.uris import CHAMPION, tracking_uri
+    from pipeline.tracking.registry import loaded_champion
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/demo.yaml")
@@ -78,9 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.seeds < 1:
         parser.error(f"--seeds is {args.seeds}; give 1 or more")
     config = load_config(args.config)
-    mlflow.set_tracking_uri(tracking_uri(config))
-    with tempfile.TemporaryDirectory(prefix="dipaco-demo-check-") as scratch:  # MLflow's own would stay
-        model = mlflow.pyfunc.load_model(f"models:/{config.mlflow.registered_model}@{CHAMPION}", dst_path=scratch)
+    with loaded_champion(config) as model:
         params = {"max_new_tokens": NEW_TOKENS}
         by_seed = {seed: model.predict(PROMPTS, params={**params, "seed": seed}) for seed in range(args.seeds)}
     known = training_words(config.data.train)

@@ -569,7 +569,7 @@ def resolved_choices(summary: dict) -> list[str]:
 
 
 def compile_env(spec: Spec, member: str) -> dict[str, str]:
-    """Where a host (`h<i>`, or `one-host`) keeps torch.compile's kernels. By default inductor's
+    """Where a host (`h<i>`, or ONE_HOST and ONE_HOST_AFTER) keeps torch.compile's kernels. By default inductor's
     own place, the host's TMPDIR, new each invocation: every host compiles the path's forward for
     the first time. Then the one-host run's islands share one cache and one host compiles less
     (two cold compiles at once on 2 cores: 25.7 s sharing one, 34.9 s each on its own; 2.9 s warm).
@@ -919,7 +919,7 @@ def whole_run_bytes(res: dict, grid: list[int], spec: Spec) -> list[str]:
 
 
 def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> str:
-    ref, refs = results[0], [r for r in results if is_reference(r)]
+    ref, refs, pooled = results[0], [r for r in results if is_reference(r)], reference_goodput(results)
     mb = 1e6
     lines = [
         f"Hosts benchmark (`python -m benchmarks.hosts`, {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}): "
@@ -946,7 +946,7 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
         same = res["summary"]["modules"] == ref["summary"]["modules"] and bool(ref["summary"]["modules"])
         lines.append(
             f"| {res['run']} | {res['wall_s']} | {train_span(res):.1f} | {res['summary']['tokens']:,} | "
-            f"{goodput(res) / reference_goodput(results):.2f} | {goodput_past_round_0(res, refs)} | "
+            f"{goodput(res) / pooled:.2f} | {goodput_past_round_0(res, refs)} | "
             f"{'yes' if same else 'NO'} | "
             f"{sum(res.get('restarts', {}).values())} | {len(res.get('violations', []))} |"
         )

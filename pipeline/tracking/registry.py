@@ -33,6 +33,8 @@ import os
 import posixpath
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -209,9 +211,13 @@ def _path_rounds(info: dict, where: Path) -> dict[str, int]:
     return rounds
 
 
-def champion_continuation(config: Config, prompt: str) -> str:
-    """What a user of the registry gets: `models:/<name>@champion` loaded as MLflow loads it, asked
-    to continue `prompt` with the default generation params."""
+@contextmanager
+def loaded_champion(config: Config) -> Iterator[Any]:
+    """`models:/<name>@champion` loaded as MLflow loads it, for the block's length. A local artifact
+    store's version is loaded where it lies; a served one (an MLflow server, S3) is downloaded into a
+    directory of ours, removed after the block. Without dst_path MLflow downloads into a mkdtemp() it
+    never removes: every `dipaco run` tracked by a server left a copy of its model, every module of
+    it, in the temp directory."""
     from pipeline.tracking.uris import CHAMPION, tracking_uri
 
     # Both: mlflow.set_registry_uri (the tracker's registration) also sets MLFLOW_REGISTRY_URI in
@@ -221,13 +227,18 @@ def champion_continuation(config: Config, prompt: str) -> str:
     name = config.mlflow.registered_model
     client = mlflow.MlflowClient()
     location = client.get_model_version_download_uri(name, client.get_model_version_by_alias(name, CHAMPION).version)
-    if urlparse(location).scheme in ("", "file"):  # a local artifact store: MLflow loads it where it lies
-        return mlflow.pyfunc.load_model(location).predict([prompt])[0]
-    # Served artifacts (an MLflow server, S3): downloaded into a directory of ours, removed after.
-    # Without dst_path MLflow downloads into a mkdtemp() it never removes: every `dipaco run`
-    # tracked by a server left a copy of its model, every module of it, in the temp directory.
+    if urlparse(location).scheme in ("", "file"):
+        yield mlflow.pyfunc.load_model(location)
+        return
     with tempfile.TemporaryDirectory(prefix="dipaco-champion-") as scratch:
-        return mlflow.pyfunc.load_model(location, dst_path=scratch).predict([prompt])[0]
+        yield mlflow.pyfunc.load_model(location, dst_path=scratch)
+
+
+def champion_continuation(config: Config, prompt: str) -> str:
+    """What a user of the registry gets: the champion (loaded_champion) asked to continue `prompt`
+    with the default generation params."""
+    with loaded_champion(config) as model:
+        return model.predict([prompt])[0]
 
 
 def generation_options(
