@@ -265,7 +265,7 @@ def dispatch(args: argparse.Namespace) -> dict | None:
     config = load_config(args.config, args.overrides)
     configure_storage(config)
     check(args, config)
-    from pipeline import stages  # torch and DeepSpeed load here, once the arguments are known good
+    from pipeline import stages  # once the arguments are known good; torch loads in the stages that need it
     from pipeline.run import Run
 
     run = Run(config)

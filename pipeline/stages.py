@@ -13,20 +13,17 @@ import logging
 import time
 
 from models.grid import all_job_ids
-from pipeline import init_from, preflight
+from pipeline import preflight
 from pipeline.core.config import Config, dump_yaml
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.evaluation.early_stopping import best_up_to, write_best
-from pipeline.evaluation.evaluate import evaluate_round
 from pipeline.island_rank import reshard  # the Beam app's re-sharding, handed to the layers below
 from pipeline.islands import supervisor
 from pipeline.islands.launch import island_names, read_metrics, train_path_job
 from pipeline.islands.task_queue import TaskQueue, write_plan
-from pipeline.outer.merge import merge_round
 from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.lock import run_lock
-from pipeline.state.module_store import init_modules
 from pipeline.state.retention import prune_round, rounds_to_prune, run_root_size
 from pipeline.state.storage import RunRoot
 from pipeline.tracking.report import read_eval, read_reroute, read_summary
@@ -42,6 +39,9 @@ def init_run(run: Run) -> RunRoot:
     model.init_from: the checkpoint's shape in run.yaml, its weights and tokenizer: pipeline.init_from).
     A resumed run root from before kept.json has its paths' inner-state records adopted
     (train_path.adopt_legacy_inner_states)."""
+    from pipeline import init_from  # torch and transformers: the stages that need them load them
+    from pipeline.state.module_store import init_modules
+
     resumed = check_same_run(run)
     model = run.config.model
     if model.init_from and model.init_config is None:
@@ -99,6 +99,8 @@ def train_path(run: Run, round_index: int, path_id: str) -> dict | None:
 
 def merge(run: Run, round_index: int) -> dict:
     """The outer step of round r: round r+1's modules and momentum (pipeline.outer.merge)."""
+    from pipeline.outer.merge import merge_round
+
     report = merge_round(run.config, round_index)
     run.tracker.log_merge(round_index, report)
     return report
@@ -106,6 +108,8 @@ def merge(run: Run, round_index: int) -> dict:
 
 def evaluate(run: Run, round_index: int) -> dict:
     """Routed perplexity of the modules at the start of a round (round r+1 after merge r)."""
+    from pipeline.evaluation.evaluate import evaluate_round
+
     started = time.time()
     result = evaluate_round(run.config, round_index)
     run.tracker.log_eval(round_index, result, started_at=started)

@@ -238,6 +238,24 @@ def test_an_island_started_before_its_run_is_planned_waits_for_the_plan_within_i
     planned.join()
 
 
+def test_an_island_that_joins_a_run_loads_no_model_stack_before_it_launches_its_ranks():
+    """`dipaco island` (a host joining a run, or the DAG's island task) supervises ranks it
+    launches; it never trains, so it must not import torch and transformers first. It did, through
+    the stages module's imports: 5-7 s of a 2-core host's CPU after the plan was seen, and across
+    hosts round 0 waited for the joining host's path (benchmarks/RESULTS.md, "Islands on separate
+    hosts"). What the CLI and the island loop import before a launch is checked in a fresh process."""
+    probe = (
+        "import sys\n"
+        "from pipeline import cli, stages\n"
+        "from pipeline.islands import supervisor, island\n"
+        "heavy = ('torch', 'transformers', 'deepspeed', 'mlflow', 'apache_beam')\n"
+        "print(','.join(m for m in heavy if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "", f"loaded before any launch: {result.stdout.strip()}"
+
+
 def test_train_path_on_an_unprepared_root_exits_2_saying_prepare_and_launches_nothing(tmp_path):
     run_root = tmp_path / "run"
     result = dipaco(["train-path", "--config", TINY, "--set", f"run_root={run_root}", "--round", "0", "--path", "p0-1"])
