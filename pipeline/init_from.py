@@ -25,21 +25,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from models.grid import all_modules
-from models.hf import (
-    CheckpointError,
-    check_checkpoint,
-    checkpoint_shape,
-    checkpoint_to_modules,
-    load_checkpoint,
-    read_config,
-)
-from models.modular import ModelShape
 from pipeline.core.config import MAX_CONFIG_BYTES, Config, ModelConfig, config_from_dict, parse_yaml
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
+
+if TYPE_CHECKING:  # models.hf loads torch and transformers: only what reads a checkpoint imports it
+    from models.modular import ModelShape
 
 log = logging.getLogger("dipaco")
 _REGISTRY = re.compile(r"^models:/([^/@]+)(?:@([\w.-]+)|/(\d+))$")
@@ -63,6 +58,8 @@ def _temp_dir(prefix: str) -> Path:
 
 def resolve(config: Config) -> Source:
     """init_from -> a local checkpoint directory with a supported config.json (InputError naming it otherwise)."""
+    from models.hf import CheckpointError, read_config
+
     m = config.model
     text, where = m.init_from, f"{config.source}: model.init_from {m.init_from!r}"
     key = (text, m.init_round, config.mlflow.tracking_uri)
@@ -146,6 +143,8 @@ def _from_run_root(root: RunRoot, round_index: int | None, where: str) -> Path:
 def check(config: Config) -> ModelShape:
     """Everything init_from can refuse, before anything is loaded or written: the source, its
     architecture, the split of its layers, its safetensors headers, its tokenizer."""
+    from models.hf import CheckpointError, check_checkpoint, checkpoint_shape
+
     source = resolve(config)
     where = f"{config.source}: model.init_from {source.directory}"
     try:
@@ -183,6 +182,7 @@ def adopt_recorded(config: Config, root: RunRoot) -> None:
 def init_modules(config: Config, root: RunRoot) -> bool:
     """Round 0 from the checkpoint, unless committed: the tokenizer, then every module of every
     level from the same dense weights (private modules from the checkpoint's last layers). True when it wrote."""
+    from models.hf import checkpoint_to_modules, load_checkpoint
     from pipeline.routing.tokenizer import commit_hf
     from pipeline.state.module_store import write_states
 

@@ -13,7 +13,7 @@ import logging
 import time
 
 from models.grid import all_job_ids
-from pipeline import preflight
+from pipeline import init_from, preflight
 from pipeline.core.config import Config, dump_yaml
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.evaluation.early_stopping import best_up_to, write_best
@@ -39,8 +39,7 @@ def init_run(run: Run) -> RunRoot:
     model.init_from: the checkpoint's shape in run.yaml, its weights and tokenizer: pipeline.init_from).
     A resumed run root from before kept.json has its paths' inner-state records adopted
     (train_path.adopt_legacy_inner_states)."""
-    from pipeline import init_from  # torch and transformers: the stages that need them load them
-    from pipeline.state.module_store import init_modules
+    from pipeline.state.module_store import init_modules  # torch: the stages that need it load it
 
     resumed = check_same_run(run)
     model = run.config.model

@@ -243,10 +243,12 @@ def test_an_island_that_joins_a_run_loads_no_model_stack_before_it_launches_its_
     launches; it never trains, so it must not import torch and transformers first. It did, through
     the stages module's imports: 5-7 s of a 2-core host's CPU after the plan was seen, and across
     hosts round 0 waited for the joining host's path (benchmarks/RESULTS.md, "Islands on separate
-    hosts"). What the CLI and the island loop import before a launch is checked in a fresh process."""
+    hosts"). A run from a checkpoint reads its recorded shape through pipeline.init_from (Run), which
+    loads the model stack only to read a checkpoint. What the CLI and the island loop import before
+    a launch is checked in a fresh process."""
     probe = (
         "import sys\n"
-        "from pipeline import cli, stages\n"
+        "from pipeline import cli, init_from, stages\n"
         "from pipeline.islands import supervisor, island\n"
         "heavy = ('torch', 'transformers', 'deepspeed', 'mlflow', 'apache_beam')\n"
         "print(','.join(m for m in heavy if m in sys.modules))\n"
