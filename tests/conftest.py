@@ -28,6 +28,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "DIPACO_CACHE_DIR" not in os.environ:
     os.environ["DIPACO_CACHE_DIR"] = tempfile.mkdtemp(prefix="dipaco-test-cache-")
     atexit.register(shutil.rmtree, os.environ["DIPACO_CACHE_DIR"], ignore_errors=True)
+# The system temp dir, the session's own, removed with it: Beam, Dask and inductor write scratch
+# there and left some (beam-temp-*, beam-requirements-cache, dask-scratch-space) in /tmp after
+# every run. Subprocesses inherit it. pytest's own tmp_path dirs stay where pytest keeps them
+# (its last three runs, for a failed test's files): PYTEST_DEBUG_TEMPROOT, read when first used.
+if "DIPACO_TEST_TMPDIR" not in os.environ:
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    os.environ["DIPACO_TEST_TMPDIR"] = tempfile.mkdtemp(prefix="dipaco-test-tmp-")
+    os.environ["TMPDIR"] = tempfile.tempdir = os.environ["DIPACO_TEST_TMPDIR"]
+    atexit.register(shutil.rmtree, os.environ["DIPACO_TEST_TMPDIR"], ignore_errors=True)
 
 from models.grid import all_path_ids  # noqa: E402
 from pipeline.core.config import Config, load_config  # noqa: E402
