@@ -33,7 +33,7 @@ from pipeline.core.errors import ConfigError, InputError
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
-if TYPE_CHECKING:  # models.hf loads torch and transformers: only what reads a checkpoint imports it
+if TYPE_CHECKING:  # models.modular and models.hf load torch and transformers: only what reads a checkpoint imports them
     from models.modular import ModelShape
 
 log = logging.getLogger("dipaco")
