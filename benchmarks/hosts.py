@@ -187,10 +187,11 @@ class Store:
 
     def start(self) -> None:
         lab, env = self.lab, host_env(self.dir)
-        moto = [self.spec.store_python, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(MOTO_PORT)]
+        sys.path.insert(0, str(REPO / "tests"))  # moto's server and settings as the tests have them
+        from s3_endpoint import MOTO_S3, MOTO_SETTINGS
+
+        moto = [self.spec.store_python, str(MOTO_S3), "-H", "0.0.0.0", "-p", str(MOTO_PORT)]
         nice = self.spec.store_nice
-        sys.path.insert(0, str(REPO / "tests"))  # moto's settings as the tests' server has them
-        from s3_endpoint import MOTO_SETTINGS
 
         lab.spawn(lab.store, moto, self.dir / "moto.log", env=env | MOTO_SETTINGS, cwd=self.dir, nice=nice)
         self.proxy = lab.spawn(
