@@ -762,9 +762,14 @@ def predicted_bytes(
     played in claim order to tell. The demo's islands never fill the memory's budget."""
     from models.grid import ModuleKey, parse_path_id, path_id, path_modules, paths_through
     from pipeline.state.layout import outer_grad_file
+    from pipeline.state.parts import WHOLE_ABOVE
     from pipeline.state.store import SMALLEST_BYTES
 
     sizes = dict(summary["sizes"])
+    by_level = summary.get("level_runs") or {}  # a path's weights -> each level's byte runs (state/parts.py)
+    for runs in (run for levels in by_level.values() for level in levels for run in level):
+        begin, end = runs.rpartition("#")[2].split("-")
+        sizes[runs] = int(end) - int(begin)
 
     def under(prefix: str, suffix: str = "") -> list[str]:
         return [k for k in sizes if k.startswith(prefix) and k.endswith(suffix) and "_SUCCESS" not in k]
@@ -801,8 +806,8 @@ def predicted_bytes(
 
     def read(island: str, names: list[str]) -> int:
         mine, moved = held.setdefault(island, set()), 0
-        for name in names:
-            if content(name) not in mine:
+        for name in names:  # a run of a file held whole is sliced from it
+            if content(name) not in mine and content(name).partition("#")[0] not in mine:
                 moved += sizes.get(name, 0)
                 if sizes.get(name, 0) >= SMALLEST_BYTES:
                     mine.add(content(name))
@@ -812,13 +817,22 @@ def predicted_bytes(
         held.setdefault(island, set()).update(content(n) for n in names if sizes.get(n, 0) >= SMALLEST_BYTES)
         return sum(sizes.get(n, 0) for n in names)
 
+    def level_read(weights: str, key) -> list[str]:
+        """What a merge of module `key` reads of a path's weights: its level's runs, or the file
+        whole where they are most of it or none are recorded (pipeline.state.parts.runs_to_read)."""
+        levels = by_level.get(weights)
+        if not levels or len(levels) < 2 or sum(sizes[n] for n in levels[key.level]) > WHOLE_ABOVE * sizes[weights]:
+            return [weights]
+        return levels[key.level]
+
     def merge_inputs(r: int, key, at: float) -> list[str]:
         """What module `key`'s merge of round r reads (and an early start of round r+1 with it):
         each path's compressed outer gradient at the module's level (outer.compression), else its
         weights, then the module and its momentum."""
         through = [path_id(p) for p in paths_through(key, grid)]
         grads = [f"rounds/round={r}/paths/path={p}/{outer_grad_file(key.level)}" for p in through]
-        weights = [f"rounds/round={r}/paths/path={p}/model.safetensors" for p in through]
+        paths = [f"rounds/round={r}/paths/path={p}/model.safetensors" for p in through]
+        weights = [run for path in paths for run in level_read(path, key)]
         before = [module(r, key, at), f"rounds/round={r}/outer_state/{key}.safetensors"]
         return (grads if all(f in sizes for f in grads) else weights) + before
 

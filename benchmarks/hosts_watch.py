@@ -24,6 +24,7 @@ from pipeline.core.config import Config, load_config
 from pipeline.islands.task_queue import LEASES, PLAN, TaskQueue, read_plan
 from pipeline.run import Run
 from pipeline.state import layout
+from pipeline.state.parts import PARTS
 from pipeline.state.storage import FILES_AT, SUCCESS, RunRoot
 
 
@@ -147,7 +148,14 @@ def summary(config: Config, root: RunRoot) -> dict:
         for name in root.files_under(rel):
             if name.endswith(".safetensors"):
                 digests[f"{rel}/{name}"] = hashlib.sha256(bytes(root.read_bytes(f"{rel}/{name}"))).hexdigest()
-    return {"rounds": per_round, "attempts": attempts, "tokens": tokens, "modules": digests, "sizes": sizes(root)}
+    return {
+        "rounds": per_round,
+        "attempts": attempts,
+        "tokens": tokens,
+        "modules": digests,
+        "sizes": sizes(root),
+        "level_runs": level_runs(root),
+    }
 
 
 def sizes(root: RunRoot) -> dict[str, int]:
@@ -165,6 +173,19 @@ def sizes(root: RunRoot) -> dict[str, int]:
         marker = root.marker(rel)
         if marker.get(FILES_AT):
             found.update({f"{rel}/{file}": record["bytes"] for file, record in marker["files"].items()})
+    return found
+
+
+def level_runs(root: RunRoot) -> dict[str, list[list[str]]]:
+    """Each published path file read by level (pipeline/state/parts.py) -> each level's byte runs,
+    named `<file>#<begin>-<end>` as RecentFiles keeps them: what a merge of one module reads of it."""
+    found = {}
+    for rel in [f"{layout.round_dir(r)}/paths" for r in range(layout.next_round(root) + 1)]:
+        for name in root.listdir(rel):
+            marker = root.marker_if_committed(f"{rel}/{name}")
+            for file, levels in ((marker or {}).get(PARTS) or {}).items():
+                full = f"{rel}/{name}/{file}"
+                found[full] = [[f"{full}#{b}-{e}" for b, e, _ in runs] for runs in levels]
     return found
 
 

@@ -909,13 +909,13 @@ def test_a_train_task_reads_its_published_peers_files_while_it_publishes_and_its
     weights = {job: os.urandom(300_000) for job in ("p0-0", "p1-0", "p1-1")}
     peers = PeerReads(queue, Task(0, 0, "train", "p0-0"))
     # p1-0 shares l1m0 with p0-0, p0-1 shares l0m0; p1-1 shares nothing
-    assert peers.wanted == {"p0-1": ["model.safetensors"], "p1-0": ["model.safetensors"]}
+    assert peers.wanted == {"p0-1": [("model.safetensors", [0])], "p1-0": [("model.safetensors", [1])]}
     compressed = tiny_config(
         url, storage_set, "model.grid=[2,2]", "model.blocks_per_level=[1,1]", "outer.compression=int8"
     )
     assert PeerReads(TaskQueue(root, compressed), Task(0, 0, "train", "p0-0")).wanted == {
-        "p0-1": [layout.outer_grad_file(0)],
-        "p1-0": [layout.outer_grad_file(1)],
+        "p0-1": [(layout.outer_grad_file(0), None)],
+        "p1-0": [(layout.outer_grad_file(1), None)],
     }
     _published(root, 0, "p1-0", weights["p1-0"])
     _published(root, 0, "p1-1", weights["p1-1"])
@@ -980,7 +980,7 @@ def test_a_path_published_first_reads_its_peers_weights_as_they_are_published_fo
     write_plan(root, 2)
     queue = TaskQueue(root, config)
     peers = PeerReads(queue, Task(0, 0, "train", "p0-0"))
-    assert peers.wanted == {"p1-0": ["model.safetensors"]}
+    assert peers.wanted == {"p1-0": [("model.safetensors", [1])]}
     peers.start()
     peers.published()  # its own task published; p1-0 still trains
     time.sleep(0.6)
@@ -1423,3 +1423,57 @@ def test_a_merge_none_of_whose_paths_an_island_holds_is_left_one_look_to_an_isla
     assert again.task.name == "merge.r0.l1m0"  # found again: claimed, the longest first
     for lease in (holder, again):
         lease.finish("released")
+
+
+def test_a_peers_read_of_a_trained_path_brings_down_only_the_module_they_share_and_the_merge_reads_it_from_memory(
+    s3_root, s3_requests
+):
+    """Across hosts the island that published first reads the last path's weights down before its
+    next round can start (RESULTS.md, "Islands on separate hosts"). Of a path it needs only the
+    module their paths share: the byte runs the path's commit recorded for that level
+    (pipeline/state/parts.py), not the whole file; the merge and the early start then find them
+    in memory."""
+    from models.modular import ModelShape
+    from pipeline import stages
+    from pipeline.islands.peers import PeerReads
+    from pipeline.islands.task_queue import Task, TaskQueue, write_plan
+    from pipeline.outer.merge import read_path_levels
+    from pipeline.run import Run
+    from pipeline.state import layout
+    from pipeline.state.parts import PARTS, runs_to_read
+    from pipeline.state.store import RECENT
+    from pipeline.train.train_path import train_path
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "model.grid=[2,1]", "train.inner_steps=2")
+    configure(url, config.storage.options)
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 2)
+    train_path(config, 0, "p1-0")
+    rel = layout.path_dir(0, "p1-0")
+    marker = root.marker(rel)
+    for where in {rel, root.files_location(rel, marker)}:  # as another host published it
+        RECENT.forget_under(root.path(where), keep_bytes=False)
+    size = marker["files"]["model.safetensors"]["bytes"]
+    runs = runs_to_read(marker[PARTS]["model.safetensors"], size, [1])
+    assert runs is not None and sum(e - b for b, e, _ in runs) < size
+
+    peers = PeerReads(TaskQueue(root, config), Task(0, 0, "train", "p0-0"))
+    assert peers.wanted == {"p1-0": [("model.safetensors", [1])]}
+    s3_requests.clear()
+    peers.start()
+    wait_for(lambda: peers.read, 30, "the published peer's shared module read")
+    peers.stop()
+    assert peers.read == [f"{rel}/model.safetensors#{b}-{e}" for b, e, _ in runs]
+    assert len([key for op, key in s3_requests if op == "get_object" and key.endswith("model.safetensors")]) == len(
+        runs
+    )  # one ranged GET a run, none of the whole file
+
+    s3_requests.clear()
+    shape = ModelShape.from_config(config.model)
+    (level,) = read_path_levels(root, shape, 0, "p1-0", levels=[1]).values()
+    small = [(b, e) for b, e, _ in runs if e - b < 64 << 10]  # RecentFiles keeps 64 KiB and more
+    weights_reads = [key for op, key in s3_requests if op == "get_object" and key.endswith("model.safetensors")]
+    assert len(weights_reads) == len(small)
+    assert set(level) == {k for k in level if k.startswith(("blocks.", "norm", "lm_head"))}

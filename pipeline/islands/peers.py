@@ -32,6 +32,7 @@ import time
 
 from pipeline.islands.task_queue import Task, TaskQueue, read_plan
 from pipeline.state import layout
+from pipeline.state.parts import recorded_runs
 from pipeline.state.storage import ListedRoot
 from pipeline.state.store import RECENT
 
@@ -40,6 +41,7 @@ PEER_POLL_S = 0.25  # how often, while this task's weights go up, it looks for t
 PEER_WATCH_S = 600.0  # a bound on the watch, should its task never say it ended
 PEER_AFTER_S = 120.0  # how long the watch goes on once its task has published (the peers still training)
 PEER_POLL_AFTER_S = 0.5  # and how often it looks then: as often as an idle island looks at the queue
+WEIGHTS = "model.safetensors"  # a path's trained weights (pipeline.outer.merge reads them by level)
 
 
 class PeerReads:
@@ -51,7 +53,8 @@ class PeerReads:
         self.root, self.round = queue.root, task.round
         config, mine = queue.config, set(queue.job_modules.get(task.target, []))
         compressed = config.outer.compression != "none"
-        self.wanted: dict[str, list[str]] = {}  # peer job -> the names its merges read
+        # peer job -> the files its merges read, each with the levels read of it (None: whole)
+        self.wanted: dict[str, list[tuple[str, list[int] | None]]] = {}
         for job in queue.jobs_of(task.round):
             shared = sorted(
                 {key.level for key in queue.job_modules[job] if key in mine and len(queue.jobs_through[key]) > 1}
@@ -59,7 +62,9 @@ class PeerReads:
             if job == task.target or not shared:
                 continue
             self.wanted[job] = (
-                [layout.outer_grad_file(level) for level in shared] if compressed else ["model.safetensors"]
+                [(layout.outer_grad_file(level), None) for level in shared]
+                if compressed
+                else [(WEIGHTS, shared)]  # the shared modules' bytes of it (pipeline/state/parts.py)
             )
         self.read: list[str] = []
         self._stop = threading.Event()
@@ -111,11 +116,16 @@ class PeerReads:
             self._plan_goes_on = until is not None and self.round + 1 < until
         return self._plan_goes_on
 
-    def _read(self, job: str, names: list[str]) -> None:
+    def _read(self, job: str, names: list[tuple[str, list[int] | None]]) -> None:
         rel = layout.path_dir(self.round, job)
         marker = self.root.marker(rel)
-        for name in names:
+        for name, levels in names:
             record = marker["files"].get(name)
-            if isinstance(record, dict) and RECENT.worth_keeping(record["bytes"]):
-                self.root.read_committed(rel, name, marker=marker)
-                self.read.append(f"{rel}/{name}")
+            if not (isinstance(record, dict) and RECENT.worth_keeping(record["bytes"])):
+                continue
+            runs = recorded_runs(marker, name, levels)
+            if runs is not None and self.root.read_committed_runs(rel, name, runs, marker) is not None:
+                self.read.extend(f"{rel}/{name}#{begin}-{end}" for begin, end, _ in runs)  # as RecentFiles keeps them
+                continue
+            self.root.read_committed(rel, name, marker=marker)
+            self.read.append(f"{rel}/{name}")

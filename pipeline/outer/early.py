@@ -93,10 +93,9 @@ class EarlyStart:
         before = self.round - 1
         committed = [key for key in self.keys if key not in self.pending]
         loaded = load_modules(self.reads, self.round, committed, self.shape) if committed else {}
-        levels = sorted({key.level for key in self.pending})
         meta = merged_info(self.config, before)
         with ThreadPoolExecutor(IO_THREADS) as pool:
-            inputs = RoundInputs(self.reads, self.config, before, pool, levels)
+            inputs = RoundInputs(self.reads, self.config, before, pool, self.pending)
             for key in self.pending:
                 written, _ = merged_files(self.config, before, key, inputs)
                 data = encode(written[layout.MERGED_MODULE], state_metadata(key, meta))

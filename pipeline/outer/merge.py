@@ -49,9 +49,11 @@ from pipeline.state.module_store import (
     read_state,
     write_state,
 )
+from pipeline.state.parts import decode_runs, recorded_runs
 from pipeline.state.storage import IO_THREADS, SUCCESS, RunRoot, map_io
 
 log = logging.getLogger("dipaco.merge")
+WEIGHTS = "model.safetensors"  # a path's trained weights, as Hugging Face saves them
 
 
 class OuterOptimizer:
@@ -201,39 +203,70 @@ def carry_over(before: ModuleState, afters: list[ModuleState]) -> tuple[ModuleSt
 
 
 def read_path_levels(
-    root: RunRoot, shape: ModelShape, round_index: int, path_id: str, marker: dict | None = None
-) -> list[ModuleState]:
-    """A committed path's trained weights, split into its modules (one per level), shape-checked;
-    `marker`: the path's `_SUCCESS`, when the caller has just read it."""
+    root: RunRoot,
+    shape: ModelShape,
+    round_index: int,
+    path_id: str,
+    marker: dict | None = None,
+    levels: list[int] | None = None,
+) -> dict[int, ModuleState]:
+    """A committed path's trained weights at `levels` (default: all), one module state per level,
+    shape-checked; `marker`: the path's `_SUCCESS`, when the caller has just read it. Fewer levels
+    than the path has are read as the byte runs its commit recorded (pipeline/state/parts.py):
+    across hosts a merge reads of a peer's path only the module it merges."""
     rel = layout.path_dir(round_index, path_id)
-    where = root.path(rel, "model.safetensors")
-    state = decode(root.read_committed(rel, "model.safetensors", writable=True, marker=marker), where)
+    where = root.path(rel, WEIGHTS)
+    marker = marker or root.marker(rel)
+    wanted = list(range(shape.n_module_levels)) if levels is None else sorted(set(levels))
+    if len(wanted) < shape.n_module_levels:
+        try:
+            found = _levels_from_runs(root, shape, rel, marker, wanted, where)
+        except (CorruptStateError, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+            log.info("%s: read whole, its recorded runs did not serve levels %s (%s)", where, wanted, exc)
+            found = None
+        if found is not None:
+            return found
+    state = decode(root.read_committed(rel, WEIGHTS, writable=True, marker=marker), where)
+    return _split_levels(shape, state, wanted, where)
+
+
+def _levels_from_runs(
+    root: RunRoot, shape: ModelShape, rel: str, marker: dict, levels: list[int], where: str
+) -> dict[int, ModuleState] | None:
+    """read_path_levels from the runs its marker records, or None where they do not serve (no
+    record, a run that does not match it, a dtype not viewed in place): the file is read whole."""
+    runs = recorded_runs(marker, WEIGHTS, levels)
+    data = None if runs is None else root.read_committed_runs(rel, WEIGHTS, runs, marker)
+    state = None if data is None else decode_runs(data, marker["files"][WEIGHTS]["bytes"])
+    return None if state is None else _split_levels(shape, state, levels, where)
+
+
+def _split_levels(shape: ModelShape, state: dict, levels: list[int], where: str) -> dict[int, ModuleState]:
+    """A path's (or part of a path's) Hugging Face state -> {level: module state} at `levels`, checked."""
     try:
-        levels = split_path_state(shape, state)
+        split = split_path_state(shape, state)
     except KeyError as exc:  # a tensor name that belongs to no module of this grid
         raise CorruptStateError(f"{where}: {one_line(str(exc.args[0] if exc.args else exc), SHOWN_CHARS)}") from None
-    return [check_state(level, expected, where) for level, expected in zip(levels, level_shapes(shape))]
+    expected = level_shapes(shape)
+    return {level: check_state(split[level], expected[level], where) for level in levels}
 
 
 def read_path_inputs(
     root: RunRoot, config: Config, shape: ModelShape, round_index: int, path_id: str, levels, marker: dict | None = None
-) -> list[ModuleState]:
+) -> dict[int, ModuleState]:
     """What the merge reads of a committed path, one module state per level in `levels`: its
     trained weights, or with outer.compression its decoded outer gradients; its private module
     (the level past the grid's) always as trained weights: it is carried over, never averaged.
     `marker`: the path's `_SUCCESS` (RoundInputs read it to find the committed paths)."""
     compressed = config.outer.compression != "none"
-    trained = (
-        read_path_levels(root, shape, round_index, path_id, marker)
-        if not compressed or any(level >= shape.n_levels for level in levels)
-        else None
-    )
-    return [
-        read_outer_gradient(root, shape, round_index, path_id, level, marker)
-        if compressed and level < shape.n_levels
-        else trained[level]
+    as_trained = [level for level in levels if not compressed or level >= shape.n_levels]
+    trained = read_path_levels(root, shape, round_index, path_id, marker, as_trained) if as_trained else {}
+    deltas = {
+        level: read_outer_gradient(root, shape, round_index, path_id, level, marker)
         for level in levels
-    ]
+        if level not in trained
+    }
+    return {level: trained[level] if level in trained else deltas[level] for level in levels}
 
 
 def read_outer_gradient(
@@ -292,17 +325,24 @@ def read_momentum(root: RunRoot, round_index: int, key: ModuleKey, shape: ModelS
 
 class RoundInputs:
     """What merges of round r read, each file once, on an I/O pool: the modules the round started
-    from, their momentum, and the committed paths' inputs at `levels` (read_path_inputs). A read
-    starts when first asked for (or prefetched) and runs on the pool; file I/O and checksums
-    release the GIL, so reads overlap each other and the math. merge_round shares one across all
-    modules (a path's file is read once, not once per level); an island's merge_module has its own."""
+    from, their momentum, and the committed paths' inputs at the levels of the modules in `keys`
+    (read_path_inputs). A read starts when first asked for (or prefetched) and runs on the pool;
+    file I/O and checksums release the GIL, so reads overlap each other and the math. merge_round
+    shares one across all modules (a path's file is read once, not once per level); an island's
+    merge_module and an early start have their own, which read of a path only the modules they
+    compute (pipeline/state/parts.py)."""
 
     def __init__(
-        self, root: RunRoot, config: Config, round_index: int, pool: ThreadPoolExecutor, levels: list[int] | None = None
+        self,
+        root: RunRoot,
+        config: Config,
+        round_index: int,
+        pool: ThreadPoolExecutor,
+        keys: list[ModuleKey] | None = None,
     ):
         self.root, self.config, self.round = root, config, round_index
         self.shape = ModelShape.from_config(config.model)
-        self.levels = list(range(self.shape.n_module_levels)) if levels is None else levels
+        self.keys = keys  # the modules it merges (default: every one); of a path it reads only their levels
         self.markers: dict[str, dict] = {}  # each committed path's `_SUCCESS`, read once for its files
         self.committed, _ = committed_paths(root, config, round_index, self.markers)
         self._pool, self._reads, self._lock = pool, {}, threading.Lock()
@@ -326,6 +366,12 @@ class RoundInputs:
     def momentum(self, key: ModuleKey) -> Future:
         return self._read(("momentum", key), read_momentum, self.root, self.round, key, self.shape)
 
+    def levels_of(self, path_id: str) -> list[int]:
+        """The levels of a path's modules among those it merges: what is read of the path."""
+        if self.keys is None:
+            return list(range(self.shape.n_module_levels))
+        return sorted({key.level for key in self.keys if path_id in self.through(key)})
+
     def path(self, path_id: str) -> Future:
         return self._read(
             ("path", path_id),
@@ -335,7 +381,7 @@ class RoundInputs:
             self.shape,
             self.round,
             path_id,
-            self.levels,
+            self.levels_of(path_id),
             self.markers.get(path_id),
         )
 
@@ -348,7 +394,7 @@ class RoundInputs:
 
     def trained(self, key: ModuleKey) -> list[ModuleState]:
         """Module `key` as each path through it left it (or, compressed, its decoded delta)."""
-        return [self.path(pid).result()[self.levels.index(key.level)] for pid in self.through(key)]
+        return [self.path(pid).result()[key.level] for pid in self.through(key)]
 
 
 def merge_module(config: Config, round_index: int, key: ModuleKey, inputs: RoundInputs | None = None) -> dict:
@@ -363,7 +409,7 @@ def merge_module(config: Config, round_index: int, key: ModuleKey, inputs: Round
         return done
     if inputs is None:
         with ThreadPoolExecutor(IO_THREADS) as pool:  # its paths' files read at once
-            return _merge_module(config, round_index, key, RoundInputs(root, config, round_index, pool, [key.level]))
+            return _merge_module(config, round_index, key, RoundInputs(root, config, round_index, pool, [key]))
     return _merge_module(config, round_index, key, inputs)
 
 

@@ -63,6 +63,21 @@ def decode(data: bytes | bytearray, where: str) -> ModuleState:
 def _views(buffer: bytearray) -> ModuleState | None:
     """Tensors over the buffer, after the checks safetensors makes (header inside the file, each
     tensor's byte range inside the data and exactly its shape's size); None for other dtypes."""
+    header, base = read_header(buffer)
+    state = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        view = tensor_view(buffer, base, name, entry, len(buffer) - base)
+        if view is None:
+            return None
+        state[name] = view
+    return state
+
+
+def read_header(buffer: bytes | bytearray) -> tuple[dict, int]:
+    """A safetensors file's header (at the buffer's start) and where its data begins, after
+    safetensors' own checks; ValueError names what is wrong."""
     if len(buffer) < 8:
         raise ValueError("shorter than the 8-byte header length")
     size = int.from_bytes(buffer[:8], "little")
@@ -75,25 +90,29 @@ def _views(buffer: bytearray) -> ModuleState | None:
     header = json.loads(bytes(buffer[8 : 8 + size]))
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
-    base, state = 8 + size, {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _VIEW_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            return None
-        (begin, end), shape = entry["data_offsets"], entry["shape"]
-        if not all(type(d) is int and d >= 0 for d in [begin, end, *shape]):
-            raise ValueError(f"tensor {shown(name)}: offsets and shape must be non-negative integers")
-        count = math.prod(shape)
-        if not 0 <= begin <= end <= len(buffer) - base or end - begin != count * dtype.itemsize:
-            raise ValueError(f"tensor {shown(name)}: bytes {begin}..{end} do not fit its shape {shape} or the file")
-        state[name] = (
-            torch.frombuffer(buffer, dtype=dtype, count=count, offset=base + begin).view(shape)
-            if count
-            else torch.empty(shape, dtype=dtype)
-        )
-    return state
+    return header, 8 + size
+
+
+def tensor_view(buffer: bytearray, offset: int, name: str, entry: dict, data_bytes: int) -> torch.Tensor | None:
+    """Header entry `name` as a tensor over `buffer`, whose byte `offset` is the data section's
+    start (negative where the buffer is a run of the file past it), checked to lie inside a data
+    section of `data_bytes`; None for a dtype it does not view."""
+    dtype = _VIEW_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        return None
+    (begin, end), shape = entry["data_offsets"], entry["shape"]
+    if not all(type(d) is int and d >= 0 for d in [begin, end, *shape]):
+        raise ValueError(f"tensor {shown(name)}: offsets and shape must be non-negative integers")
+    count = math.prod(shape)
+    if not 0 <= begin <= end <= data_bytes or end - begin != count * dtype.itemsize:
+        raise ValueError(f"tensor {shown(name)}: bytes {begin}..{end} do not fit its shape {shape} or the file")
+    if not 0 <= offset + begin <= offset + end <= len(buffer):
+        raise ValueError(f"tensor {shown(name)}: bytes {begin}..{end} lie outside what was read")
+    return (
+        torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset + begin).view(shape)
+        if count
+        else torch.empty(shape, dtype=dtype)
+    )
 
 
 def write_state(

@@ -561,6 +561,43 @@ class RunRoot:
             RECENT.keep(named, data, expected.get("crc32"))
             return data
 
+    def read_committed_runs(
+        self, rel_dir: str, name: str, runs: list[tuple[int, int, str]], marker: dict[str, Any] | None = None
+    ) -> dict[tuple[int, int], bytearray] | None:
+        """Byte runs [begin, end) of a committed file, each checked against its CRC-32 (a path's
+        `parts` record: pipeline/state/parts.py), read at once with ranged GETs; None when one does
+        not match (the caller reads the file whole, against its whole record). A file this process
+        holds whole is sliced, a run it read before is taken from memory (RecentFiles)."""
+        record = marker or self.marker(rel_dir)
+        expected, located = record["files"].get(name), self.files_location(rel_dir, record)
+        if not isinstance(expected, dict):
+            raise CorruptStateError(f"{self.path(rel_dir, name)}: not listed in its directory's {SUCCESS}")
+        self._refuse_link(located, name)
+        named, full = self.path(rel_dir, name), self.path(located, name)
+        whole = None if self.is_local else (RECENT.get(named) or RECENT.get_same(expected))
+        if whole is not None and not matches_record(whole, expected):
+            whole = None
+
+        def read(run: tuple[int, int, str]) -> bytearray | None:
+            begin, end, crc = run
+            if whole is not None:
+                data = whole[begin:end]
+                return bytearray(data) if f"{zlib.crc32(data):08x}" == crc else None
+            kept_as = f"{named}#{begin}-{end}"
+            with RECENT.one_reader(kept_as):
+                data = None if self.is_local else RECENT.get(kept_as)
+                if data is None or f"{zlib.crc32(data):08x}" != crc:
+                    with self._reading(posixpath.join(located, name)):
+                        data = self.store.read_range(full, begin, end)
+                    if len(data) != end - begin or f"{zlib.crc32(data):08x}" != crc:
+                        return None
+                    if not self.is_local:
+                        RECENT.keep(kept_as, data, crc)
+            return bytearray(data)
+
+        found = map_io(read, runs, self.io_threads)
+        return None if any(data is None for data in found) else {(b, e): d for (b, e, _), d in zip(runs, found)}
+
     def _read_checked(
         self, located: str, name: str, expected: dict[str, Any], writable: bool, max_bytes: int | None
     ) -> bytes | bytearray:

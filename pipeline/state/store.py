@@ -15,6 +15,8 @@ operation and never branch on the kind of store:
   ranges pinned to the ETag they first saw, so a lease rewritten while it was read failed with
   "At least one of the pre-conditions you specified did not hold" (EINVAL) and killed an island;
   one GET returns one whole version, and a read that still races is read again.
+- `read_range`: bytes [begin, end) of a file no writer replaces (a committed directory's file):
+  one ranged GET. A merge reads of a path's weights only the modules it merges (state/parts.py).
 - `replace_if` / `delete_if`: compare-and-swap on the version last read or written (`If-Match` on
   the ETag, the GCS generation, or a lock on the file's inode on a disk). A lease
   heartbeat is one: a holder whose record someone else ended learns it from the store.
@@ -257,6 +259,11 @@ class Store(ABC):
     def read(self, path: str, max_bytes: int | None = None) -> Versioned:
         """One whole version of the file (at most max_bytes + 1 bytes of it); FileNotFoundError if absent."""
 
+    def read_range(self, path: str, begin: int, end: int) -> bytes:
+        """Bytes [begin, end) of a file no writer replaces (shorter where the file is); the caller
+        checks them against their record. FileNotFoundError if absent."""
+        return self.retrying(lambda: self.fs.cat_file(path, start=begin, end=end), path)
+
     @abstractmethod
     def create(self, path: str, data: bytes) -> str | None:
         """Create the file only if it is absent: its version, or None when it existed."""
@@ -348,6 +355,13 @@ class LocalStore(Store):
         with os.fdopen(fd, "rb") as handle:
             data = handle.read() if max_bytes is None else handle.read(max_bytes + 1)
             return Versioned(data, self._version_of(os.fstat(handle.fileno())))
+
+    def read_range(self, path: str, begin: int, end: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            return os.pread(fd, max(end - begin, 0), begin)
+        finally:
+            os.close(fd)
 
     def create(self, path: str, data: bytes) -> str | None:
         tmp = self._tmp(path)
@@ -551,6 +565,21 @@ class S3Store(Store):
 
         return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
 
+    def read_range(self, path: str, begin: int, end: int) -> bytes:
+        if end <= begin:
+            return b""
+        bucket, key = self._split(path)
+
+        async def get() -> bytes:
+            response = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={begin}-{end - 1}")
+            body = response["Body"]
+            try:
+                return await body.read()
+            finally:
+                body.close()
+
+        return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
+
     def create(self, path: str, data: bytes) -> str | None:
         return self._unless_refused(
             lambda: self.retrying(lambda: self._put(path, data, IfNoneMatch="*"), path), gone_refuses=False
@@ -619,6 +648,16 @@ class GCSStore(Store):
 
         return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
 
+    def read_range(self, path: str, begin: int, end: int) -> bytes:
+        if end <= begin:
+            return b""
+
+        async def get() -> bytes:
+            headers = {"Range": f"bytes={begin}-{end - 1}"}
+            return (await self.fs._call("GET", self.fs.url(path), headers=headers))[1]
+
+        return self.retrying(lambda: fsspec.asyn.sync(self.fs.loop, get), path)
+
     def create(self, path: str, data: bytes) -> str | None:
         return self._unless_refused(lambda: self._upload(path, data, "0"), gone_refuses=False)
 
@@ -664,6 +703,10 @@ class MemoryStore(Store):
             data = self.fs.cat_file(path)
             version = self._versions().get(path) or self._versions().setdefault(path, self._version(data))
         return Versioned(data if max_bytes is None else data[: max_bytes + 1], version)
+
+    def read_range(self, path: str, begin: int, end: int) -> bytes:
+        with self._lock:
+            return self.fs.cat_file(path)[begin:end]
 
     def create(self, path: str, data: bytes) -> str | None:
         with self._lock:

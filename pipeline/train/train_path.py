@@ -29,12 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from models.grid import parse_job_id
-from models.modular import ModelShape, ModuleState, build_path_model, split_path_state
+from models.modular import ModelShape, ModuleState, build_path_model, split_path_state, to_module_key
 from pipeline.core.config import Config, add_own_config_args, own_config
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, InputError
 from pipeline.outer import compression
 from pipeline.state import layout
 from pipeline.state.module_store import encode, load_path_modules
+from pipeline.state.parts import PARTS, level_runs
 from pipeline.state.shards import read_path_rows
 from pipeline.state.storage import FILES_AT, RunRoot, map_io, safe_relative
 from pipeline.train import midtask
@@ -623,9 +624,12 @@ def commit_path(
                 if compression_kind == "none"
                 else write_outer_gradients(root, rel, shape, start_state, state, compression_kind, info)
             )
+            # where each level's tensors lie in the weights: a merge reads only its module's bytes
+            weights = (out / "model.safetensors").read_bytes()
+            runs = level_runs(weights, lambda name: to_module_key(shape, name)[0], shape.n_module_levels)
             committed = root.commit(
                 rel,
-                info={**info, **({"outer_grad": grads} if grads else {})},
+                info={**info, **({"outer_grad": grads} if grads else {}), PARTS: {"model.safetensors": runs}},
                 files=[
                     "config.json",
                     "model.safetensors",
