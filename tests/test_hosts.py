@@ -147,6 +147,34 @@ def test_the_predicted_bytes_count_no_download_of_what_the_island_wrote_or_read_
     assert other[1][0] == {"up": 12 * mb, "down": 14 * mb}  # modules, shard and the inner state, on host 0
 
 
+def test_the_predicted_bytes_of_a_merge_are_the_runs_of_its_modules_level_of_a_peers_weights():
+    """A merge of the module two paths share reads of the other island's path only that level's
+    byte runs (pipeline/state/parts.py); of its own path, held whole, nothing; and a peer read
+    named by its runs counts their bytes."""
+    mb = 1 << 20
+    weights = {job: f"rounds/round=0/paths/path={job}/model.safetensors" for job in ("p0-0", "p1-0")}
+    sizes = {name: 8 * mb for name in weights.values()}
+    runs = {
+        name: [[f"{name}#0-{4 * mb}"], [f"{name}#0-{1 * mb}", f"{name}#{5 * mb}-{8 * mb}"]] for name in weights.values()
+    }
+
+    def summary(by_level: bool, peer_reads: list[str] | None = None) -> dict:
+        attempts = [
+            {"task": "train.r0.p0-0", "island": "island-0", "state": "done", "claimed_at": 1.0},
+            {"task": "train.r0.p1-0", "island": "h1-island-0", "state": "done", "claimed_at": 1.0},
+            {"task": "merge.r0.l1m0", "island": "island-0", "state": "done", "claimed_at": 2.0},
+        ]
+        if peer_reads is not None:
+            attempts[0]["peer_reads"] = peer_reads
+        return {"sizes": sizes, "attempts": attempts, "rounds": {}, **({"level_runs": runs} if by_level else {})}
+
+    whole = hosts.predicted_bytes(summary(False), [2, 1], 2)[0][0]["down"]
+    by_level = hosts.predicted_bytes(summary(True), [2, 1], 2)[0][0]["down"]
+    assert whole - by_level == 4 * mb  # 8 MB of p1-0's weights, against its level-1 runs' 1 + 3 MB
+    read_first = hosts.predicted_bytes(summary(True, runs[weights["p1-0"]][1]), [2, 1], 2)[0][0]["down"]
+    assert read_first == by_level  # the peer read brought them down once; the merge reads them from memory
+
+
 def test_the_cpu_meter_counts_a_groups_processes_and_keeps_what_an_exited_one_used():
     """The lab's store, relays and hosts share this machine's cores: the benchmark's per-round CPU
     seconds tell whether the store slowed the islands' training. A process that exits keeps what it
