@@ -772,7 +772,10 @@ def predicted_bytes(
         sizes[runs] = int(end) - int(begin)
 
     def under(prefix: str, suffix: str = "") -> list[str]:
-        return [k for k in sizes if k.startswith(prefix) and k.endswith(suffix) and "_SUCCESS" not in k]
+        """The objects under `prefix` (not a file's byte runs: `<file>#<begin>-<end>`, part of it)."""
+        return [
+            k for k in sizes if k.startswith(prefix) and k.endswith(suffix) and "_SUCCESS" not in k and "#" not in k
+        ]
 
     def modules(r: int, path: str, at: float) -> list[str]:
         """Round r's modules of a path as a task claimed at `at` reads them: from modules/ once round

@@ -168,8 +168,9 @@ def test_the_predicted_bytes_of_a_merge_are_the_runs_of_its_modules_level_of_a_p
             attempts[0]["peer_reads"] = peer_reads
         return {"sizes": sizes, "attempts": attempts, "rounds": {}, **({"level_runs": runs} if by_level else {})}
 
-    whole = hosts.predicted_bytes(summary(False), [2, 1], 2)[0][0]["down"]
-    by_level = hosts.predicted_bytes(summary(True), [2, 1], 2)[0][0]["down"]
+    whole, by_level = (hosts.predicted_bytes(summary(flag), [2, 1], 2)[0][0] for flag in (False, True))
+    assert by_level["up"] == whole["up"] == 8 * mb  # its weights go up once, whole (runs are no objects)
+    whole, by_level = whole["down"], by_level["down"]
     assert whole - by_level == 4 * mb  # 8 MB of p1-0's weights, against its level-1 runs' 1 + 3 MB
     read_first = hosts.predicted_bytes(summary(True, runs[weights["p1-0"]][1]), [2, 1], 2)[0][0]["down"]
     assert read_first == by_level  # the peer read brought them down once; the merge reads them from memory
