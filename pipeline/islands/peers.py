@@ -20,9 +20,10 @@ read the last path's weights, 7.6 MB, for a merge the island that published last
 Only where it pays: a run root on an object store, a file the memory keeps (RecentFiles'
 bounds), a path of the same round that shares a module with this task's (its private module, never
 shared, aside), and of its weights only the bytes of the levels they share (the runs the path's
-commit recorded: pipeline/state/parts.py; the demo's shared level is half the file). What is read is checked against the path's `_SUCCESS` as every read is, and named
-in the task's lease record (`peer_reads`): a read is bytes on the link (benchmarks.hosts counts
-them). A failure costs nothing but the read: the merge reads the file again.
+commit recorded: pipeline/state/parts.py; the demo's shared level is half the file). What is
+read is checked against the path's `_SUCCESS` as every read is, and named in the task's lease
+record (`peer_reads`; a run as `<file>#<begin>-<end>`): a read is bytes on the link
+(benchmarks.hosts counts them). A failure costs nothing but the read: the merge reads the file again.
 """
 
 from __future__ import annotations
