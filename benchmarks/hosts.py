@@ -762,11 +762,11 @@ def predicted_bytes(
     played in claim order to tell. The demo's islands never fill the memory's budget."""
     from models.grid import ModuleKey, parse_path_id, path_id, path_modules, paths_through
     from pipeline.state.layout import outer_grad_file
-    from pipeline.state.parts import WHOLE_ABOVE
+    from pipeline.state.storage import WHOLE_ABOVE
     from pipeline.state.store import SMALLEST_BYTES
 
     sizes = dict(summary["sizes"])
-    by_level = summary.get("level_runs") or {}  # a path's weights -> each level's byte runs (state/parts.py)
+    by_level = summary.get("level_runs") or {}  # a path's weights -> each level's byte runs (state/module_store.py)
     for runs in (run for levels in by_level.values() for level in levels for run in level):
         begin, end = runs.rpartition("#")[2].split("-")
         sizes[runs] = int(end) - int(begin)
@@ -822,7 +822,7 @@ def predicted_bytes(
 
     def level_read(weights: str, key) -> list[str]:
         """What a merge of module `key` reads of a path's weights: its level's runs, or the file
-        whole where they are most of it or none are recorded (pipeline.state.parts.runs_to_read)."""
+        whole where they are most of it or none are recorded (pipeline.state.storage.runs_to_read)."""
         levels = by_level.get(weights)
         if not levels or len(levels) < 2 or sum(sizes[n] for n in levels[key.level]) > WHOLE_ABOVE * sizes[weights]:
             return [weights]

@@ -24,8 +24,7 @@ from pipeline.core.config import Config, load_config
 from pipeline.islands.task_queue import LEASES, PLAN, TaskQueue, read_plan
 from pipeline.run import Run
 from pipeline.state import layout
-from pipeline.state.parts import PARTS
-from pipeline.state.storage import FILES_AT, SUCCESS, RunRoot
+from pipeline.state.storage import FILES_AT, PARTS, SUCCESS, RunRoot
 
 
 def newest_attempts(root: RunRoot, committed_rounds: set[int]) -> dict[str, list[str]]:
@@ -177,7 +176,7 @@ def sizes(root: RunRoot) -> dict[str, int]:
 
 
 def level_runs(root: RunRoot) -> dict[str, list[list[str]]]:
-    """Each published path file read by level (pipeline/state/parts.py) -> each level's byte runs,
+    """Each published path file read by level (pipeline/state/module_store.py) -> each level's byte runs,
     named `<file>#<begin>-<end>` as RecentFiles keeps them: what a merge of one module reads of it."""
     found = {}
     for rel in [f"{layout.round_dir(r)}/paths" for r in range(layout.next_round(root) + 1)]:

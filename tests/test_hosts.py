@@ -149,7 +149,7 @@ def test_the_predicted_bytes_count_no_download_of_what_the_island_wrote_or_read_
 
 def test_the_predicted_bytes_of_a_merge_are_the_runs_of_its_modules_level_of_a_peers_weights():
     """A merge of the module two paths share reads of the other island's path only that level's
-    byte runs (pipeline/state/parts.py); of its own path, held whole, nothing; and a peer read
+    byte runs (pipeline/state/module_store.py); of its own path, held whole, nothing; and a peer read
     named by its runs counts their bytes."""
     mb = 1 << 20
     weights = {job: f"rounds/round=0/paths/path={job}/model.safetensors" for job in ("p0-0", "p1-0")}

@@ -1431,7 +1431,7 @@ def test_a_peers_read_of_a_trained_path_brings_down_only_the_module_they_share_a
     """Across hosts the island that published first reads the last path's weights down before its
     next round can start (RESULTS.md, "Islands on separate hosts"). Of a path it needs only the
     module their paths share: the byte runs the path's commit recorded for that level
-    (pipeline/state/parts.py), not the whole file; the merge and the early start then find them
+    (pipeline/state/module_store.py), not the whole file; the merge and the early start then find them
     in memory."""
     from models.modular import ModelShape
     from pipeline import stages
@@ -1440,7 +1440,7 @@ def test_a_peers_read_of_a_trained_path_brings_down_only_the_module_they_share_a
     from pipeline.outer.merge import read_path_levels
     from pipeline.run import Run
     from pipeline.state import layout
-    from pipeline.state.parts import PARTS, runs_to_read
+    from pipeline.state.storage import PARTS, runs_to_read
     from pipeline.state.store import RECENT
     from pipeline.train.train_path import train_path
 

@@ -1,4 +1,4 @@
-"""A path's weights read by module level (pipeline/state/parts.py): a merge of one module, and an
+"""A path's weights read by module level (pipeline/state/module_store.py): a merge of one module, and an
 early start's read of a peer, read only the byte runs that hold the module's level, each checked
 against the CRC-32 the path's commit recorded, on a local root and on S3 alike; a run that does
 not match, or a record that does not serve, falls back to the whole file and its whole record."""
@@ -18,8 +18,7 @@ from pipeline.outer.merge import RoundInputs, read_path_levels
 from pipeline.run import Run
 from pipeline.state import layout
 from pipeline.state.module_store import read_header
-from pipeline.state.parts import PARTS, runs_to_read
-from pipeline.state.storage import RunRoot
+from pipeline.state.storage import PARTS, RunRoot, runs_to_read
 from pipeline.state.store import RECENT
 from pipeline.train.train_path import train_path
 

@@ -20,7 +20,7 @@ read the last path's weights, 7.6 MB, for a merge the island that published last
 Only where it pays: a run root on an object store, a file the memory keeps (RecentFiles'
 bounds), a path of the same round that shares a module with this task's (its private module, never
 shared, aside), and of its weights only the bytes of the levels they share (the runs the path's
-commit recorded: pipeline/state/parts.py; the demo's shared level is half the file). What is
+commit recorded: pipeline/state/module_store.py; the demo's shared level is half the file). What is
 read is checked against the path's `_SUCCESS` as every read is, and named in the task's lease
 record (`peer_reads`; a run as `<file>#<begin>-<end>`): a read is bytes on the link
 (benchmarks.hosts counts them). A failure costs nothing but the read: the merge reads the file again.
@@ -34,8 +34,7 @@ import time
 
 from pipeline.islands.task_queue import Task, TaskQueue, read_plan
 from pipeline.state import layout
-from pipeline.state.parts import recorded_runs
-from pipeline.state.storage import ListedRoot
+from pipeline.state.storage import ListedRoot, recorded_runs
 from pipeline.state.store import RECENT
 
 log = logging.getLogger("dipaco.island")
@@ -66,7 +65,7 @@ class PeerReads:
             self.wanted[job] = (
                 [(layout.outer_grad_file(level), None) for level in shared]
                 if compressed
-                else [(WEIGHTS, shared)]  # the shared modules' bytes of it (pipeline/state/parts.py)
+                else [(WEIGHTS, shared)]  # the shared modules' bytes of it (pipeline/state/module_store.py)
             )
         self.read: list[str] = []
         self._stop = threading.Event()

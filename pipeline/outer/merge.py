@@ -43,14 +43,14 @@ from pipeline.state.module_store import (
     check_state,
     commit_states,
     decode,
+    decode_runs,
     level_shapes,
     load_modules,
     read_module_file,
     read_state,
     write_state,
 )
-from pipeline.state.parts import decode_runs, recorded_runs
-from pipeline.state.storage import IO_THREADS, SUCCESS, RunRoot, map_io
+from pipeline.state.storage import IO_THREADS, SUCCESS, RunRoot, map_io, recorded_runs
 
 log = logging.getLogger("dipaco.merge")
 WEIGHTS = "model.safetensors"  # a path's trained weights, as Hugging Face saves them
@@ -212,7 +212,7 @@ def read_path_levels(
 ) -> dict[int, ModuleState]:
     """A committed path's trained weights at `levels` (default: all), one module state per level,
     shape-checked; `marker`: the path's `_SUCCESS`, when the caller has just read it. Fewer levels
-    than the path has are read as the byte runs its commit recorded (pipeline/state/parts.py):
+    than the path has are read as the byte runs its commit recorded (pipeline/state/module_store.py):
     across hosts a merge reads of a peer's path only the module it merges."""
     rel = layout.path_dir(round_index, path_id)
     where = root.path(rel, WEIGHTS)
@@ -330,7 +330,7 @@ class RoundInputs:
     file I/O and checksums release the GIL, so reads overlap each other and the math. merge_round
     shares one across all modules (a path's file is read once, not once per level); an island's
     merge_module and an early start have their own, which read of a path only the modules they
-    compute (pipeline/state/parts.py)."""
+    compute (pipeline/state/module_store.py)."""
 
     def __init__(
         self,

@@ -4,6 +4,13 @@
 round r (with `model.path_specific_blocks`, level=<len(grid)>/module=<path index> holds a path's
 private blocks: models/grid.py); the directory's `_SUCCESS` records each file's checksum and the module map, so every
 load is verified and a corrupted file is refused by name (never unpickled: safetensors is data).
+
+A path's weights (model.safetensors) are read by level too: its commit records, in its `_SUCCESS`
+(`parts`), each level's byte runs with their CRC-32 (level_runs), and a merge of one module reads
+only those (RunRoot.read_committed_runs, decode_runs). Across hosts that read is on the round's
+critical path: the island that published first reads the last path before its next round starts,
+and in the demo the level two paths share is 3.8 of the file's 7.6 MB (0.6 s at 50 Mbit/s). Where
+the record does not serve (none, malformed, a run that does not match), the file is read whole.
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import functools
 import json
 import math
 import posixpath
+import zlib
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
@@ -34,6 +43,7 @@ def encode(state: ModuleState, metadata: dict[str, str] | None = None) -> bytes:
     return st_save({k: v.detach().contiguous().cpu() for k, v in state.items()}, metadata=header)
 
 
+GAP_BYTES = 64 << 10  # a path's level runs closer than this are read as one: a request costs more
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on the JSON header (MAX_HEADER_SIZE)
 # The dtypes viewed in place; any other goes through safetensors' own (copying) loader.
 _VIEW_DTYPES = {
@@ -113,6 +123,55 @@ def tensor_view(buffer: bytearray, offset: int, name: str, entry: dict, data_byt
         if count
         else torch.empty(shape, dtype=dtype)
     )
+
+
+def level_runs(data: bytes, level_of: Callable[[str], int], n_levels: int) -> list[list[list]]:
+    """For a commit: each level's runs [begin, end, crc32] of `data`, a safetensors file whose
+    tensor `name` belongs to level `level_of(name)`: the level's tensors' bytes and the header."""
+    header, base = read_header(data)
+    spans: list[list[tuple[int, int]]] = [[(0, base)] for _ in range(n_levels)]
+    for name, entry in header.items():
+        if name != "__metadata__":
+            begin, end = entry["data_offsets"]
+            spans[level_of(name)].append((base + begin, base + end))
+    return [[[b, e, f"{zlib.crc32(data[b:e]):08x}"] for b, e in _joined(level)] for level in spans]
+
+
+def _joined(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for begin, end in sorted(spans):
+        if out and begin - out[-1][1] <= GAP_BYTES:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([begin, end])
+    return [(b, e) for b, e in out]
+
+
+def decode_runs(runs: dict[tuple[int, int], bytearray], size: int) -> dict[str, torch.Tensor] | None:
+    """The tensors that the runs of a safetensors file of `size` bytes hold whole, by name, viewed in
+    place; None for a dtype it does not view (the caller reads the file whole). ValueError names
+    what is malformed, as module_store.decode's checks do."""
+    head = next((data for (begin, _), data in runs.items() if begin == 0), None)
+    if head is None:
+        raise ValueError("no run holds the header")
+    header, base = read_header(head)
+    state = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("data_offsets"), list):
+            raise ValueError(f"tensor {shown(name)}: no data_offsets")
+        begin, end = entry["data_offsets"][:2] if len(entry["data_offsets"]) == 2 else (None, None)
+        if type(begin) is not int or type(end) is not int:
+            raise ValueError(f"tensor {shown(name)}: offsets must be integers")
+        held = next(((b, e) for b, e in runs if b <= base + begin and base + end <= e), None)
+        if held is None:
+            continue  # a level nobody asked for
+        view = tensor_view(runs[held], base - held[0], name, entry, size - base)
+        if view is None:
+            return None
+        state[name] = view
+    return state
 
 
 def write_state(

@@ -137,6 +137,44 @@ def matches_record(data: bytes, record: dict[str, Any]) -> bool:
     return False
 
 
+PARTS = "parts"  # a `_SUCCESS` key: {file name: each level's byte runs} (module_store.level_runs)
+WHOLE_ABOVE = 0.75  # runs that are more of the file than this: it is read whole, in one request
+Run = tuple[int, int, str]  # [begin, end) of a file and the CRC-32 of those bytes
+
+
+def runs_to_read(record: Any, size: int, levels: Iterable[int]) -> list[Run] | None:
+    """The distinct runs of a file of `size` bytes that hold `levels`, by its `parts` record; None
+    where the file is better read whole: no record, a malformed one, or runs that are most of it."""
+    if not isinstance(record, list):
+        return None
+    runs: set[Run] = set()
+    for level in levels:
+        if not (0 <= level < len(record)) or not isinstance(record[level], list):
+            return None
+        for run in record[level]:
+            if not (
+                isinstance(run, list)
+                and len(run) == 3
+                and type(run[0]) is int
+                and type(run[1]) is int
+                and isinstance(run[2], str)
+                and 0 <= run[0] < run[1] <= size
+            ):
+                return None
+            runs.add((run[0], run[1], run[2]))
+    if not any(begin == 0 for begin, _, _ in runs) or sum(e - b for b, e, _ in runs) > WHOLE_ABOVE * size:
+        return None
+    return sorted(runs)
+
+
+def recorded_runs(marker: dict, name: str, levels: Iterable[int] | None) -> list[Run] | None:
+    """runs_to_read for file `name` of a committed directory, by its `_SUCCESS` (`marker`)."""
+    record, parts = marker["files"].get(name), marker.get(PARTS)
+    if levels is None or not isinstance(record, dict) or not isinstance(parts, dict):
+        return None
+    return runs_to_read(parts.get(name), record["bytes"], levels)
+
+
 def _is_file_record(record: Any) -> bool:
     """A `_SUCCESS` entry: a non-negative int length and a CRC-32 (or an old marker's SHA-256) string."""
     return (
@@ -565,7 +603,7 @@ class RunRoot:
         self, rel_dir: str, name: str, runs: list[tuple[int, int, str]], marker: dict[str, Any] | None = None
     ) -> dict[tuple[int, int], bytearray] | None:
         """Byte runs [begin, end) of a committed file, each checked against its CRC-32 (a path's
-        `parts` record: pipeline/state/parts.py), read at once with ranged GETs; None when one does
+        `parts` record: pipeline/state/module_store.py), read at once with ranged GETs; None when one does
         not match (the caller reads the file whole, against its whole record). A file this process
         holds whole is sliced, a run it read before is taken from memory (RecentFiles)."""
         record = marker or self.marker(rel_dir)

@@ -16,7 +16,7 @@ operation and never branch on the kind of store:
   "At least one of the pre-conditions you specified did not hold" (EINVAL) and killed an island;
   one GET returns one whole version, and a read that still races is read again.
 - `read_range`: bytes [begin, end) of a file no writer replaces (a committed directory's file):
-  one ranged GET. A merge reads of a path's weights only the modules it merges (state/parts.py).
+  one ranged GET. A merge reads of a path's weights only the modules it merges (state/module_store.py).
 - `replace_if` / `delete_if`: compare-and-swap on the version last read or written (`If-Match` on
   the ETag, the GCS generation, or a lock on the file's inode on a disk). A lease
   heartbeat is one: a holder whose record someone else ended learns it from the store.

@@ -34,10 +34,9 @@ from pipeline.core.config import Config, add_own_config_args, own_config
 from pipeline.core.errors import ConfigError, CorruptStateError, DipacoError, InputError
 from pipeline.outer import compression
 from pipeline.state import layout
-from pipeline.state.module_store import encode, load_path_modules
-from pipeline.state.parts import PARTS, level_runs
+from pipeline.state.module_store import encode, level_runs, load_path_modules
 from pipeline.state.shards import read_path_rows
-from pipeline.state.storage import FILES_AT, RunRoot, map_io, safe_relative
+from pipeline.state.storage import FILES_AT, PARTS, RunRoot, map_io, safe_relative
 from pipeline.train import midtask
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import apply_rank_threads, init_distributed, run_rank
