@@ -6,6 +6,7 @@ not match, or a record that does not serve, falls back to the whole file and its
 from __future__ import annotations
 
 import posixpath
+import zlib
 
 import pytest
 import torch
@@ -27,9 +28,12 @@ WEIGHTS = "model.safetensors"
 
 
 @pytest.fixture
-def trained(any_root):
-    """(config, root, shape): round 0 of the tiny [2, 1] grid, both paths trained by the path job."""
-    config = tiny_config(any_root, *SETS)
+def trained(any_root, request):
+    """(config, root, shape): round 0 of the tiny [2, 1] grid, both paths trained by the path job,
+    seeded by the test's name: this process keeps what it wrote or read by its bytes too
+    (RecentFiles.get_same), and another test's identical weights would be read from memory."""
+    seed = zlib.crc32(request.node.originalname.encode()) % 100_000
+    config = tiny_config(any_root, *SETS, f"train.seed={seed}")
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     for path_id in stages.list_paths(config):
