@@ -42,7 +42,6 @@ PEER_POLL_S = 0.25  # how often, while this task's weights go up, it looks for t
 PEER_WATCH_S = 600.0  # a bound on the watch, should its task never say it ended
 PEER_AFTER_S = 120.0  # how long the watch goes on once its task has published (the peers still training)
 PEER_POLL_AFTER_S = 0.5  # and how often it looks then: as often as an idle island looks at the queue
-WEIGHTS = "model.safetensors"  # a path's trained weights (pipeline.outer.merge reads them by level)
 
 
 class PeerReads:
@@ -65,7 +64,7 @@ class PeerReads:
             self.wanted[job] = (
                 [(layout.outer_grad_file(level), None) for level in shared]
                 if compressed
-                else [(WEIGHTS, shared)]  # the shared modules' bytes of it (pipeline/state/module_store.py)
+                else [(layout.PATH_WEIGHTS, shared)]  # the shared modules' bytes of it (pipeline/state/module_store.py)
             )
         self.read: list[str] = []
         self._stop = threading.Event()

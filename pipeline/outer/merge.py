@@ -53,7 +53,6 @@ from pipeline.state.module_store import (
 from pipeline.state.storage import IO_THREADS, SUCCESS, RunRoot, map_io, recorded_runs
 
 log = logging.getLogger("dipaco.merge")
-WEIGHTS = "model.safetensors"  # a path's trained weights, as Hugging Face saves them
 
 
 class OuterOptimizer:
@@ -215,7 +214,7 @@ def read_path_levels(
     than the path has are read as the byte runs its commit recorded (pipeline/state/module_store.py):
     across hosts a merge reads of a peer's path only the module it merges."""
     rel = layout.path_dir(round_index, path_id)
-    where = root.path(rel, WEIGHTS)
+    where = root.path(rel, layout.PATH_WEIGHTS)
     marker = marker or root.marker(rel)
     wanted = list(range(shape.n_module_levels)) if levels is None else sorted(set(levels))
     if len(wanted) < shape.n_module_levels:
@@ -226,7 +225,7 @@ def read_path_levels(
             found = None
         if found is not None:
             return found
-    state = decode(root.read_committed(rel, WEIGHTS, writable=True, marker=marker), where)
+    state = decode(root.read_committed(rel, layout.PATH_WEIGHTS, writable=True, marker=marker), where)
     return _split_levels(shape, state, wanted, where)
 
 
@@ -235,9 +234,9 @@ def _levels_from_runs(
 ) -> dict[int, ModuleState] | None:
     """read_path_levels from the runs its marker records, or None where they do not serve (no
     record, a run that does not match it, a dtype not viewed in place): the file is read whole."""
-    runs = recorded_runs(marker, WEIGHTS, levels)
-    data = None if runs is None else root.read_committed_runs(rel, WEIGHTS, runs, marker)
-    state = None if data is None else decode_runs(data, marker["files"][WEIGHTS]["bytes"])
+    runs = recorded_runs(marker, layout.PATH_WEIGHTS, levels)
+    data = None if runs is None else root.read_committed_runs(rel, layout.PATH_WEIGHTS, runs, marker)
+    state = None if data is None else decode_runs(data, marker["files"][layout.PATH_WEIGHTS]["bytes"])
     return None if state is None else _split_levels(shape, state, levels, where)
 
 
@@ -261,12 +260,12 @@ def read_path_inputs(
     compressed = config.outer.compression != "none"
     as_trained = [level for level in levels if not compressed or level >= shape.n_levels]
     trained = read_path_levels(root, shape, round_index, path_id, marker, as_trained) if as_trained else {}
-    deltas = {
-        level: read_outer_gradient(root, shape, round_index, path_id, level, marker)
+    return {
+        level: trained[level]
+        if level in trained
+        else read_outer_gradient(root, shape, round_index, path_id, level, marker)
         for level in levels
-        if level not in trained
     }
-    return {level: trained[level] if level in trained else deltas[level] for level in levels}
 
 
 def read_outer_gradient(

@@ -179,6 +179,7 @@ def merged_dir(round_index: int) -> str:
     return f"{round_dir(round_index)}/merged"
 
 
+PATH_WEIGHTS = "model.safetensors"  # a trained path's weights, as Hugging Face saves them
 MERGED_MODULE = "module.safetensors"
 MERGED_MOMENTUM = "momentum.safetensors"
 

@@ -19,7 +19,6 @@ import functools
 import json
 import math
 import posixpath
-import zlib
 from typing import Callable
 
 import torch
@@ -33,7 +32,7 @@ from pipeline.core.bounds import MAX_JSON_DEPTH, SHOWN_CHARS, one_line, shown, t
 from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError
 from pipeline.state import layout
-from pipeline.state.storage import RunRoot, map_io
+from pipeline.state.storage import RunRoot, checksum_bytes, map_io
 
 
 def encode(state: ModuleState, metadata: dict[str, str] | None = None) -> bytes:
@@ -134,7 +133,7 @@ def level_runs(data: bytes, level_of: Callable[[str], int], n_levels: int) -> li
         if name != "__metadata__":
             begin, end = entry["data_offsets"]
             spans[level_of(name)].append((base + begin, base + end))
-    return [[[b, e, f"{zlib.crc32(data[b:e]):08x}"] for b, e in _joined(level)] for level in spans]
+    return [[[b, e, checksum_bytes(data[b:e])["crc32"]] for b, e in _joined(level)] for level in spans]
 
 
 def _joined(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -159,11 +158,10 @@ def decode_runs(runs: dict[tuple[int, int], bytearray], size: int) -> dict[str, 
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(entry, dict) or not isinstance(entry.get("data_offsets"), list):
-            raise ValueError(f"tensor {shown(name)}: no data_offsets")
-        begin, end = entry["data_offsets"][:2] if len(entry["data_offsets"]) == 2 else (None, None)
-        if type(begin) is not int or type(end) is not int:
-            raise ValueError(f"tensor {shown(name)}: offsets must be integers")
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise ValueError(f"tensor {shown(name)}: data_offsets must be two integers")
+        begin, end = offsets
         held = next(((b, e) for b, e in runs if b <= base + begin and base + end <= e), None)
         if held is None:
             continue  # a level nobody asked for

@@ -600,7 +600,7 @@ class RunRoot:
             return data
 
     def read_committed_runs(
-        self, rel_dir: str, name: str, runs: list[tuple[int, int, str]], marker: dict[str, Any] | None = None
+        self, rel_dir: str, name: str, runs: list[Run], marker: dict[str, Any] | None = None
     ) -> dict[tuple[int, int], bytearray] | None:
         """Byte runs [begin, end) of a committed file, each checked against its CRC-32 (a path's
         `parts` record: pipeline/state/module_store.py), read at once with ranged GETs; None when one does
@@ -620,14 +620,14 @@ class RunRoot:
             begin, end, crc = run
             if whole is not None:
                 data = whole[begin:end]
-                return bytearray(data) if f"{zlib.crc32(data):08x}" == crc else None
+                return bytearray(data) if checksum_bytes(data)["crc32"] == crc else None
             kept_as = f"{named}#{begin}-{end}"
             with RECENT.one_reader(kept_as):
                 data = None if self.is_local else RECENT.get(kept_as)
-                if data is None or f"{zlib.crc32(data):08x}" != crc:
+                if data is None or checksum_bytes(data)["crc32"] != crc:
                     with self._reading(posixpath.join(located, name)):
                         data = self.store.read_range(full, begin, end)
-                    if len(data) != end - begin or f"{zlib.crc32(data):08x}" != crc:
+                    if len(data) != end - begin or checksum_bytes(data)["crc32"] != crc:
                         return None
                     if not self.is_local:
                         RECENT.keep(kept_as, data, crc)

@@ -624,14 +624,14 @@ def commit_path(
                 else write_outer_gradients(root, rel, shape, start_state, state, compression_kind, info)
             )
             # where each level's tensors lie in the weights: a merge reads only its module's bytes
-            weights = (out / "model.safetensors").read_bytes()
+            weights = (out / layout.PATH_WEIGHTS).read_bytes()
             runs = level_runs(weights, lambda name: to_module_key(shape, name)[0], shape.n_module_levels)
             committed = root.commit(
                 rel,
-                info={**info, **({"outer_grad": grads} if grads else {}), PARTS: {"model.safetensors": runs}},
+                info={**info, **({"outer_grad": grads} if grads else {}), PARTS: {layout.PATH_WEIGHTS: runs}},
                 files=[
                     "config.json",
-                    "model.safetensors",
+                    layout.PATH_WEIGHTS,
                     "metrics.json",
                     *(layout.outer_grad_file(int(level)) for level in grads),
                 ],
