@@ -959,12 +959,17 @@ def test_a_train_task_reads_its_published_peers_files_while_it_publishes_and_its
     ]
 
 
-def test_a_path_published_first_reads_its_peers_weights_as_they_are_published_for_a_bounded_while(s3_root, monkeypatch):
+def test_a_path_published_first_reads_its_peers_weights_as_they_are_published_for_a_bounded_while(
+    s3_root, monkeypatch, s3_requests
+):
     """The island that publishes first starts its next round from the modules it shares, computed
     from every path through them: it downloaded the last path's weights after claiming that round
     (1.1 s of a round's hand-over over a 50 Mbit/s link). Its watch now goes on once its task has
-    published, and reads a peer's weights as soon as the peer publishes; it ends by its bound. In
-    the plan's last round no round starts early: the watch ends with the publish, reading nothing."""
+    published, and reads a peer's weights as soon as the peer publishes; it ends by its bound. A
+    look is a read of the peer's marker, not a listing, and the marker it finds is the one the read
+    uses: one request between the peer's publish and its weights' read; and the island's wait for
+    its next look ends (TaskQueue.news). In the plan's last round no round starts early: the watch
+    ends with the publish, reading nothing."""
     from pipeline import stages
     from pipeline.islands import peers as peers_module
     from pipeline.islands.peers import PeerReads
@@ -985,11 +990,20 @@ def test_a_path_published_first_reads_its_peers_weights_as_they_are_published_fo
     peers.published()  # its own task published; p1-0 still trains
     time.sleep(0.6)
     weights = os.urandom(300_000)
+    assert not queue.news.is_set()  # nothing found yet: the island's wait between looks is its poll
+    s3_requests.clear()
     _published(root, 0, "p1-0", weights)
     RECENT.forget_under(root.path(layout.path_dir(0, "p1-0")), keep_bytes=False)  # as another host wrote it
     wait_for(lambda: peers.read, 30, "the peer's weights, read after this task published")
     assert peers.read == [f"{layout.path_dir(0, 'p1-0')}/model.safetensors"]
     assert RECENT.holds_under(root.path(layout.path_dir(0, "p1-0")))
+    marker_key = f"run/{layout.path_dir(0, 'p1-0')}/_SUCCESS"
+    published_at = max(i for i, (op, key) in enumerate(s3_requests) if op == "put_object" and key == marker_key)
+    looks = [sent for sent in s3_requests[published_at + 1 :] if not sent[1].endswith("model.safetensors")]
+    assert looks == [("get_object", marker_key)], s3_requests
+    assert queue.news.is_set()  # the island looks at the queue now: its next round may start
+    watch_listings = [key for op, key in s3_requests if op.startswith("list") and key.endswith("/paths/")]
+    assert watch_listings == [], s3_requests  # (the publish lists its own directory: it records the files)
 
     monkeypatch.setattr(peers_module, "PEER_AFTER_S", 1.0)  # a peer that never publishes: the watch ends
     write_plan(root, 3)
@@ -1078,6 +1092,7 @@ def test_a_paths_next_round_starts_here_before_its_merge_from_the_state_this_isl
     nxt = island._next_message()  # round 1 of p0 before its module's merge, which runs beside it
     assert nxt["task"] == {"round": 1, "kind": "train", "target": "p0"} and island.lease.early == [ModuleKey(0, 0)]
     ((behind, _),) = island.behind
+    wait_for(lambda: behind, 10, "the merge, claimed on the thread beside the training")
     assert [held.task.name for held in behind] == ["merge.r0.l0m0"]
     s3_requests.clear()
     trained = run_task(config, island.lease.task, 0, island.lease.number, island.lease)
@@ -1245,6 +1260,43 @@ def test_an_early_start_waits_until_every_path_through_its_modules_is_published(
     root.commit(rel)
     root.write_json(layout.inner_state_kept(0, "p0-0"), {"attempt": "attempt-1"})
     assert [task.name for task, _ in queue.early_trains(2)] == ["train.r1.p0-0"]
+
+
+def test_an_island_claims_its_early_start_before_the_ready_merges_and_claims_them_beside_it(s3_root):
+    """Across hosts, once the last path of a round was published, the island that published first
+    claimed the round's merges and commit first, each a create, and lost those another island
+    had just taken, one round trip each: its next round was claimed 1.2-1.6 s after that publish,
+    its peers' weights in memory since 0.5-0.7 s (benchmarks/RESULTS.md). A one-rank island's look
+    now claims its early start first; the merges and commits it found ready are claimed after,
+    on the thread beside the training (Island._run_beside), and none another island holds."""
+    from models.grid import ModuleKey
+    from pipeline.islands.task_queue import Task, TaskQueue, write_plan
+
+    config, root = _two_published_paths(s3_root)
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 2)
+    merges = [Task.of("merge", 0, target).name for target in ("l0m0", "l0m1", "l1m0")]
+
+    queue = TaskQueue(root, config)
+    queue.keeping_here[(0, "p0-0")] = object()  # it trained p0-0's round 0: its next round may start early
+    first = queue.next_claim("island-0", 2, early_first=True)
+    assert first is not None and first.task.name == "train.r1.p0-0", first and first.task.name
+    assert first.early == [ModuleKey(0, 0), ModuleKey(1, 0)]
+    assert all(not queue.attempts(Task.of("merge", 0, t)) for t in ("l0m0", "l0m1", "l1m0"))  # none before it
+
+    other = TaskQueue(root, config).next_claim("island-1", 2)  # another island takes one merge meanwhile
+    assert other is not None and other.task.kind == "merge", other and other.task.name
+    beside = queue.behind_claims("island-0")()
+    assert sorted(lease.task.name for lease in beside) == sorted(set(merges) - {other.task.name})
+
+    # Without early_first (an island of several ranks) the look claims the merges first, as before.
+    plain = TaskQueue(root, config)
+    plain.keeping_here[(0, "p0-0")] = object()
+    for lease in (first, other, *beside):
+        lease.finish("released")
+    lease = plain.next_claim("island-2", 2)
+    assert lease is not None and lease.task.kind == "merge", lease and lease.task.name
+    lease.finish("released")
 
 
 def test_no_evaluation_is_claimed_by_an_island_whose_next_path_waits_for_its_peers(s3_root):

@@ -30,12 +30,12 @@ import socket
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pipeline.core.config import Config
 from pipeline.core.errors import DipacoError
 from pipeline.islands.peers import PeerReads
-from pipeline.islands.task_queue import ISLANDS, Lease, Task, TaskQueue, module_target, read_plan
+from pipeline.islands.task_queue import BEHIND_KINDS, ISLANDS, Lease, Task, TaskQueue, module_target, read_plan
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
@@ -48,7 +48,6 @@ PLAN_TTL_S = 2.0  # how long an island's read of the plan stands (Island._plan)
 BESIDE_WAIT_S = 10.0  # the longest the tasks beside an early start wait for its first step
 IDLE_BROADCAST_S = 5.0  # an idle rank 0 tells its peers so every few seconds (keeps collectives short)
 LEFT_EXIT = 0
-BEHIND_KINDS = ("merge", "commit")  # small tasks an early start runs on a thread beside its training
 
 
 def early_wait_s(lease_seconds: float) -> float:
@@ -122,7 +121,10 @@ class Island:
                     return {"exit": "finished"}
             # Ready work first: a finished plan has none, and on an object store every question
             # before a claim is a round trip between one task and the next.
-            self.lease = self.queue.next_claim(self.name, until, self.id)
+            self.lease = self.queue.next_claim(self.name, until, self.id, early_first=self.world == 1)
+            if self.lease is not None and self.lease.early:  # its path's next round, claimed first
+                self._start_early(self.lease)
+                return {"task": self.lease.task.to_json(), "attempt": self.lease.number}
             if self.lease is not None:
                 self.next_up = self.queue.claim_held_merges(self.lease.task, self.name, self.id)
             if (self.lease is None or self.lease.task.kind != "train") and self._start_early():
@@ -141,22 +143,26 @@ class Island:
                 continue
             if self.world > 1 and time.monotonic() - waited > IDLE_BROADCAST_S:
                 return {"idle": True}
-            time.sleep(POLL_S)
+            self.queue.news.wait(POLL_S)  # or less: a peer's publish that this process saw (peers.PeerReads)
+            self.queue.news.clear()
 
-    def _start_early(self) -> bool:
+    def _start_early(self, early: Lease | None = None) -> bool:
         """Claim a path's next round to start before its merges are committed (TaskQueue.claim_early,
-        pipeline/outer/early.py) and make it this island's task; the merges claimed at this look,
-        and the round commits ready at it, run on a thread beside it from its first step (their
-        uploads overlap the inner loop), then the inner states kept later go up. An evaluation or
-        re-routing claimed at this look is released: it would take the cores from the training.
-        One-rank islands only: only they keep an inner state in memory (keep_later)."""
+        pipeline/outer/early.py; `early`: next_claim claimed it) and make it this island's task; the
+        merges and round commits ready at this look are claimed and run on a thread beside it,
+        from its first step (their uploads overlap the inner loop), then the inner states kept
+        later go up. Claimed on that thread, each create (and each refused one) is no round trip
+        before the training starts. An evaluation or re-routing claimed at this look is released:
+        it would take the cores from the training. One-rank islands only: only they keep an inner
+        state in memory (keep_later)."""
         if self.world > 1:
             return False
-        early = self.queue.claim_early(self.name, self.id)
+        claimed = [] if early is not None else ([self.lease] if self.lease is not None else []) + self.next_up
+        # next_claim tried the ready merges when it did not claim the early start itself
+        kinds = BEHIND_KINDS if early is not None else ("commit",)
+        early = early or self.queue.claim_early(self.name, self.id)
         if early is None:
             return False
-        claimed = ([self.lease] if self.lease is not None else []) + self.next_up
-        claimed += self.queue.claim_ready_commits(self.name, self.id)  # one claimed already is held: skipped
         self.next_up = []
         behind = [lease for lease in claimed if lease.task.kind in BEHIND_KINDS]
         for lease in claimed:
@@ -164,13 +170,15 @@ class Island:
                 lease.finish("released")
         self.lease = early
         log.info(
-            "island %s: %s starts before the merges of %s (%d run beside it)",
+            "island %s: %s starts before the merges of %s (%d claimed run beside it, and the %s ready)",
             self.name,
             early.task.name,
             ", ".join(module_target(key) for key in early.early),
             len(behind),
+            " and ".join(f"{kind}s" for kind in kinds),
         )
-        self._run_beside(behind, early.task.name, after=early.training)
+        claims = self.queue.behind_claims(self.name, self.id, kinds)  # one claimed already is held: skipped
+        self._run_beside(behind, early.task.name, after=early.training, claims=claims)
         return True
 
     def _small_beside(self) -> bool:
@@ -194,14 +202,26 @@ class Island:
         """Whether a merge or commit still runs on a thread beside (_run_beside, _small_beside)."""
         return any(thread.is_alive() for _, thread in self.behind)
 
-    def _run_beside(self, leases: list[Lease], beside: str, after: threading.Event | None = None) -> None:
+    def _run_beside(
+        self,
+        leases: list[Lease],
+        beside: str,
+        after: threading.Event | None = None,
+        claims: Callable[[], list[Lease]] | None = None,
+    ) -> None:
         """Small tasks (merges, commits) on a thread beside what the island runs next, then the inner
         states kept later go up; a task that fails ends its lease failed (another island retakes it).
         `after`: they wait for it first (an early start's first step, at most BESIDE_WAIT_S): the
         start's own load computes the same merges and reads the same files, and on an object
-        store the two at once took a train task's load from 0.3-0.4 s to 0.5-0.75 s."""
+        store the two at once took a train task's load from 0.3-0.4 s to 0.5-0.75 s. `claims`: more
+        of them to claim first, on the thread (their leases join `leases`, which SIGTERM releases)."""
 
         def run() -> None:
+            if claims is not None:
+                try:
+                    leases.extend(claims())
+                except Exception as exc:  # noqa: BLE001 - unclaimed, they are another island's to take
+                    log.warning("island %s: claiming the tasks beside %s failed: %s", self.name, beside, exc)
             if after is not None:
                 after.wait(BESIDE_WAIT_S)
             for lease in leases:

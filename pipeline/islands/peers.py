@@ -13,7 +13,9 @@ The island that publishes first needs the others' weights too: its next round st
 modules they share, computed from every path through them (pipeline/outer/early.py). So once its
 task has published, the watch goes on for the peers still training (`published`), for at most
 PEER_AFTER_S, while the island merges or waits: their weights come down as soon as they are
-published, not after the island's next claim (they were 1.1 s of a round's hand-over). In the
+published, not after the island's next claim (they were 1.1 s of a round's hand-over). A look
+that finds a publish also ends the island's wait for its next look at the queue (`TaskQueue.news`):
+its next round is claimed while the weights come down, not up to a poll later. In the
 plan's last round there is no next round: the watch ends with the publish (across hosts it had
 read the last path's weights, 7.6 MB, for a merge the island that published last then ran).
 
@@ -34,14 +36,15 @@ import time
 
 from pipeline.islands.task_queue import Task, TaskQueue, read_plan
 from pipeline.state import layout
-from pipeline.state.storage import ListedRoot, recorded_runs
+from pipeline.state.storage import ListedRoot, map_io, recorded_runs
 from pipeline.state.store import RECENT
 
 log = logging.getLogger("dipaco.island")
 PEER_POLL_S = 0.25  # how often, while this task's weights go up, it looks for the peers' publishes
 PEER_WATCH_S = 600.0  # a bound on the watch, should its task never say it ended
 PEER_AFTER_S = 120.0  # how long the watch goes on once its task has published (the peers still training)
-PEER_POLL_AFTER_S = 0.5  # and how often it looks then: as often as an idle island looks at the queue
+PEER_POLL_AFTER_S = 0.2  # and how often it looks then: the round's next start waits on what it finds
+PEER_MARKER_LOOKS = 4  # up to this many peers, a look reads each one's `_SUCCESS`; past it, one listing
 
 
 class PeerReads:
@@ -50,7 +53,7 @@ class PeerReads:
     the files read, by their names in the run root."""
 
     def __init__(self, queue: TaskQueue, task: Task):
-        self.root, self.round = queue.root, task.round
+        self.root, self.round, self.news = queue.root, task.round, queue.news
         config, mine = queue.config, set(queue.job_modules.get(task.target, []))
         compressed = config.outer.compression != "none"
         # peer job -> the files its merges read, each with the levels read of it (None: whole)
@@ -99,14 +102,32 @@ class PeerReads:
             while self.wanted and not self._stop.is_set() and time.monotonic() < self._deadline:
                 if self._after and not self._next_round():
                     return
-                listed = ListedRoot(self.root, [paths])  # one listing a look, for every peer
-                for job in [j for j in self.wanted if listed.is_committed(layout.path_dir(self.round, j))]:
+                found = self._look(paths)
+                if found:  # the island's look for its next task need not wait for its poll
+                    self.news.set()
+                for job, marker in found.items():
                     if self._stop.is_set():
                         return
-                    self._read(job, self.wanted.pop(job))
+                    self._read(job, self.wanted.pop(job), marker)
                 self._stop.wait(PEER_POLL_AFTER_S if self._after else PEER_POLL_S)
         except Exception as exc:  # noqa: BLE001 - a watch's last word: the merge reads what it needs itself
             log.info("reading the peers' published files of round %d stopped: %s", self.round, exc)
+
+    def _look(self, paths: str) -> dict[str, dict | None]:
+        """The wanted peers now published, each with its marker where the look read it. Once its
+        task has published, the watch's look is on the round's critical path: the island that
+        published first waits for the last path (benchmarks/RESULTS.md, "Islands on separate hosts":
+        its watch noticed that publish 0.2-0.5 s late, then read the marker, one more round trip).
+        A few peers' markers are read at once, one GET each, and the one found is the one the read
+        uses; many peers are one listing, and each found marker is read then."""
+        jobs = sorted(self.wanted)
+        if len(jobs) <= PEER_MARKER_LOOKS:
+            markers = map_io(
+                lambda job: self.root.marker_if_committed(layout.path_dir(self.round, job)), jobs, self.root.io_threads
+            )
+            return {job: marker for job, marker in zip(jobs, markers) if marker is not None}
+        listed = ListedRoot(self.root, [paths])
+        return {job: None for job in jobs if listed.is_committed(layout.path_dir(self.round, job))}
 
     def _next_round(self) -> bool:
         """Whether the plan goes on past this task's round (read once, after the publish): only a
@@ -116,9 +137,9 @@ class PeerReads:
             self._plan_goes_on = until is not None and self.round + 1 < until
         return self._plan_goes_on
 
-    def _read(self, job: str, names: list[tuple[str, list[int] | None]]) -> None:
+    def _read(self, job: str, names: list[tuple[str, list[int] | None]], marker: dict | None) -> None:
         rel = layout.path_dir(self.round, job)
-        marker = self.root.marker(rel)
+        marker = marker or self.root.marker(rel)
         for name, levels in names:
             record = marker["files"].get(name)
             if not (isinstance(record, dict) and RECENT.worth_keeping(record["bytes"])):

@@ -44,7 +44,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse_job_id, path_modules, round_job_ids
 from pipeline.core.bounds import shown
@@ -70,6 +70,7 @@ KIND_ORDER = {"merge": 0, "commit": 1, "reroute": 2, "evalsum": 3, "train": 4, "
 # starts from ran between round r's merges and round r+1's training: 2-4 s a round on two hosts
 # over a 50 Mbit/s link (benchmarks/RESULTS.md, "Islands on separate hosts").
 REPORT_ONLY = frozenset({"eval", "evalsum"})
+BEHIND_KINDS = ("merge", "commit")  # small tasks an early start runs on a thread beside its training
 CHECK_EVERY = 3  # a lease's beats per look at its task's attempts (Lease._beat)
 HELD_MERGES_AT_ONCE = 4  # merges an island claims at once, of paths it holds (TaskQueue.claim_held_merges)
 STATES = ("running", "done", "failed", "released", "cancelled")
@@ -241,11 +242,15 @@ class TaskQueue:
         self._warned: set[str] = set()
         self._medians: dict[int, TaskTimes | None] = {}
         self._last_ready: list[Task] = []  # the last look's ready tasks (next_claim), in claim order
+        self._new_ready: set[Task] = set()  # those of them the look before did not find ready
         self._claim_found_live = False  # the last claim refused: another island holds the task
         self._listed: TaskQueue | None = None  # the last look's view through its listings (ready())
         self._early: list[tuple[Task, list[ModuleKey]]] = []  # the last look's early starts (early_trains)
         # (round, job) -> the inner state this process holds while it keeps it (Island.keep_later)
         self.keeping_here: dict[tuple[int, str], Any] = {}
+        # Set by a watch in this process that saw the run root change (a peer's publish: peers.PeerReads);
+        # an idle island's wait between two looks ends on it, so its next look is not a poll late.
+        self.news = threading.Event()
         self.after = config.router.discriminative_after  # re-routing after this round (None: k-means throughout)
         self._shards_ready: set[str] = set()
         self._done_rounds: set[int] = set()  # committed rounds and written round evaluations never change
@@ -775,18 +780,29 @@ class TaskQueue:
                 found.append((task, pending))
         return found
 
-    def claim_ready_commits(self, island: str, island_id: str | None = None) -> list["Lease"]:
-        """Claims of the round commits ready at the last look: an island that starts a path early
-        (claim_early) runs them beside its training. Claimed after every ready train and merge
-        task, commits otherwise waited for an idle island, and islands that start early are never
-        idle: three rounds' commits piled up at the end of a demo run across hosts, and every
-        look listed the rounds they left open."""
-        leases = []
-        for task in self._last_ready:
-            if task.kind == "commit":
-                lease = self.claim(task, island, island_id, self._listed)
+    def behind_claims(
+        self, island: str, island_id: str | None = None, kinds: tuple[str, ...] = BEHIND_KINDS
+    ) -> Callable[[], list["Lease"]]:
+        """The claims of the merges and round commits ready at the last look, to make later (on the
+        thread beside an early start: Island._run_beside) for the island that starts a path early
+        (claim_early) to run them beside its training. Commits otherwise waited for an idle island,
+        and islands that start early are never idle: three rounds' commits piled up at the end of a
+        demo run across hosts, and every look listed the rounds they left open. A merge that became
+        ready at that look, of which this island does not hold every path, is left to its holder
+        (_for_its_holder). `kinds`: commits alone where next_claim tried the merges already. The
+        look is taken now: the next one may come while they are claimed."""
+        ready, listed, new = list(self._last_ready), self._listed, set(self._new_ready)
+
+        def claim() -> list["Lease"]:
+            leases = []
+            for task in ready:
+                if task.kind not in kinds or (task.kind == "merge" and task in new and not self.holds_all(task)):
+                    continue
+                lease = self.claim(task, island, island_id, listed)
                 leases += [lease] if lease is not None else []
-        return leases
+            return leases
+
+        return claim
 
     def claim_early(self, island: str, island_id: str | None = None) -> "Lease | None":
         """A claim of the first of the last look's early starts (early_trains) nobody holds; the
@@ -798,7 +814,9 @@ class TaskQueue:
                 return lease
         return None
 
-    def next_claim(self, island: str, until_round: int, island_id: str | None = None) -> "Lease | None":
+    def next_claim(
+        self, island: str, until_round: int, island_id: str | None = None, early_first: bool = False
+    ) -> "Lease | None":
         """The first ready task nobody holds; else, with train.backup_after, a backup of a straggler.
 
         Evaluations after everything else (REPORT_ONLY), and a round's commit after every ready
@@ -812,7 +830,13 @@ class TaskQueue:
         they piled up there: 4 in a row, 5 s).
         Among a round's merges, first those whose paths' weights this island holds in memory (it
         trained them: no download), then those of the modules most paths share (the longest);
-        among its train tasks, first those whose inner state this island still holds."""
+        among its train tasks, first those whose inner state this island still holds.
+        `early_first` (a one-rank island): this island's early start (early_trains) is claimed
+        before the first ready merge or commit, which then run beside it (Island._start_early,
+        claim_behind). Claimed after them, it waited for their creates, and for those another
+        island won, one round trip each: across hosts the island that published first claimed
+        its next round 1.2-1.6 s after the last publish (benchmarks/RESULTS.md, "Islands on
+        separate hosts"). A ready train or reroute task still comes first."""
         self._listed = None
         ready = sorted(
             self.ready(until_round),
@@ -827,8 +851,10 @@ class TaskQueue:
         )
         self._medians: dict[int, TaskTimes | None] = {}
         seen_before, self._last_ready = set(self._last_ready), ready
+        self._new_ready = {task for task in ready if task not in seen_before}
         held = self._held_next_rounds(until_round)
         self._early = self.early_trains(until_round, held)
+        early_tried = not (early_first and self._early)
         merging = False  # a merge another island runs (or will): its end makes train tasks ready
         # A path's next round this island holds the state of starts as soon as its peers publish
         # (early_trains): an evaluation claimed just before held it back 2-3 s across hosts.
@@ -836,6 +862,11 @@ class TaskQueue:
         for task in ready:
             if (merging or training_soon) and task.kind in REPORT_ONLY:
                 continue
+            if not early_tried and task.kind in BEHIND_KINDS:
+                early_tried = True
+                lease = self.claim_early(island, island_id)
+                if lease is not None:
+                    return lease
             if self._for_its_holder(task, seen_before):
                 merging = True
                 continue
