@@ -158,8 +158,7 @@ class Island:
         if self.world > 1:
             return False
         claimed = [] if early is not None else ([self.lease] if self.lease is not None else []) + self.next_up
-        # next_claim tried the ready merges when it did not claim the early start itself
-        kinds = BEHIND_KINDS if early is not None else ("commit",)
+        tried = early is None  # next_claim tried the ready merges when it did not claim the early start itself
         early = early or self.queue.claim_early(self.name, self.id)
         if early is None:
             return False
@@ -170,14 +169,15 @@ class Island:
                 lease.finish("released")
         self.lease = early
         log.info(
-            "island %s: %s starts before the merges of %s (%d claimed run beside it, and the %s ready)",
+            "island %s: %s starts before the merges of %s (%d claimed run beside it, and those ready of %s)",
             self.name,
             early.task.name,
             ", ".join(module_target(key) for key in early.early),
             len(behind),
-            " and ".join(f"{kind}s" for kind in kinds),
+            "the round commits" if tried else "these merges and the round commits",
         )
-        claims = self.queue.behind_claims(self.name, self.id, kinds)  # one claimed already is held: skipped
+        # one claimed already is held: skipped
+        claims = self.queue.behind_claims(self.name, self.id, [] if tried else early.early)
         self._run_beside(behind, early.task.name, after=early.training, claims=claims)
         return True
 

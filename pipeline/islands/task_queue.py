@@ -242,7 +242,6 @@ class TaskQueue:
         self._warned: set[str] = set()
         self._medians: dict[int, TaskTimes | None] = {}
         self._last_ready: list[Task] = []  # the last look's ready tasks (next_claim), in claim order
-        self._new_ready: set[Task] = set()  # those of them the look before did not find ready
         self._claim_found_live = False  # the last claim refused: another island holds the task
         self._listed: TaskQueue | None = None  # the last look's view through its listings (ready())
         self._early: list[tuple[Task, list[ModuleKey]]] = []  # the last look's early starts (early_trains)
@@ -781,25 +780,26 @@ class TaskQueue:
         return found
 
     def behind_claims(
-        self, island: str, island_id: str | None = None, kinds: tuple[str, ...] = BEHIND_KINDS
+        self, island: str, island_id: str | None, modules: list[ModuleKey]
     ) -> Callable[[], list["Lease"]]:
-        """The claims of the merges and round commits ready at the last look, to make later (on the
-        thread beside an early start: Island._run_beside) for the island that starts a path early
-        (claim_early) to run them beside its training. Commits otherwise waited for an idle island,
-        and islands that start early are never idle: three rounds' commits piled up at the end of a
-        demo run across hosts, and every look listed the rounds they left open. A merge that became
-        ready at that look, of which this island does not hold every path, is left to its holder
-        (_for_its_holder). `kinds`: commits alone where next_claim tried the merges already. The
+        """The claims, to make later (on the thread beside an early start: Island._run_beside), of
+        the merges of `modules` (those the early start computes: their inputs are in this
+        process's memory) and the round commits ready at the last look, for the island that
+        starts a path early (claim_early) to run them beside its training. Commits otherwise
+        waited for an idle island, and islands that start early are never idle: three rounds'
+        commits piled up at the end of a demo run across hosts, and every look listed the rounds
+        they left open. Another module's merge is left to the island whose path it is: claimed
+        here, it downloaded that path's level and its module (7.6 MB over the host's link). The
         look is taken now: the next one may come while they are claimed."""
-        ready, listed, new = list(self._last_ready), self._listed, set(self._new_ready)
+        ready, listed = list(self._last_ready), self._listed
+        mine = set(modules)
 
         def claim() -> list["Lease"]:
             leases = []
             for task in ready:
-                if task.kind not in kinds or (task.kind == "merge" and task in new and not self.holds_all(task)):
-                    continue
-                lease = self.claim(task, island, island_id, listed)
-                leases += [lease] if lease is not None else []
+                if task.kind == "commit" or (task.kind == "merge" and task.module in mine):
+                    lease = self.claim(task, island, island_id, listed)
+                    leases += [lease] if lease is not None else []
             return leases
 
         return claim
@@ -833,7 +833,7 @@ class TaskQueue:
         among its train tasks, first those whose inner state this island still holds.
         `early_first` (a one-rank island): this island's early start (early_trains) is claimed
         before the first ready merge or commit, which then run beside it (Island._start_early,
-        claim_behind). Claimed after them, it waited for their creates, and for those another
+        behind_claims). Claimed after them, it waited for their creates, and for those another
         island won, one round trip each: across hosts the island that published first claimed
         its next round 1.2-1.6 s after the last publish (benchmarks/RESULTS.md, "Islands on
         separate hosts"). A ready train or reroute task still comes first."""
@@ -851,7 +851,6 @@ class TaskQueue:
         )
         self._medians: dict[int, TaskTimes | None] = {}
         seen_before, self._last_ready = set(self._last_ready), ready
-        self._new_ready = {task for task in ready if task not in seen_before}
         held = self._held_next_rounds(until_round)
         self._early = self.early_trains(until_round, held)
         early_tried = not (early_first and self._early)
