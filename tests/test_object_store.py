@@ -1269,7 +1269,8 @@ def test_an_island_claims_its_early_start_before_the_ready_merges_and_claims_the
     its peers' weights in memory since 0.5-0.7 s (benchmarks/RESULTS.md). A one-rank island's look
     now claims its early start first; the merges and commits it found ready are claimed after,
     on the thread beside the training (Island._run_beside): those of the modules it starts from
-    (their inputs are in its memory), none another island holds."""
+    (their inputs are in its memory) at once, the others after its first step if still unclaimed
+    (their paths' islands claim them first, from memory), none another island holds."""
     from models.grid import ModuleKey
     from pipeline.islands.task_queue import Task, TaskQueue, write_plan
 
@@ -1287,9 +1288,13 @@ def test_an_island_claims_its_early_start_before_the_ready_merges_and_claims_the
 
     other = TaskQueue(root, config).next_claim("island-1", 2)  # another island takes one merge meanwhile
     assert other is not None and other.task.kind == "merge", other and other.task.name
-    beside = queue.behind_claims("island-0", None, first.early)()
+    now, later = queue.behind_claims("island-0", None, first.early)
+    beside = now()
     # the merges of the modules it starts from, but the one taken; p1-0's own module is p1-0's island's
     assert sorted(lease.task.name for lease in beside) == sorted(set(merges[0::2]) - {other.task.name})
+    # after its first step, p1-0's module too if nobody took it by then (p1-0's island may be gone)
+    beside += later()
+    assert sorted(lease.task.name for lease in beside) == sorted(set(merges) - {other.task.name})
 
     # Without early_first (an island of several ranks) the look claims the merges first, as before.
     plain = TaskQueue(root, config)

@@ -177,7 +177,7 @@ class Island:
             "the round commits" if tried else "these merges and the round commits",
         )
         # one claimed already is held: skipped
-        claims = self.queue.behind_claims(self.name, self.id, [] if tried else early.early)
+        claims = self.queue.behind_claims(self.name, self.id, None if tried else early.early)
         self._run_beside(behind, early.task.name, after=early.training, claims=claims)
         return True
 
@@ -207,23 +207,29 @@ class Island:
         leases: list[Lease],
         beside: str,
         after: threading.Event | None = None,
-        claims: Callable[[], list[Lease]] | None = None,
+        claims: tuple[Callable[[], list[Lease]], Callable[[], list[Lease]]] | None = None,
     ) -> None:
         """Small tasks (merges, commits) on a thread beside what the island runs next, then the inner
         states kept later go up; a task that fails ends its lease failed (another island retakes it).
         `after`: they wait for it first (an early start's first step, at most BESIDE_WAIT_S): the
         start's own load computes the same merges and reads the same files, and on an object
         store the two at once took a train task's load from 0.3-0.4 s to 0.5-0.75 s. `claims`: more
-        of them to claim first, on the thread (their leases join `leases`, which SIGTERM releases)."""
+        of them to claim on the thread, before waiting for `after` and after it (TaskQueue.behind_claims;
+        their leases join `leases`, which SIGTERM releases)."""
+
+        def claim(which: Callable[[], list[Lease]]) -> None:
+            try:
+                leases.extend(which())
+            except Exception as exc:  # noqa: BLE001 - unclaimed, they are another island's to take
+                log.warning("island %s: claiming the tasks beside %s failed: %s", self.name, beside, exc)
 
         def run() -> None:
             if claims is not None:
-                try:
-                    leases.extend(claims())
-                except Exception as exc:  # noqa: BLE001 - unclaimed, they are another island's to take
-                    log.warning("island %s: claiming the tasks beside %s failed: %s", self.name, beside, exc)
+                claim(claims[0])
             if after is not None:
                 after.wait(BESIDE_WAIT_S)
+            if claims is not None:
+                claim(claims[1])
             for lease in leases:
                 if lease.lost.is_set():  # taken by another island meanwhile: its output is that one's
                     continue

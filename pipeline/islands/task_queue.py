@@ -780,29 +780,40 @@ class TaskQueue:
         return found
 
     def behind_claims(
-        self, island: str, island_id: str | None, modules: list[ModuleKey]
-    ) -> Callable[[], list["Lease"]]:
-        """The claims, to make later (on the thread beside an early start: Island._run_beside), of
-        the merges of `modules` (those the early start computes: their inputs are in this
-        process's memory) and the round commits ready at the last look, for the island that
-        starts a path early (claim_early) to run them beside its training. Commits otherwise
-        waited for an idle island, and islands that start early are never idle: three rounds'
-        commits piled up at the end of a demo run across hosts, and every look listed the rounds
-        they left open. Another module's merge is left to the island whose path it is: claimed
-        here, it downloaded that path's level and its module (7.6 MB over the host's link). The
-        look is taken now: the next one may come while they are claimed."""
+        self, island: str, island_id: str | None, modules: list[ModuleKey] | None
+    ) -> tuple[Callable[[], list["Lease"]], Callable[[], list["Lease"]]]:
+        """The claims, to make later on the thread beside an early start (Island._run_beside), of
+        the merges and round commits ready at the last look, for the island that starts a path
+        early (claim_early) to run them beside its training: (now, after its first step). Commits
+        otherwise waited for an idle island, and islands that start early are never idle: three
+        rounds' commits piled up at the end of a demo run across hosts, and every look listed the
+        rounds they left open.
+        - now: the commits and the merges of `modules`, those the early start computes (their
+          inputs are in this process's memory);
+        - after its first step: the other merges, still unclaimed by then. Each is left that long
+          to the island whose path it is: claimed at once, it downloaded that path's level and its
+          module (7.6 MB over the host's link). Yet a merge whose island is gone is taken here,
+          not a round later.
+        `modules` None: next_claim tried the merges already; the commits alone. The look is taken
+        now: the next one may come while they are claimed."""
         ready, listed = list(self._last_ready), self._listed
-        mine = set(modules)
+        mine = set(modules or [])
 
-        def claim() -> list["Lease"]:
+        def claim(wanted: Callable[[Task], bool]) -> list["Lease"]:
             leases = []
             for task in ready:
-                if task.kind == "commit" or (task.kind == "merge" and task.module in mine):
+                if wanted(task):
                     lease = self.claim(task, island, island_id, listed)
                     leases += [lease] if lease is not None else []
             return leases
 
-        return claim
+        def now() -> list["Lease"]:
+            return claim(lambda task: task.kind == "commit" or (task.kind == "merge" and task.module in mine))
+
+        def later() -> list["Lease"]:
+            return claim(lambda task: modules is not None and task.kind == "merge" and task.module not in mine)
+
+        return now, later
 
     def claim_early(self, island: str, island_id: str | None = None) -> "Lease | None":
         """A claim of the first of the last look's early starts (early_trains) nobody holds; the
