@@ -169,12 +169,12 @@ class Island:
                 lease.finish("released")
         self.lease = early
         log.info(
-            "island %s: %s starts before the merges of %s (%d claimed run beside it, and those ready of %s)",
+            "island %s: %s starts before the merges of %s (%d claimed run beside it; claimed beside it: %s)",
             self.name,
             early.task.name,
             ", ".join(module_target(key) for key in early.early),
             len(behind),
-            "the round commits" if tried else "these merges and the round commits",
+            "the ready commits" if tried else "the ready merges and commits",
         )
         # one claimed already is held: skipped
         claims = self.queue.behind_claims(self.name, self.id, None if tried else early.early)

@@ -811,7 +811,9 @@ class TaskQueue:
             return claim(lambda task: task.kind == "commit" or (task.kind == "merge" and task.module in mine))
 
         def later() -> list["Lease"]:
-            return claim(lambda task: modules is not None and task.kind == "merge" and task.module not in mine)
+            if modules is None:
+                return []
+            return claim(lambda task: task.kind == "merge" and task.module not in mine)
 
         return now, later
 
@@ -877,6 +879,7 @@ class TaskQueue:
                 lease = self.claim_early(island, island_id)
                 if lease is not None:
                     return lease
+                self._early = []  # each one refused: Island._start_early does not ask again at this look
             if self._for_its_holder(task, seen_before):
                 merging = True
                 continue
