@@ -763,6 +763,26 @@ def test_the_memory_of_recent_files_keeps_large_files_within_its_budget_least_re
     assert not recent.holds_under("s3://b/d")
 
 
+def test_the_memory_of_recent_files_knows_which_levels_of_a_paths_weights_it_holds():
+    """A peer's watch reads of a path's weights only the runs of the level they share: a merge of
+    another level must not count that path as held (holds_level), while it is read and after."""
+    from pipeline.state.store import RecentFiles
+
+    recent, weights = RecentFiles(budget=1 << 22), "s3://b/p1/model.safetensors"
+    with recent.one_reader(f"{weights}#0-70000", [1]):  # a run read for level 1, under way
+        assert recent.holds_level(weights, 1) and not recent.holds_level(weights, 0)
+        recent.keep(f"{weights}#0-70000", b"r" * 70_000, levels=[1])
+    assert recent.holds_level(weights, 1) and not recent.holds_level(weights, 0)
+    assert recent.holds_under("s3://b/p1")  # something of the path, whatever its level
+    recent.serves_levels(f"{weights}#0-70000", [0])  # the same run read again, for level 0: it holds both
+    assert recent.holds_level(weights, 0)
+    recent.forget_under("s3://b/p1", keep_bytes=False)
+    assert not recent.holds_level(weights, 1)
+    recent.keep(weights, b"w" * 70_000)  # the whole file: every level
+    assert recent.holds_level(weights, 0) and recent.holds_level(weights, 1)
+    assert not recent.holds_level("s3://b/p1/model.safetensors.tmp", 0)  # another name: not its runs
+
+
 def test_an_island_claims_first_the_merges_of_the_paths_it_trained(s3_root):
     """On an object store an island holds in memory the paths it trained: of a round's merges it
     claims first those it reads nothing for, then the shared module, whose other paths it must
@@ -1523,13 +1543,20 @@ def test_a_peers_read_of_a_trained_path_brings_down_only_the_module_they_share_a
     runs = runs_to_read(marker[PARTS]["model.safetensors"], size, [1])
     assert runs is not None and sum(e - b for b, e, _ in runs) < size
 
-    peers = PeerReads(TaskQueue(root, config), Task(0, 0, "train", "p0-0"))
+    queue = TaskQueue(root, config)
+    peers = PeerReads(queue, Task(0, 0, "train", "p0-0"))
     assert peers.wanted == {"p1-0": [("model.safetensors", [1])]}
     s3_requests.clear()
     peers.start()
     wait_for(lambda: peers.read, 30, "the published peer's shared module read")
     peers.stop()
     assert peers.read == [f"{rel}/model.safetensors#{b}-{e}" for b, e, _ in runs]
+    # What it holds of p1-0 is level 1: the merge of the module both share reads it from memory;
+    # that of p1-0's own module (level 0) is p1-0's island's, which holds the whole path.
+    assert queue.merge_preference(Task.of("merge", 0, "l1m0")) == (-0.5, -2)  # p1-0 held, p0-0 not trained here
+    assert queue.merge_preference(Task.of("merge", 0, "l0m1")) == (0.0, -1) and not queue.holds_all(
+        Task.of("merge", 0, "l0m1")
+    )
     assert len([key for op, key in s3_requests if op == "get_object" and key.endswith("model.safetensors")]) == len(
         runs
     )  # one ranged GET a run, none of the whole file

@@ -145,7 +145,7 @@ class PeerReads:
             if not (isinstance(record, dict) and RECENT.worth_keeping(record["bytes"])):
                 continue
             runs = recorded_runs(marker, name, levels)
-            if runs is not None and self.root.read_committed_runs(rel, name, runs, marker) is not None:
+            if runs is not None and self.root.read_committed_runs(rel, name, runs, marker, levels=levels) is not None:
                 self.read.extend(f"{rel}/{name}#{begin}-{end}" for begin, end, _ in runs)  # as RecentFiles keeps them
                 continue
             self.root.read_committed(rel, name, marker=marker)

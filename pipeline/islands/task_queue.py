@@ -687,17 +687,25 @@ class TaskQueue:
 
     def merge_preference(self, task: Task) -> tuple[float, int]:
         """A merge task's claim order among its round's merges, lowest first: minus the share of its
-        jobs whose trained paths this process holds in memory (it trained or read them, on an object
-        store: pipeline.state.store.RecentFiles), then minus how many of its round's jobs it reads
-        (the longest first); (0, 0) for other tasks."""
+        jobs whose trained paths this process holds in memory at the module's level (it trained or
+        read them, on an object store: pipeline.state.store.RecentFiles), then minus how many of its
+        round's jobs it reads (the longest first); (0, 0) for other tasks."""
         if task.kind != "merge":
             return 0.0, 0
         round_jobs = set(self.jobs_of(task.round))
         jobs = [job for job in self.jobs_through.get(task.module, []) if job in round_jobs]
         if not jobs or self.root.is_local:
             return 0.0, -len(jobs)
-        held = sum(RECENT.holds_under(self.root.path(layout.path_dir(task.round, job))) for job in jobs)
+        held = sum(self._holds_module_of(task.round, job, task.module.level) for job in jobs)
         return -held / len(jobs), -len(jobs)
+
+    def _holds_module_of(self, round_index: int, job: str, level: int) -> bool:
+        """Whether this process holds in memory what a merge at `level` reads of a trained path: its
+        weights whole, their runs read for that level (a peer's watch reads only those), or, with
+        outer.compression, its outer gradient at that level."""
+        rel = layout.path_dir(round_index, job)
+        names = (layout.PATH_WEIGHTS, layout.outer_grad_file(level))
+        return any(RECENT.holds_level(self.root.path(rel, name), level) for name in names)
 
     def holds_all(self, task: Task) -> bool:
         """A merge task every one of whose round's paths this process holds in memory."""

@@ -235,7 +235,7 @@ def _levels_from_runs(
     """read_path_levels from the runs its marker records, or None where they do not serve (no
     record, a run that does not match it, a dtype not viewed in place): the file is read whole."""
     runs = recorded_runs(marker, layout.PATH_WEIGHTS, levels)
-    data = None if runs is None else root.read_committed_runs(rel, layout.PATH_WEIGHTS, runs, marker)
+    data = None if runs is None else root.read_committed_runs(rel, layout.PATH_WEIGHTS, runs, marker, levels=levels)
     state = None if data is None else decode_runs(data, marker["files"][layout.PATH_WEIGHTS]["bytes"])
     return None if state is None else _split_levels(shape, state, levels, where)
 

@@ -600,12 +600,20 @@ class RunRoot:
             return data
 
     def read_committed_runs(
-        self, rel_dir: str, name: str, runs: list[Run], marker: dict[str, Any] | None = None
+        self,
+        rel_dir: str,
+        name: str,
+        runs: list[Run],
+        marker: dict[str, Any] | None = None,
+        *,
+        levels: Iterable[int],
     ) -> dict[tuple[int, int], bytearray] | None:
         """Byte runs [begin, end) of a committed file, each checked against its CRC-32 (a path's
         `parts` record: pipeline/state/module_store.py), read at once with ranged GETs; None when one does
         not match (the caller reads the file whole, against its whole record). A file this process
-        holds whole is sliced, a run it read before is taken from memory (RecentFiles)."""
+        holds whole is sliced, a run it read before is taken from memory (RecentFiles), which
+        keeps each run with the `levels` it was read for (the runs hold those levels' tensors)."""
+        levels = sorted(levels)
         record = marker or self.marker(rel_dir)
         expected, located = record["files"].get(name), self.files_location(rel_dir, record)
         if not isinstance(expected, dict):
@@ -622,7 +630,7 @@ class RunRoot:
                 data = whole[begin:end]
                 return bytearray(data) if checksum_bytes(data)["crc32"] == crc else None
             kept_as = f"{named}#{begin}-{end}"
-            with RECENT.one_reader(kept_as):
+            with RECENT.one_reader(kept_as, levels):
                 data = None if self.is_local else RECENT.get(kept_as)
                 if data is None or checksum_bytes(data)["crc32"] != crc:
                     with self._reading(posixpath.join(located, name)):
@@ -630,7 +638,9 @@ class RunRoot:
                     if len(data) != end - begin or checksum_bytes(data)["crc32"] != crc:
                         return None
                     if not self.is_local:
-                        RECENT.keep(kept_as, data, crc)
+                        RECENT.keep(kept_as, data, crc, levels)
+                else:
+                    RECENT.serves_levels(kept_as, levels)
             return bytearray(data)
 
         found = map_io(read, runs, self.io_threads)

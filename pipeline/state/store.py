@@ -54,7 +54,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -861,13 +861,16 @@ class RecentFiles:
         self._readers: dict[str, list] = {}  # full path -> [its lock, the threads using it]
         self._contents: dict[str, tuple[int, str]] = {}  # full path -> its record's (bytes, crc32)
         self._by_content: dict[tuple[int, str], str] = {}  # (bytes, crc32) -> a full path holding them
+        # name -> the levels of a path's weights its bytes hold (a run read by level); absent: whole
+        self._levels: dict[str, set[int]] = {}
 
     def worth_keeping(self, size: int) -> bool:
         return SMALLEST_BYTES <= size <= self.budget // 4
 
-    def keep(self, full: str, data: bytes, crc32: str | None = None) -> None:
+    def keep(self, full: str, data: bytes, crc32: str | None = None, levels: Iterable[int] | None = None) -> None:
         """Remember what was just written to `full`, or read from it (a write that failed must not
-        call this); `crc32`: the bytes' CRC-32 as a record writes it, when the caller has it."""
+        call this); `crc32`: the bytes' CRC-32 as a record writes it, when the caller has it;
+        `levels`: a run of a path's weights, read for those levels (holds_under)."""
         if not self.worth_keeping(len(data)):
             with self._lock:
                 self._drop(full)
@@ -876,6 +879,14 @@ class RecentFiles:
         with self._lock:
             self._drop(full)
             self._add(full, bytes(data), content)  # the same object when it is bytes already (an alias)
+            if levels is not None:
+                self._levels[full] = set(levels)
+
+    def serves_levels(self, full: str, levels: Iterable[int]) -> None:
+        """A kept run of a path's weights (`full`) read again for `levels`: it holds those too."""
+        with self._lock:
+            if full in self._levels:
+                self._levels[full].update(levels)
 
     def _add(self, full: str, data: bytes, content: tuple[int, str]) -> None:
         """Keep `data` under `full` (absent) and its content, within the budget; under the lock."""
@@ -895,12 +906,15 @@ class RecentFiles:
             return None if full is None else self._files.get(full)
 
     @contextmanager
-    def one_reader(self, full: str) -> Iterator[None]:
+    def one_reader(self, full: str, levels: Iterable[int] | None = None) -> Iterator[None]:
         """One thread at a time reads `full` from the store: a second waits for the first, then
-        finds its bytes here (an island's read of its peers' weights, and the merge that needs them)."""
+        finds its bytes here (an island's read of its peers' weights, and the merge that needs them).
+        `levels`: a run of a path's weights, read for those levels (holds_under)."""
         with self._lock:
-            entry = self._readers.setdefault(full, [threading.Lock(), 0])
+            entry = self._readers.setdefault(full, [threading.Lock(), 0, set() if levels is not None else None])
             entry[1] += 1
+            if levels is not None and entry[2] is not None:
+                entry[2].update(levels)
         try:
             with entry[0]:
                 yield
@@ -932,6 +946,23 @@ class RecentFiles:
         with self._lock:
             return any(name.startswith(below) for name in [*self._files, *self._readers])
 
+    def holds_level(self, full: str, level: int) -> bool:
+        """Whether the file `full` is kept whole or being read whole, or a run of it read for
+        `level` of a path's weights is kept or being read. An island's watch reads of a peer's path
+        only the level they share: taken for the whole path, the merge of that path's own module
+        was claimed by the watching island, which then downloaded the path's other level (7.6 MB
+        over its link; benchmarks/RESULTS.md, "Islands on separate hosts")."""
+        run_of = full + "#"
+        with self._lock:
+            kept = any(
+                name == full or (name.startswith(run_of) and level in self._levels.get(name, ()))
+                for name in self._files
+            )
+            return kept or any(
+                name == full or (name.startswith(run_of) and level in (entry[2] or ()))
+                for name, entry in self._readers.items()
+            )
+
     def forget_under(self, full: str, keep_bytes: bool = True) -> None:
         """A removal: the file `full` and everything below it as a directory. Their bytes stay,
         under no name, for get_same, until the budget needs their room (unless not `keep_bytes`):
@@ -948,6 +979,7 @@ class RecentFiles:
         data = self._files.pop(full, None)
         if data is not None:
             self._held -= len(data)
+        self._levels.pop(full, None)
         content = self._contents.pop(full, None)
         if content is not None and self._by_content.get(content) == full:
             del self._by_content[content]
