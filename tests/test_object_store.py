@@ -874,16 +874,27 @@ def test_a_look_asks_whether_the_rounds_it_may_start_early_are_committed_of_its_
 
 
 def _published(
-    root, round_index: int, job: str, data: bytes, grads: dict[int, bytes] | None = None, info: dict | None = None
+    root,
+    round_index: int,
+    job: str,
+    data: bytes,
+    grads: dict[int, bytes] | None = None,
+    info: dict | None = None,
+    by_another_host: bool = False,
 ) -> None:
     """A path published as a train task leaves it: its weights (and outer gradients) and marker
-    (with `info`, what a merge reads of it: its tokens)."""
+    (with `info`, what a merge reads of it: its tokens). `by_another_host`: this process forgets
+    the bytes it wrote before the marker appears, as a host that did not write them; forgotten
+    after it, a watch running meanwhile could read them from memory first."""
     from pipeline.state import layout
+    from pipeline.state.store import RECENT
 
     rel = layout.path_dir(round_index, job)
     root.write_bytes(f"{rel}/model.safetensors", data)
     for level, grad in (grads or {}).items():
         root.write_bytes(f"{rel}/{layout.outer_grad_file(level)}", grad)
+    if by_another_host:
+        RECENT.forget_under(root.path(rel), keep_bytes=False)
     root.commit(rel, info=info)
 
 
@@ -1013,8 +1024,7 @@ def test_a_path_published_first_reads_its_peers_weights_as_they_are_published_fo
     weights = os.urandom(300_000)
     assert not queue.news.is_set()  # nothing found yet: the island's wait between looks is its poll
     s3_requests.clear()
-    _published(root, 0, "p1-0", weights)
-    RECENT.forget_under(root.path(layout.path_dir(0, "p1-0")), keep_bytes=False)  # as another host wrote it
+    _published(root, 0, "p1-0", weights, by_another_host=True)
     wait_for(lambda: peers.read, 30, "the peer's weights, read after this task published")
     assert peers.read == [f"{layout.path_dir(0, 'p1-0')}/model.safetensors"]
     assert RECENT.holds_under(root.path(layout.path_dir(0, "p1-0")))
@@ -1041,8 +1051,7 @@ def test_a_path_published_first_reads_its_peers_weights_as_they_are_published_fo
     last = PeerReads(TaskQueue(root, config), Task(2, 0, "train", "p0-0"))  # round 2 of 3: the last
     last.start()
     last.published()
-    _published(root, 2, "p1-0", os.urandom(300_000))
-    RECENT.forget_under(root.path(layout.path_dir(2, "p1-0")), keep_bytes=False)
+    _published(root, 2, "p1-0", os.urandom(300_000), by_another_host=True)
     last._thread.join(10)
     assert last.read == [] and not last._thread.is_alive()
 
