@@ -858,7 +858,7 @@ class RecentFiles:
         self._files: OrderedDict[str, bytes] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
-        self._readers: dict[str, list] = {}  # full path -> [its lock, the threads using it]
+        self._readers: dict[str, list] = {}  # full path -> [its lock, the threads using it, their levels]
         self._contents: dict[str, tuple[int, str]] = {}  # full path -> its record's (bytes, crc32)
         self._by_content: dict[tuple[int, str], str] = {}  # (bytes, crc32) -> a full path holding them
         # name -> the levels of a path's weights its bytes hold (a run read by level); absent: whole
@@ -870,7 +870,7 @@ class RecentFiles:
     def keep(self, full: str, data: bytes, crc32: str | None = None, levels: Iterable[int] | None = None) -> None:
         """Remember what was just written to `full`, or read from it (a write that failed must not
         call this); `crc32`: the bytes' CRC-32 as a record writes it, when the caller has it;
-        `levels`: a run of a path's weights, read for those levels (holds_under)."""
+        `levels`: a run of a path's weights, read for those levels (holds_level)."""
         if not self.worth_keeping(len(data)):
             with self._lock:
                 self._drop(full)
@@ -909,12 +909,11 @@ class RecentFiles:
     def one_reader(self, full: str, levels: Iterable[int] | None = None) -> Iterator[None]:
         """One thread at a time reads `full` from the store: a second waits for the first, then
         finds its bytes here (an island's read of its peers' weights, and the merge that needs them).
-        `levels`: a run of a path's weights, read for those levels (holds_under)."""
+        `levels`: a run of a path's weights, read for those levels (holds_level)."""
         with self._lock:
-            entry = self._readers.setdefault(full, [threading.Lock(), 0, set() if levels is not None else None])
+            entry = self._readers.setdefault(full, [threading.Lock(), 0, set()])
             entry[1] += 1
-            if levels is not None and entry[2] is not None:
-                entry[2].update(levels)
+            entry[2].update(levels or ())
         try:
             with entry[0]:
                 yield
@@ -954,14 +953,9 @@ class RecentFiles:
         over its link; benchmarks/RESULTS.md, "Islands on separate hosts")."""
         run_of = full + "#"
         with self._lock:
-            kept = any(
-                name == full or (name.startswith(run_of) and level in self._levels.get(name, ()))
-                for name in self._files
-            )
-            return kept or any(
-                name == full or (name.startswith(run_of) and level in (entry[2] or ()))
-                for name, entry in self._readers.items()
-            )
+            held = [(name, self._levels.get(name, ())) for name in self._files]
+            held += [(name, entry[2]) for name, entry in self._readers.items()]
+            return any(name == full or (name.startswith(run_of) and level in levels) for name, levels in held)
 
     def forget_under(self, full: str, keep_bytes: bool = True) -> None:
         """A removal: the file `full` and everything below it as a directory. Their bytes stay,
