@@ -167,3 +167,60 @@ def test_publishing_a_directory_is_first_wins(tmp_path):
     assert not root.publish_dir("staging/a2", "final")  # a late attempt never mixes in
     assert root.read_committed_json("final", "metrics.json") == {"attempt": "a1"}
     assert root.exists("staging/a2/metrics.json") and not root.exists("staging/a1")
+
+
+# -- a path's decoded shard, kept in memory ----------------------------------------------------------
+def test_a_paths_shard_is_decoded_once_until_its_part_is_committed_again(tmp_path, monkeypatch):
+    """An island trains the same path round after round: the second read neither reads nor decodes
+    the part again, and a part re-committed with other bytes is read again, never served stale."""
+    import numpy as np
+
+    from pipeline.state.shards import read_path_rows, shard_table, write_shard_file
+
+    root = RunRoot(tmp_path)
+    part = "shards/path=0-1/part-00000.parquet"
+    write_shard_file(root, part, shard_table(["b", "a", "c"], [[1, 2, 3], [4, 5], [70000]]))
+    root.commit("shards")
+    reads: list[str] = []
+    read_committed = RunRoot.read_committed
+    monkeypatch.setattr(
+        RunRoot, "read_committed", lambda self, d, n, **k: reads.append(n) or read_committed(self, d, n, **k)
+    )
+    first = read_path_rows(root, "0-1")
+    assert [(d, t.tolist()) for d, t in first] == [("a", [4, 5]), ("b", [1, 2, 3]), ("c", [70000])]
+    assert all(t.dtype == np.int64 and not t.flags.writeable for _, t in first)  # shared: nobody writes them
+    again = read_path_rows(root, "0-1")
+    assert len(reads) == 1 and all(x[1] is y[1] for x, y in zip(first, again))
+    write_shard_file(root, part, shard_table(["a"], [[9, 9]]))
+    root.commit("shards")
+    assert [(d, t.tolist()) for d, t in read_path_rows(root, "0-1")] == [("a", [9, 9])] and len(reads) == 2
+
+
+def test_decoded_parts_keep_within_their_budget_least_recently_used_first():
+    import numpy as np
+
+    from pipeline.state.shards import DecodedParts
+
+    kept = DecodedParts(budget=400)
+    rows = [("d", np.zeros(10, dtype=np.int64))]
+    kept.keep(("big", 1, "x"), rows, 101)  # over a quarter of the budget: never kept
+    for name in "abcd":
+        kept.keep((name, 1, "x"), rows, 100)
+    assert kept.get(("big", 1, "x")) is None and kept.get(("a", 1, "x")) is rows
+    kept.keep(("e", 1, "x"), rows, 100)  # 500 > 400: b, the least recently used, goes
+    assert kept.get(("b", 1, "x")) is None and all(kept.get((n, 1, "x")) is rows for n in "acde")
+
+
+def test_a_part_with_documents_without_tokens_is_refused_naming_it(tmp_path):
+    import pyarrow as pa
+
+    from pipeline.state.shards import SCHEMA, read_path_rows, write_shard_file
+
+    root = RunRoot(tmp_path)
+    table = pa.table(
+        {"doc_id": ["a"], "input_ids": pa.array([None], pa.list_(pa.int32())), "n_tokens": [0]}, schema=SCHEMA
+    )
+    write_shard_file(root, "shards/path=0/part-00000.parquet", table)
+    root.commit("shards")
+    with pytest.raises(InputError, match=r"path=0/part-00000\.parquet: 1 document\(s\) with no input_ids"):
+        read_path_rows(root, "0")

@@ -55,13 +55,14 @@ Reshard = Callable[[Config, RunRoot, Router, layout.Routing], dict]
 def sample_documents(root: RunRoot, config: Config) -> list[tuple[str, str, np.ndarray]]:
     """(k-means path, doc_id, tokens) of a seeded uniform sample of `router.sample_docs` training
     documents, read from the committed k-means shards (every document there was accepted and
-    tokenized), ordered by sample key; memory holds one shard and the sample."""
+    tokenized), ordered by sample key; memory holds the sample, its tokens copied out of the parts
+    that shards.DECODED shares (a view would keep a whole part alive)."""
     n, seed = config.router.sample_docs, config.router.seed
     kept: list[tuple[str, str, int, str, np.ndarray]] = []
     for path_id in all_path_ids(config.model.grid):
         for i, (doc_id, tokens) in enumerate(read_path_rows(root, path_id, "train", layout.SHARDS_DIR)):
             key = hashlib.sha256(f"{seed}\0{doc_id}".encode("utf-8", "surrogatepass")).hexdigest()
-            kept.append((key, path_id, i, doc_id, tokens))
+            kept.append((key, path_id, i, doc_id, tokens.copy()))
         kept = sorted(kept, key=lambda k: k[:3])[:n]
     return [(path_id, doc_id, tokens) for _, path_id, _, doc_id, tokens in kept]
 
