@@ -1248,6 +1248,9 @@ def test_an_early_start_reads_each_committed_marker_once_and_its_next_round_read
     start.modules()
     markers = [key for op, key in s3_requests if op == "get_object" and key.endswith("/_SUCCESS")]
     assert markers and len(markers) == len(set(markers)), markers
+    # and every one of them asked for in its first wave, at once, not as the computation got to it
+    wave = {root.path(rel, "_SUCCESS").removeprefix("s3://").split("/", 1)[1] for rel in start.markers_read(0)}
+    assert set(markers) <= wave, sorted(set(markers) - wave)
 
     for key in keys:  # as if another island merged them: nothing of it left in this one's memory
         merge_module(config, 0, key)

@@ -26,13 +26,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from models.grid import ModuleKey, parse_job_id, path_modules
+from models.grid import ModuleKey, parse_job_id, path_modules, round_job_ids
 from models.modular import ModelShape, ModuleState
 from pipeline.core.config import Config
 from pipeline.outer.merge import RoundInputs, merged_files, merged_info
 from pipeline.state import layout
 from pipeline.state.module_store import decode, encode, load_modules, state_metadata
-from pipeline.state.storage import IO_THREADS, RunRoot, checksum_bytes, map_io
+from pipeline.state.storage import RunRoot, checksum_bytes, map_io
 from pipeline.state.store import RECENT
 
 log = logging.getLogger("dipaco.early")
@@ -92,10 +92,14 @@ class EarlyStart:
         their merge of round r-1 will write them, byte for byte, the rest as committed."""
         before = self.round - 1
         committed = [key for key in self.keys if key not in self.pending]
-        loaded = load_modules(self.reads, self.round, committed, self.shape) if committed else {}
         meta = merged_info(self.config, before)
-        with ThreadPoolExecutor(IO_THREADS) as pool:
+        with ThreadPoolExecutor(self.root.io_threads) as pool:
+            for rel in self.markers_read(before):  # one wave of GETs, where asking as needed made four
+                pool.submit(self.reads.marker_if_committed, rel)
+            loading = pool.submit(load_modules, self.reads, self.round, committed, self.shape) if committed else None
             inputs = RoundInputs(self.reads, self.config, before, pool, self.pending)
+            inputs.prefetch(self.pending)
+            loaded = loading.result() if loading is not None else {}
             for key in self.pending:
                 written, _ = merged_files(self.config, before, key, inputs)
                 data = encode(written[layout.MERGED_MODULE], state_metadata(key, meta))
@@ -105,6 +109,18 @@ class EarlyStart:
                     RECENT.keep(where, data, self.expected[key]["crc32"])  # a committed record names these bytes
                 loaded[key] = decode(bytearray(data), where)  # what reading the merge's file gives
         return [loaded[key] for key in self.keys]
+
+    def markers_read(self, before: int) -> list[str]:
+        """Every `_SUCCESS` that modules() reads before it knows where files lie: round r's and
+        r-1's modules/, r-1's outer_state/, the merges of r-1 and r-2 that a module not gathered
+        yet is read from, and each path of round r-1. Asked for in a row as the computation got to
+        them, they were four round trips of a train task's load on an object store (0.09 s of its
+        0.16 s on moto over loopback); CommittedOnce reads each once, whoever asks first."""
+        train = self.config.train
+        jobs = round_job_ids(self.config.model.grid, train.workers_per_path, train.workers_in_round(before))
+        merges = [layout.merged_module_dir(r, key) for r in (before, before - 1) if r >= 0 for key in self.keys]
+        rounds = [layout.modules_dir(self.round), layout.modules_dir(before), layout.outer_state_dir(before)]
+        return [*rounds, *merges, *(layout.path_dir(before, job) for job in jobs)]
 
     def check_beside(self, wait_s: float, merge_here: Callable[[ModuleKey], bool] | None = None) -> None:
         """Start difference() on a thread, once (at the inner loop's end): a committed merge never

@@ -151,7 +151,7 @@ def merge_round(config: Config, round_index: int) -> dict:
     keys = all_modules(config.model.grid, private=config.model.path_specific_blocks > 0)
     with (
         one_torch_thread(),
-        ThreadPoolExecutor(IO_THREADS) as io,
+        ThreadPoolExecutor(root.io_threads) as io,
         ThreadPoolExecutor(min(IO_THREADS, len(keys))) as modules,
     ):
         inputs = RoundInputs(root, config, round_index, io)
@@ -407,7 +407,7 @@ def merge_module(config: Config, round_index: int, key: ModuleKey, inputs: Round
     if done is not None:
         return done
     if inputs is None:
-        with ThreadPoolExecutor(IO_THREADS) as pool:  # its paths' files read at once
+        with ThreadPoolExecutor(root.io_threads) as pool:  # its paths' files read at once
             return _merge_module(config, round_index, key, RoundInputs(root, config, round_index, pool, [key]))
     return _merge_module(config, round_index, key, inputs)
 
