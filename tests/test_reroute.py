@@ -108,7 +108,7 @@ def expected_mixed_nll(config, round_index: int, every: int) -> tuple[float, int
     # every window, end-padded (causal: padding after a token never changes its score), by every model
     inputs = torch.zeros((len(docs), seq_len + 1), dtype=torch.long)
     for row, (_, window) in enumerate(docs):
-        inputs[row, : len(window)] = torch.as_tensor(window)
+        inputs[row, : len(window)] = torch.tensor(window)
     with torch.no_grad():
         per_token = {
             p: -torch.log_softmax(m(input_ids=inputs[:, :-1]).logits.double(), -1).gather(2, inputs[:, 1:, None])[

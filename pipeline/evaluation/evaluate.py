@@ -122,7 +122,7 @@ def _batch(batch: list[np.ndarray], prefix: int, pad_id: int) -> tuple[torch.Ten
     targets = torch.full((len(batch), width), -100, dtype=torch.long)  # -100: not scored
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, doc in enumerate(batch):
-        tokens = torch.as_tensor(doc, dtype=torch.long)
+        tokens = torch.tensor(doc, dtype=torch.long)  # a copy: the shard's arrays are shared, read-only
         n = len(tokens) - 1
         inputs[row, :n], mask[row, :n] = tokens[:-1], 1
         targets[row, prefix - 1 : n] = tokens[prefix:]  # target j is token j+1: score tokens >= prefix
