@@ -26,10 +26,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from models.grid import ModuleKey, parse_job_id, path_modules, round_job_ids
+from models.grid import ModuleKey, parse_job_id, path_modules
 from models.modular import ModelShape, ModuleState
 from pipeline.core.config import Config
-from pipeline.outer.merge import RoundInputs, merged_files, merged_info
+from pipeline.outer.merge import RoundInputs, merged_files, merged_info, round_jobs
 from pipeline.state import layout
 from pipeline.state.module_store import decode, encode, load_modules, state_metadata
 from pipeline.state.storage import RunRoot, checksum_bytes, map_io
@@ -113,14 +113,13 @@ class EarlyStart:
     def markers_read(self, before: int) -> list[str]:
         """Every `_SUCCESS` that modules() reads before it knows where files lie: round r's and
         r-1's modules/, r-1's outer_state/, the merges of r-1 and r-2 that a module not gathered
-        yet is read from, and each path of round r-1. Asked for in a row as the computation got to
-        them, they were four round trips of a train task's load on an object store (0.09 s of its
-        0.16 s on moto over loopback); CommittedOnce reads each once, whoever asks first."""
-        train = self.config.train
-        jobs = round_job_ids(self.config.model.grid, train.workers_per_path, train.workers_in_round(before))
+        yet is read from, and each path of round r-1 (committed_paths' round_jobs). Asked for in a row
+        as the computation got to them, they were four round trips of a train task's load on an
+        object store (about 0.1 s of its 0.16 s on moto over loopback); CommittedOnce reads each
+        once, whoever asks first."""
         merges = [layout.merged_module_dir(r, key) for r in (before, before - 1) if r >= 0 for key in self.keys]
         rounds = [layout.modules_dir(self.round), layout.modules_dir(before), layout.outer_state_dir(before)]
-        return [*rounds, *merges, *(layout.path_dir(before, job) for job in jobs)]
+        return [*rounds, *merges, *(layout.path_dir(before, job) for job in round_jobs(self.config, before))]
 
     def check_beside(self, wait_s: float, merge_here: Callable[[ModuleKey], bool] | None = None) -> None:
         """Start difference() on a thread, once (at the inner loop's end): a committed merge never

@@ -536,15 +536,19 @@ def round_report(root: RunRoot, config: Config, round_index: int, markers: dict[
     return report
 
 
+def round_jobs(config: Config, round_index: int) -> list[str]:
+    """The jobs round r trains, the round's workers only (train.workers_schedule): its merge
+    averages those that ran."""
+    return round_job_ids(config.model.grid, config.train.workers_per_path, config.train.workers_in_round(round_index))
+
+
 def committed_paths(
     root: RunRoot, config: Config, round_index: int, markers: dict[str, dict] | None = None
 ) -> tuple[dict[str, int], list[str]]:
     """({path id: tokens trained} for paths that committed, [path ids that did not]); `markers`, when
     given, receives each committed path's `_SUCCESS` (its files are read through it)."""
     committed, left_out = {}, []
-    jobs = round_job_ids(config.model.grid, config.train.workers_per_path, config.train.workers_in_round(round_index))
-    # the round's workers only (train.workers_schedule): its merge averages those that ran; their
-    # markers read at once, each one GET (no existence check before it)
+    jobs = round_jobs(config, round_index)  # their markers read at once, each one GET (no existence check before it)
     found = map_io(lambda job: root.marker_if_committed(layout.path_dir(round_index, job)), jobs, root.io_threads)
     for path_id, marker in zip(jobs, found):
         rel = layout.path_dir(round_index, path_id)
