@@ -1,6 +1,6 @@
 """dipaco's pipeline, grouped by job, each package importing only those before it:
 
-    core        config, errors, bounds
+    core        config, errors, bounds, stalls (the time a reader's own requests to the run root hung)
     state       the run root: storage, layout (the contract between stages), lock, modules, shards
     routing     tokenizer, prefix embedders, (product) k-means, the Router artifact, the
                 discriminative classifier: one routing for prepare, training, evaluation, inference

@@ -357,3 +357,17 @@ def test_publishing_survives_a_backup_attempt_still_writing_its_checkpoint_besid
         stop.set()
         writer.join()
     assert root.read_committed_json(layout.path_dir(0, "p0"), "metrics.json") == {"loss": [1.0]}
+
+
+def test_a_readers_stalls_are_the_time_its_own_requests_hung_past_a_tenth_of_a_lease_counted_once():
+    from pipeline.core.stalls import Stalls
+
+    stalls = Stalls(slow_s=0.05)
+    assert stalls.timed(lambda: 7) == 7 and stalls.within(0, 1e12) == 0.0  # a prompt answer: no stall
+    began = time.monotonic()
+    stalls.timed(lambda: time.sleep(0.3))
+    hung = stalls.within(began, time.monotonic())
+    assert 0.2 <= hung <= 0.3  # its time past slow_s
+    stalls._spans.extend([(10.0, 14.0), (12.0, 16.0), (20.0, 21.0)])  # overlapping: counted once
+    assert stalls.within(11.0, 20.5) == pytest.approx(5.0 + 0.5)
+    assert stalls.within(0.0, 9.0) == 0.0

@@ -4,8 +4,9 @@ multipart, retries), the run lock, lease fencing by compare-and-swap, and the pr
 
 A small HTTP proxy in front of the server plays the stores moto cannot be: one that ignores
 conditional writes (it drops If-None-Match and If-Match, as some S3-compatible stores do), one
-that throttles (503 SlowDown for its first N requests), and a link that corrupts the bodies of its
-first N answers to a GET (a byte flipped in transit)."""
+that throttles (503 SlowDown for its first N requests), a link that corrupts the bodies of its
+first N answers to a GET (a byte flipped in transit), and one that holds back the answers to GETs
+of some keys (fetched when asked, delivered seconds later)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ CONDITIONAL_HEADERS = ("if-none-match", "if-match")
 
 class Proxy(http.server.ThreadingHTTPServer):
     """Forwards to `upstream`, dropping conditional headers (`ignore_conditions`), answering 503
-    SlowDown to its first `throttle` requests, or flipping a byte of its first `corrupt` GET bodies."""
+    SlowDown to its first `throttle` requests, flipping a byte of its first `corrupt` GET bodies, or,
+    while `late_s` is set, delivering the answers to the next `late_left` GETs of keys containing
+    `late_key` that long after they were fetched (a store that froze, or a link that held them back)."""
 
     daemon_threads = True
 
@@ -46,6 +49,7 @@ class Proxy(http.server.ThreadingHTTPServer):
         self.upstream = urllib.parse.urlsplit(upstream)
         self.ignore_conditions, self.throttle, self.throttled = ignore_conditions, throttle, 0
         self.corrupt, self.corrupted = corrupt, 0
+        self.late_s, self.late_key, self.late_left = 0.0, "", 1 << 30
         super().__init__(("127.0.0.1", 0), _ProxyHandler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -81,6 +85,10 @@ class _ProxyHandler(http.server.BaseHTTPRequestHandler):
         if self.command == "GET" and response.status == 200 and data and server.corrupted < server.corrupt:
             server.corrupted += 1
             data = bytes([data[0] ^ 0xFF]) + data[1:]  # the same length: only a checksum can tell
+        if self.command == "GET" and server.late_s and server.late_key and server.late_key in self.path:
+            if server.late_left > 0:
+                server.late_left -= 1
+                time.sleep(server.late_s)  # the record as it was when asked, delivered late
         self.send_response(response.status)
         for key, value in response.getheaders():
             if key.lower() not in ("transfer-encoding", "connection", "content-length"):
@@ -291,6 +299,31 @@ def test_a_dead_holders_lock_is_taken_over_and_a_release_never_removes_anothers_
         assert s3.read_versioned(".lock").data == held.data
 
 
+def test_a_dead_holders_lock_is_taken_over_only_after_it_was_silent_while_the_store_answered(s3_server, s3, fast_lock):
+    """A waiting orchestrator whose own read of the lock hung does not count that time as the
+    holder's silence (a frozen store holds the holder's renewals back too): a dead holder's lock,
+    one read held back 1.5 s (the lock stale after 1 s), is taken over a second of answered
+    silence after that read, where it was taken at that read's answer."""
+    import s3fs
+
+    from pipeline.state.store import S3Store
+
+    dead = s3.create(".lock", b'{"pid": 1, "host": "gone", "state": "held"}')  # never renewed
+    assert dead
+    proxy = Proxy(s3_server.endpoint)
+    try:
+        behind = RunRoot(s3.url)  # the waiting orchestrator, reaching the store through the proxy
+        behind.fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, skip_instance_cache=True, use_listings_cache=False)
+        behind.store = S3Store(behind.fs)
+        proxy.late_s, proxy.late_key, proxy.late_left = 1.5, ".lock", 2  # its first two reads (the first: no stall yet)
+        started = time.monotonic()
+        with run_lock(behind):
+            waited = time.monotonic() - started
+        assert waited >= 1.5 + 1.5 + 0.8, waited  # two late reads, then a stale period of answered silence
+    finally:
+        proxy.shutdown()
+
+
 # -- leases ----------------------------------------------------------------------------------------
 def test_a_holder_whose_record_was_ended_learns_it_from_the_store_at_its_next_beat(s3_root, no_collector_pauses):
     from pipeline.islands.task_queue import Task, TaskQueue
@@ -307,6 +340,53 @@ def test_a_holder_whose_record_was_ended_learns_it_from_the_store_at_its_next_be
     assert not lease.held()
     lease.finish("done")  # a late finish does not overwrite the failure
     assert queue.attempts(Task.of("train", 0, "p0-0"))[0].state == "failed"
+
+
+def test_a_lease_read_whose_answer_comes_late_expires_no_holder_until_a_read_asked_later_finds_it_silent(
+    s3_server, s3_root, no_collector_pauses
+):
+    """A reader counts a holder's silence from when it first saw the beat token to when it asked the
+    read that found it unchanged, not to when that answer came: a frozen store (or a link that held
+    the answer back) delivers the record as it was, while the holder's beats wait in the same queue.
+    Counted to the arrival, one read held back longer than the lease expired a live holder; and a read
+    asked at once after the store answers again finds the count as the freeze left it, so the time
+    the reader's own requests hung is no silence either. Here the holder is stopped: expired once it
+    has been silent for a lease while the store answered."""
+    import s3fs
+
+    from pipeline.islands.task_queue import Task, TaskQueue
+    from pipeline.state.store import S3Store
+
+    url, storage_set = s3_root
+    config = tiny_config(url, storage_set, "train.lease_seconds=0.5")
+    configure(url, config.storage.options)
+    task = Task.of("train", 0, "p0-0")
+    holder = TaskQueue(RunRoot(url), config).claim(task, "island-a", "island-a-1")
+    assert holder is not None
+    holder._stop.set()  # no more beats: what the reader reads stays the same
+    proxy = Proxy(s3_server.endpoint)
+    try:
+        behind = RunRoot(url)  # the reader, reaching the store through the proxy
+        behind.fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, skip_instance_cache=True, use_listings_cache=False)
+        behind.store = S3Store(behind.fs)
+        reader = TaskQueue(behind, config)
+        assert not reader.attempts(task)[0].expired  # first seen now
+        proxy.late_s, proxy.late_key = 1.5, "queue/leases/"  # 3 leases
+        asked = time.monotonic()
+        late = reader.attempts(task)[0]
+        assert time.monotonic() - asked >= 1.5 and late.state == "running"
+        assert not late.expired  # it proves a few ms of silence, not 1.5 s: nothing to take over
+        proxy.late_s = 0.0
+        # Nor does a read asked at once after it: its own read hung those 1.5 s, so the store was
+        # not answering, and a live holder's beats would have waited in the same queue.
+        assert not reader.attempts(task)[0].expired
+        time.sleep(0.6)  # a lease of silence while the store answers: a dead holder's
+        assert reader.attempts(task)[0].expired
+        taken = reader.claim(task, "island-b", "island-b-1")  # and taken over, as a dead holder's is
+        assert taken is not None and [a.state for a in reader.attempts(task)] == ["running", "running"]
+        taken.finish("released")
+    finally:
+        proxy.shutdown()
 
 
 # -- preflight: bad input, each one line, exit 2, nothing written ------------------------------------

@@ -14,7 +14,8 @@ hold the same attempt. The holder heartbeats into its file, counting its beats (
 compare-and-swap on the version it last wrote (`If-Match` on the ETag): when anyone else ended its
 record (fail_running, release_running), the store refuses the beat and the holder stops. An attempt is
 expired when a reader saw its count unchanged for `train.lease_seconds` on the reader's own
-monotonic clock, so no two hosts' wall clocks are ever compared and clock skew cannot expire a
+monotonic clock (to when it asked the read that found it so: an answer the store or the link held
+back proves no more), so no two hosts' wall clocks are ever compared and clock skew cannot expire a
 live holder. A holder that finds a later attempt than its own (a backup attempt aside) has lost
 the lease and stops. A task is done when its output is committed (`_SUCCESS`), so the layout
 contract between stages is unchanged; a train attempt writes into its own staging directory and
@@ -50,6 +51,7 @@ from models.grid import ModuleKey, all_job_ids, all_modules, all_path_ids, parse
 from pipeline.core.bounds import shown
 from pipeline.core.config import Config
 from pipeline.core.errors import CorruptStateError, DipacoError, StorageError
+from pipeline.core.stalls import Stalls
 from pipeline.islands.attempts import Attempts
 from pipeline.state import layout
 from pipeline.state.storage import ListedRoot, RunRoot, map_io
@@ -239,6 +241,9 @@ class TaskQueue:
         self.clock_offset = clock_offset()
         # rel -> (the holder's last beat token, monotonic time this reader first saw it, first seen running)
         self._seen: dict[str, tuple[tuple, float, float]] = {}
+        # when this reader's own lease listings and reads hung (a frozen store, a stopped link): the
+        # holders' beats were held back too, so that time is no holder's silence (pipeline/core/stalls.py)
+        self.stalls = Stalls(slow_s=self.lease_seconds / 10)
         self._warned: set[str] = set()
         self._medians: dict[int, TaskTimes | None] = {}
         self._last_ready: list[Task] = []  # the last look's ready tasks (next_claim), in claim order
@@ -267,16 +272,25 @@ class TaskQueue:
 
     def _attempts_in(self, rel: str) -> list[Attempt]:
         found = []
-        for name in self.root.listdir(rel):
+        for name in self.stalls.timed(lambda: self.root.listdir(rel)):
             match = _ATTEMPT.fullmatch(name)
             if match:
                 found.append(self._attempt(f"{rel}/{name}", int(match.group(1))))
         return sorted(found, key=lambda a: a.number)
 
     def _attempt(self, rel: str, number: int) -> Attempt:
-        """One attempt as this reader sees it now: expiry from its own observations of the beats."""
+        """One attempt as this reader sees it now: expiry from its own observations of the beats.
+
+        An answer tells how the record was when it was asked, not when it came: a store that froze
+        (or a link that held the answer back) delivers the record as it stood before, while the
+        holder's beats waited in the same queue. So the silence a reader counts runs from when it
+        first saw the beat token to when it asked the read that found it unchanged: counted to the
+        answer's arrival, a read held back for longer than the lease expired a live holder. Nor does
+        it count the spans in which its own lease listings and reads hung (pipeline/core/stalls.py): a read asked
+        just after the store came back finds the count as the freeze left it."""
+        asked = time.monotonic()
         try:
-            record = self.root.read_json(rel)
+            record = self.stalls.timed(lambda: self.root.read_json(rel))
             problem = malformed(record)
         except CorruptStateError as exc:  # torn by a crash of its writer, or written by hand
             record, problem = {}, str(exc).removeprefix(f"{self.root.path(rel)}: ")
@@ -303,7 +317,7 @@ class TaskQueue:
         return Attempt(
             number,
             record,
-            expired=running and now - seen[1] > self.lease_seconds,
+            expired=running and asked - seen[1] - self.stalls.within(seen[1], asked) > self.lease_seconds,
             running_for=max(now - seen[2], held) if running else 0.0,
         )
 
@@ -579,7 +593,7 @@ class TaskQueue:
         if self.root.is_local:
             return self._ready(until_round)
         view = copy.copy(self)  # the same caches of what never changes, the root seen through listings
-        view.root = ListedRoot(self.root, self._listed_directories(until_round))
+        view.root = self.stalls.timed(lambda: ListedRoot(self.root, self._listed_directories(until_round)))
         self._listed = view  # next_claim's claims ask it too
         return view._ready(until_round)
 

@@ -21,6 +21,7 @@ from typing import IO, Iterator
 
 from pipeline.core.bounds import SHOWN_CHARS, load_json, one_line, shown
 from pipeline.core.errors import CorruptStateError, InputError, RunLockedError, StorageError
+from pipeline.core.stalls import Stalls
 from pipeline.state import layout
 from pipeline.state.storage import RunRoot
 
@@ -93,8 +94,10 @@ def _heartbeat_lock(root: RunRoot) -> Iterator[None]:
     """An object store's lock: a record created only if absent, renewed by compare-and-swap on the
     version this holder last wrote, released by a compare-and-swap to "released" (so a release never
     removes a lock someone else took over). A holder is judged dead only when this reader saw its
-    record unchanged for STALE_AFTER_S on its own monotonic clock: hosts' wall clocks are never
-    compared, so a live holder whose clock is behind is never taken over."""
+    record unchanged for STALE_AFTER_S on its own monotonic clock, up to when it asked the read that
+    found it so and without the time its own reads hung (a frozen store holds the renewals back
+    too): hosts' wall clocks are never compared, so a live holder whose clock is behind is never
+    taken over."""
     version = _acquire(root)
     lost = threading.Event()
     stop = threading.Event()
@@ -134,12 +137,16 @@ def _record(state: str = "held") -> bytes:
 def _acquire(root: RunRoot) -> str:
     """Create the lock, or take over a released or dead one; RunLockedError while it is live."""
     seen, since = None, time.monotonic()
+    # a store that stops answering holds the holder's renewals back too: the time this process's own
+    # reads of the lock hung is no silence of the holder's, nor is the wait for an answer (pipeline/core/stalls.py)
+    stalls = Stalls(slow_s=STALE_AFTER_S / 10)
     while True:
         created = root.create(layout.LOCK, _record())
         if created is not None:
             return created
+        asked = time.monotonic()
         try:
-            held = root.read_versioned(layout.LOCK)
+            held = stalls.timed(lambda: root.read_versioned(layout.LOCK))
         except InputError:  # released and removed meanwhile: create again
             continue
         record = load_json(held.data, root.path(layout.LOCK), dict)  # damage: one line naming the file
@@ -149,7 +156,8 @@ def _acquire(root: RunRoot) -> str:
                 f"{root.path(layout.LOCK)}: heartbeat must be a time and state held or released, got "
                 f"{shown(heartbeat)} and {shown(record.get('state'))}; remove the file if no dipaco run is live"
             )
-        if record.get("state") == "released" or (seen == held.version and time.monotonic() - since >= STALE_AFTER_S):
+        silent = asked - since - stalls.within(since, asked)
+        if record.get("state") == "released" or (seen == held.version and silent >= STALE_AFTER_S):
             taken = root.replace_if(layout.LOCK, _record(), held.version)
             if taken is not None:
                 if record.get("state") != "released":
