@@ -218,6 +218,19 @@ def test_a_large_file_goes_up_in_parts_and_listings_see_writes_at_once(s3, s3_se
         assert f"i{i}.json" in s3.listdir("queue/islands")
 
 
+def _root_behind(url: str, proxy: Proxy) -> RunRoot:
+    """A RunRoot of `url` whose requests go through `proxy` (the other readers and writers of the
+    test reach the server directly)."""
+    import s3fs
+
+    from pipeline.state.store import S3Store
+
+    root = RunRoot(url)
+    root.fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, skip_instance_cache=True, use_listings_cache=False)
+    root.store = S3Store(root.fs)
+    return root
+
+
 @contextlib.contextmanager
 def _store_behind(s3_server, **proxy_args):
     """(an S3Store that reaches the session's server through a Proxy(**proxy_args), the proxy)."""
@@ -304,17 +317,11 @@ def test_a_dead_holders_lock_is_taken_over_only_after_it_was_silent_while_the_st
     holder's silence (a frozen store holds the holder's renewals back too): a dead holder's lock,
     one read held back 1.5 s (the lock stale after 1 s), is taken over a second of answered
     silence after that read, where it was taken at that read's answer."""
-    import s3fs
-
-    from pipeline.state.store import S3Store
-
     dead = s3.create(".lock", b'{"pid": 1, "host": "gone", "state": "held"}')  # never renewed
     assert dead
     proxy = Proxy(s3_server.endpoint)
     try:
-        behind = RunRoot(s3.url)  # the waiting orchestrator, reaching the store through the proxy
-        behind.fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, skip_instance_cache=True, use_listings_cache=False)
-        behind.store = S3Store(behind.fs)
+        behind = _root_behind(s3.url, proxy)  # the waiting orchestrator
         proxy.late_s, proxy.late_key, proxy.late_left = 1.5, ".lock", 2  # its first two reads (the first: no stall yet)
         started = time.monotonic()
         with run_lock(behind):
@@ -352,10 +359,7 @@ def test_a_lease_read_whose_answer_comes_late_expires_no_holder_until_a_read_ask
     asked at once after the store answers again finds the count as the freeze left it, so the time
     the reader's own requests hung is no silence either. Here the holder is stopped: expired once it
     has been silent for a lease while the store answered."""
-    import s3fs
-
     from pipeline.islands.task_queue import Task, TaskQueue
-    from pipeline.state.store import S3Store
 
     url, storage_set = s3_root
     config = tiny_config(url, storage_set, "train.lease_seconds=0.5")
@@ -366,10 +370,7 @@ def test_a_lease_read_whose_answer_comes_late_expires_no_holder_until_a_read_ask
     holder._stop.set()  # no more beats: what the reader reads stays the same
     proxy = Proxy(s3_server.endpoint)
     try:
-        behind = RunRoot(url)  # the reader, reaching the store through the proxy
-        behind.fs = s3fs.S3FileSystem(endpoint_url=proxy.endpoint, skip_instance_cache=True, use_listings_cache=False)
-        behind.store = S3Store(behind.fs)
-        reader = TaskQueue(behind, config)
+        reader = TaskQueue(_root_behind(url, proxy), config)
         assert not reader.attempts(task)[0].expired  # first seen now
         proxy.late_s, proxy.late_key = 1.5, "queue/leases/"  # 3 leases
         asked = time.monotonic()
