@@ -549,3 +549,38 @@ def test_no_evaluation_is_claimed_while_another_island_runs_a_merge_and_a_commit
     assert lease is not None and lease.task.kind == "eval"
     for held in (lease, training, commit):
         held.finish("released")
+
+
+def test_an_island_keeping_an_inner_state_takes_no_evaluation_and_commits_the_round_once_it_is_kept(run_root):
+    """The plan's last round commits once every path's inner state is kept. Across hosts the island
+    keeping the last one took an evaluation while its state went up, ran it, and claimed the commit
+    1.5 s after the state was in. While this process keeps a state it takes no evaluation; the
+    state kept, its next look takes the commit (another process, keeping nothing, evaluates)."""
+    config = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]")
+    root = stages.init_run(Run(config))
+    write_synthetic_shards(root, config.model.grid)
+    write_plan(root, 1)
+    for job in ("p0", "p1"):
+        root.write_bytes(f"{layout.path_dir(0, job)}/model.safetensors", b"w")
+        root.commit(layout.path_dir(0, job))
+    for key in (ModuleKey(0, 0), ModuleKey(0, 1)):
+        root.write_bytes(f"{layout.merged_module_dir(0, key)}/{layout.MERGED_MODULE}", b"m")
+        root.commit(layout.merged_module_dir(0, key), files=[layout.MERGED_MODULE])
+    root.write_json(layout.inner_state_kept(0, "p0"), {"attempt": "attempt-1"})
+    queue = TaskQueue(root, config)
+    keeping = queue.claim(Task.of("train", 0, "p1"), "island-a")  # held and beating while p1's state goes up
+    queue.keeping_here[(0, "p1")] = "p1's inner state of round 0"
+    ready = {task.name for task in queue.ready(1)}
+    assert "eval.r1.p0" in ready and "commit.r0" not in ready
+    assert queue.next_claim("island-a", 1) is None  # the evaluations wait for the state
+
+    other = TaskQueue(root, config).next_claim("island-b", 1)  # an island keeping nothing evaluates
+    assert other is not None and other.task.kind == "eval"
+
+    root.write_json(layout.inner_state_kept(0, "p1"), {"attempt": "attempt-1"})
+    del queue.keeping_here[(0, "p1")]
+    keeping.finish("done")
+    commit = queue.next_claim("island-a", 1)
+    assert commit is not None and commit.task.name == "commit.r0"
+    for held in (commit, other):
+        held.finish("released")

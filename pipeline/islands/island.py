@@ -325,6 +325,7 @@ class Island:
                 kept = False
             outcome["inner_state_s"] = round(time.monotonic() - began, 3)
             self.queue.keeping_here.pop(held, None)
+            self.queue.news.set()  # a look now, not at the next poll: the round's commit may be ready
             self._end(task, lease, kept, seconds, outcome)
 
         thread = threading.Thread(target=keep, daemon=True, name=f"keep-{task.name}")

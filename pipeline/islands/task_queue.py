@@ -862,7 +862,8 @@ class TaskQueue:
         evaluation is claimed while another island runs a merge: its end makes the next round's
         train tasks ready, and an island that took an evaluation just before started its next path
         1-2 s late (the same benchmark); commits, which the run's end waits for, are (withheld too,
-        they piled up there: 4 in a row, 5 s).
+        they piled up there: 4 in a row, 5 s). Nor while this process keeps an inner state: its
+        end may make a round's commit ready.
         Among a round's merges, first those whose paths' weights this island holds in memory (it
         trained them: no download), then those of the modules most paths share (the longest);
         among its train tasks, first those whose inner state this island still holds.
@@ -893,8 +894,13 @@ class TaskQueue:
         # A path's next round this island holds the state of starts as soon as its peers publish
         # (early_trains): an evaluation claimed just before held it back 2-3 s across hosts.
         training_soon = bool(held)
+        # An inner state this process is keeping may be the last one its round's commit waits for:
+        # in the plan's last round, an island that took an evaluation while its state went up held
+        # that commit back 1.5 s across hosts (it ran the evaluation first), and the last round's
+        # evaluations wait for that commit.
+        keeping = bool(self.keeping_here)
         for task in ready:
-            if (merging or training_soon) and task.kind in REPORT_ONLY:
+            if (merging or training_soon or keeping) and task.kind in REPORT_ONLY:
                 continue
             if not early_tried and task.kind in BEHIND_KINDS:
                 early_tried = True
