@@ -554,7 +554,7 @@ def test_no_evaluation_is_claimed_while_another_island_runs_a_merge_and_a_commit
 def test_an_island_keeping_an_inner_state_takes_no_evaluation_and_commits_the_round_once_it_is_kept(run_root):
     """The plan's last round commits once every path's inner state is kept. Across hosts the island
     keeping the last one took an evaluation while its state went up, ran it, and claimed the commit
-    1.5 s after the state was in. While this process keeps a state it takes no evaluation; the
+    1.7 s after the state was in. While this process keeps a state it takes no evaluation; the
     state kept, its next look takes the commit (another process, keeping nothing, evaluates)."""
     config = tiny_config(run_root, "model.grid=[2]", "model.blocks_per_level=[1]")
     root = stages.init_run(Run(config))

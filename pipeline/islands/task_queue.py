@@ -896,7 +896,7 @@ class TaskQueue:
         training_soon = bool(held)
         # An inner state this process is keeping may be the last one its round's commit waits for:
         # in the plan's last round, an island that took an evaluation while its state went up held
-        # that commit back 1.5 s across hosts (it ran the evaluation first), and the last round's
+        # that commit back 1.7 s across hosts (it ran the evaluation first), and the last round's
         # evaluations wait for that commit.
         keeping = bool(self.keeping_here)
         for task in ready:
