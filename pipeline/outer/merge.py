@@ -483,14 +483,16 @@ def finish_round(config: Config, round_index: int) -> dict:
     # reader of either directory falls back on the staged merges until its marker is in (module_location,
     # read_momentum). Across hosts the plan's last round ends with this commit: claim to marker, it
     # took 1.12 s over a 40 ms link one after the other, 0.84 s at once (a run each, RESULTS.md).
-    with ThreadPoolExecutor(2) as pool:
-        gathered = [
-            pool.submit(commit_states, root, rel, kept, info, {layout.module_file(k): records[k][which] for k in kept})
-            for rel, kept, which in ((rel_modules, keys, 0), (rel_outer, momentum_keys, 1))
-        ]
-        report = round_report(root, config, round_index, markers)
-        for done in gathered:
-            done.result()
+    *_, report = map_io(
+        lambda step: step(),
+        [
+            lambda: commit_states(root, rel_modules, keys, info, {layout.module_file(k): records[k][0] for k in keys}),
+            lambda: commit_states(
+                root, rel_outer, momentum_keys, info, {layout.module_file(k): records[k][1] for k in momentum_keys}
+            ),
+            lambda: round_report(root, config, round_index, markers),
+        ],
+    )
     root.write_json(f"{rel_round}/merge.json", report)
     # merged_at: when the round's last module was merged, the end of its work (utilisation's end of
     # the round): islands commit a round in the gaps, after the next round's training is claimed.
