@@ -511,6 +511,25 @@ def test_an_island_of_two_ranks_trains_every_task_with_both(run_root):
     assert root.read_json("queue/islands/island-0.json")["world_size"] == 2
 
 
+def _kept(root: RunRoot, r: int, job: str) -> None:
+    """A path's inner state of round r kept (its record only: what the queue reads)."""
+    root.write_json(layout.inner_state_kept(r, job), {"attempt": "attempt-1"})
+
+
+def _published(root: RunRoot, r: int, job: str, kept: bool = True) -> None:
+    """A path of round r published (a stand-in for its weights), with its inner state kept unless not `kept`."""
+    root.write_bytes(f"{layout.path_dir(r, job)}/model.safetensors", b"w")
+    root.commit(layout.path_dir(r, job))
+    if kept:
+        _kept(root, r, job)
+
+
+def _merged(root: RunRoot, r: int, key: ModuleKey) -> None:
+    """A module's merge of round r committed (a stand-in for its file)."""
+    root.write_bytes(f"{layout.merged_module_dir(r, key)}/{layout.MERGED_MODULE}", b"m")
+    root.commit(layout.merged_module_dir(r, key), files=[layout.MERGED_MODULE])
+
+
 def test_no_evaluation_is_claimed_while_another_island_runs_a_merge_and_a_commit_is(run_root):
     """A merge's end makes the next round's train tasks ready: an island that took an evaluation
     just before started its next path 1-2 s late across hosts. While another island runs a merge,
@@ -521,20 +540,11 @@ def test_no_evaluation_is_claimed_while_another_island_runs_a_merge_and_a_commit
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 2)
 
-    def published(r: int, job: str) -> None:
-        root.write_bytes(f"{layout.path_dir(r, job)}/model.safetensors", b"w")
-        root.commit(layout.path_dir(r, job))
-        root.write_json(layout.inner_state_kept(r, job), {"attempt": "attempt-1"})
-
-    def merged(r: int, key: ModuleKey) -> None:
-        root.write_bytes(f"{layout.merged_module_dir(r, key)}/{layout.MERGED_MODULE}", b"m")
-        root.commit(layout.merged_module_dir(r, key), files=[layout.MERGED_MODULE])
-
     for job in ("p0", "p1"):
-        published(0, job)
+        _published(root, 0, job)
     for key in (ModuleKey(0, 0), ModuleKey(0, 1)):
-        merged(0, key)
-    published(1, "p0")
+        _merged(root, 0, key)
+    _published(root, 1, "p0")
     merging = TaskQueue(root, config).claim(Task.of("merge", 1, "l0m0"), "island-a")
     training = TaskQueue(root, config).claim(Task.of("train", 1, "p1"), "island-c")
     queue = TaskQueue(root, config)
@@ -543,7 +553,7 @@ def test_no_evaluation_is_claimed_while_another_island_runs_a_merge_and_a_commit
     assert commit is not None and commit.task.name == "commit.r0"
     assert queue.next_claim("island-d", 2) is None  # the evaluations wait while island-a merges
 
-    merged(1, ModuleKey(0, 0))
+    _merged(root, 1, ModuleKey(0, 0))
     merging.finish("done")
     lease = queue.next_claim("island-d", 2)
     assert lease is not None and lease.task.kind == "eval"
@@ -560,13 +570,10 @@ def test_an_island_keeping_an_inner_state_takes_no_evaluation_and_commits_the_ro
     root = stages.init_run(Run(config))
     write_synthetic_shards(root, config.model.grid)
     write_plan(root, 1)
-    for job in ("p0", "p1"):
-        root.write_bytes(f"{layout.path_dir(0, job)}/model.safetensors", b"w")
-        root.commit(layout.path_dir(0, job))
+    _published(root, 0, "p0")
+    _published(root, 0, "p1", kept=False)  # its state still going up
     for key in (ModuleKey(0, 0), ModuleKey(0, 1)):
-        root.write_bytes(f"{layout.merged_module_dir(0, key)}/{layout.MERGED_MODULE}", b"m")
-        root.commit(layout.merged_module_dir(0, key), files=[layout.MERGED_MODULE])
-    root.write_json(layout.inner_state_kept(0, "p0"), {"attempt": "attempt-1"})
+        _merged(root, 0, key)
     queue = TaskQueue(root, config)
     keeping = queue.claim(Task.of("train", 0, "p1"), "island-a")  # held and beating while p1's state goes up
     queue.keeping_here[(0, "p1")] = "p1's inner state of round 0"
@@ -577,7 +584,7 @@ def test_an_island_keeping_an_inner_state_takes_no_evaluation_and_commits_the_ro
     other = TaskQueue(root, config).next_claim("island-b", 1)  # an island keeping nothing evaluates
     assert other is not None and other.task.kind == "eval"
 
-    root.write_json(layout.inner_state_kept(0, "p1"), {"attempt": "attempt-1"})
+    _kept(root, 0, "p1")
     del queue.keeping_here[(0, "p1")]
     keeping.finish("done")
     commit = queue.next_claim("island-a", 1)
