@@ -8,7 +8,9 @@ that can answer 503 SlowDown (benchmarks/throttleproxy.py) and an MLflow server;
 its own directory (working directory, TMPDIR, HOME, caches) and runs in a mount namespace where the
 other hosts' and the store's directories are empty, and the benchmark checks, while the run goes,
 that no process of a host has a working directory, an open file or a TMPDIR in anything but its
-own (`/proc/<pid>/cwd`, `/proc/<pid>/fd`, `/proc/<pid>/environ`).
+own (`/proc/<pid>/cwd`, `/proc/<pid>/fd`, `/proc/<pid>/environ`). Nor the cores: a host's
+processes run on its own share of this machine's (netns.Lab.host_cores), and its islands size their
+ranks' threads to that share, as on a machine of their own.
 
 The run: host 0 runs `dipaco run --config C` (prepare, plan, its islands, the rounds' reports to
 MLflow), every other host `dipaco island --config C --name h<i>-<k> --wait S` at the same time,
@@ -439,8 +441,9 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
     watcher, lines = watch(lab, spec, run.watch_overrides, spec.timeout_s, run.faults)
     lab.observers.add(watcher.pid)  # its CPU is counted apart from the store's
     started = time.monotonic()
-    driver_overrides = [*run.overrides, f"train.islands={spec.islands_per_host}"]
-    start(0, "h0-driver", dipaco("run", spec, driver_overrides))
+    # train.islands: the islands on each host, whose ranks share its cores (docs/operations.md)
+    host_overrides = [*run.overrides, f"train.islands={spec.islands_per_host}"]
+    start(0, "h0-driver", dipaco("run", spec, host_overrides))
     # every other host's islands start with it and wait for the plan (`dipaco island --wait`), as a
     # host's service would: their ranks start within a poll of the plan. Started once the lab saw
     # the plan, they began compiling 7 s after host 0's island (3 s with the wait), and round 0
@@ -448,7 +451,7 @@ def run_across_hosts(lab: Lab, store: Store | None, spec: Spec, run: HostRun) ->
     for host in range(1, lab.n_hosts):
         for k in range(spec.islands_per_host):
             wait = ("--wait", f"{spec.timeout_s:g}")
-            start(host, f"h{host}-{k}", dipaco("island", spec, run.overrides, "--name", f"h{host}-{k}", *wait))
+            start(host, f"h{host}-{k}", dipaco("island", spec, host_overrides, "--name", f"h{host}-{k}", *wait))
     faults = Faults(lab, store, spec, run, procs) if run.faults else None
     finished, first_claim = None, None
     try:
@@ -948,6 +951,13 @@ def render(spec: Spec, results: list[dict], lab_info: dict, grid: list[int]) -> 
             if lab_info.get("pinned")
             else ""
         )
+        + (
+            " Each host's processes run on its own cores ("
+            + ", ".join(f"{h}: {','.join(map(str, c))}" for h, c in lab_info["cores"].items())
+            + "), the one-host run's on all of them."
+            if lab_info.get("cores")
+            else ""
+        )
         + f" {compile_caches_said(lab_info.get('compile_caches'))}"
         + (
             " Goodput is against the two one-host runs together, one before and one after the runs across the"
@@ -1052,6 +1062,7 @@ def benchmark(spec: Spec, base: Path, runs: tuple[str, ...] = ("fault-free", "fa
             "links": spec.shape.describe()
             + (" (netem)" if lab.netem else " (tbf + relay)" if spec.shape.shaped else ""),
             "pinned": pinned,
+            "cores": {f"h{i}": lab.host_cores(i) for i in range(lab.n_hosts)},
             "compile_caches": None if warm is None else {"dir": str(spec.compile_cache), "warm": warm},
         }
     if reference and spec.bracket:  # once the lab is gone, as the first one-host run found the machine

@@ -339,6 +339,7 @@ class Lab:
                 ],
                 log_path=self.host_dir(i) / "linkdelay.log",
                 isolate=False,
+                pin=False,
             )
 
     # -- names and places --------------------------------------------------------------------------
@@ -365,6 +366,19 @@ class Lab:
     def store_dir(self) -> Path:
         return self.base / "store"
 
+    def host_cores(self, i: int) -> list[int]:
+        """The cores host i's processes run on: this machine's cores (the benchmark's affinity) dealt
+        out to the hosts in turn, as separate machines would each have their own. Shared, the hosts
+        sized their ranks' threads as if each had every core: host 0's `dipaco run --set
+        train.islands=1` took 2 threads, host 1's island 1, three threads on 2 cores, and the
+        hosts' inner loops ran 7 % longer than the one-host run's on a Xeon (RESULTS.md). With
+        more hosts than cores, hosts i and i + cores share one."""
+        cores = sorted(os.sched_getaffinity(0))
+        if self.n_hosts >= len(cores):
+            return [cores[i % len(cores)]]
+        share = len(cores) // self.n_hosts
+        return cores[i * share : (i + 1) * share]
+
     def private_dirs(self) -> dict[str, Path]:
         return {self.store: self.store_dir(), **{ns: self.host_dir(i) for i, ns in enumerate(self.hosts)}}
 
@@ -379,11 +393,17 @@ class Lab:
         cwd: Path | None = None,
         isolate: bool = True,
         nice: int = 0,
+        pin: bool = True,
     ) -> subprocess.Popen:
         """`argv` in namespace `ns`, in a mount namespace where every other lab member's directory
         is an empty read-only tmpfs (`isolate`): a host sees its own disk, the code and nothing of
-        the others'. stdout and stderr go to `log_path`; `nice` lowers its priority (nice(1))."""
+        the others'. In a host's namespace it runs on that host's cores (`host_cores`, taskset(1);
+        `pin` False for the lab's own link relays, which stand for the wire). stdout and stderr go
+        to `log_path`; `nice` lowers its priority (nice(1))."""
         hide = [str(d) for other, d in self.private_dirs().items() if other != ns] if isolate else []
+        if pin and ns in self.hosts:
+            cores = ",".join(str(c) for c in self.host_cores(self.hosts.index(ns)))
+            argv = ["taskset", "-c", cores, *argv]
         script = 'for d in "$@"; do [ "$d" = -- ] && break; mount -t tmpfs -o ro,size=4k,mode=0 none "$d"; shift; done'
         script += '; shift; exec "$@"'
         wrapped = ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private", "--"]

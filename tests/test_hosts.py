@@ -112,6 +112,38 @@ def test_a_signal_removes_the_labs_namespaces_links_and_processes(tmp_path, sign
     assert [pid for pid in pids if netns.pid_alive(int(pid))] == []
 
 
+def test_each_host_runs_on_its_own_cores_and_the_links_relays_on_any(tmp_path):
+    """Separate machines do not share cores: a host's processes run on its share of this machine's
+    (taskset), so its ranks size their threads to that share (pipeline.train.distributed's
+    available_cores) and never oversubscribe the cores another host trains on."""
+    why = netns.can_make_namespaces()
+    if why:
+        pytest.skip(f"network namespaces: {why}")
+    every = os.sched_getaffinity(0)
+    with netns.Lab(2, netns.LinkShape(50, 40), tmp_path / "lab", store_ports=(9000,)) as lab:
+        shares = [lab.host_cores(i) for i in range(2)]
+        sleeps = [lab.spawn(lab.hosts[i], ["sleep", "60"], tmp_path / f"sleep-{i}.log") for i in range(2)]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(Path(f"/proc/{p.pid}/comm").read_text().strip() != "sleep" for p in sleeps):
+            time.sleep(0.05)  # until `ip netns exec`, unshare, sh and taskset have exec'd into sleep
+        seen = [os.sched_getaffinity(p.pid) for p in sleeps]
+        relays = [os.sched_getaffinity(p.pid) for p in lab.relays.values()]  # none where sch_netem delays
+    assert seen == [set(share) for share in shares]
+    if len(every) >= 2:
+        assert not seen[0] & seen[1]  # no core of host 0's is host 1's
+    assert all(found == every for found in relays)
+
+
+def test_hosts_share_the_cores_out_in_turn(monkeypatch, tmp_path):
+    lab = netns.Lab(3, netns.LinkShape(None, None), tmp_path)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert [lab.host_cores(i) for i in range(3)] == [[0], [1], [0]]  # more hosts than cores: 0 and 2 share
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert [lab.host_cores(i) for i in range(3)] == [[0], [1], [2]]
+    lab = netns.Lab(2, netns.LinkShape(None, None), tmp_path)
+    assert [lab.host_cores(i) for i in range(2)] == [[0, 1], [2, 3]]
+
+
 def test_without_root_it_says_so_in_one_line_and_exits_2(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert hosts.main(["--hosts", "2"]) == 2

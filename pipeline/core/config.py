@@ -157,6 +157,7 @@ class TrainConfig:
     parallel_paths: int = 2  # path jobs at once on this machine (one-shot launches) and the default of islands;
     #                          OMP threads per rank are the cores shared by the ranks running at once
     islands: int | None = None  # long-lived island launches `dipaco run` and the DAG start (default: parallel_paths)
+    #                             and, on any host, the islands there: each rank's share of its cores
     lease_seconds: float = 60.0  # an island's claim on a task expires when its beats stop this long (reader's clock)
     backup_after: float | None = None  # backup attempt of a train task running this x its round's median, or
     #                                    projected to by its heartbeated pace when a backup from its newest checkpoint
