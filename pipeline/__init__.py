@@ -14,7 +14,8 @@
 
 above them the Beam app (the top-level `preprocessing` package: read C4, embed, route, write
 shards), which none of these packages imports, and at the top the stages the CLI and the Airflow
-DAG call (stages, each taking the Run of run.py: config, run root, tracker; preflight, cli, sweep)
+DAG call (stages, each taking the Run of run.py: config, run root, tracker; preflight, cli, sweep,
+compile_warmup: a host's first torch.compile beside prepare or the wait for the plan)
 and the entry point of an island's ranks (island_rank), which hand the Beam job to the layers below
 where they need it. Below them all, `models`. tests/test_code_layout.py holds the rule, for
 benchmarks/ and airflow/dags/ too.

@@ -17,8 +17,9 @@ import signal
 import sys
 import textwrap
 import threading
+from contextlib import ExitStack
 
-from pipeline import preflight
+from pipeline import compile_warmup, preflight
 from pipeline.core.bounds import one_line
 from pipeline.core.config import Config, load_config
 from pipeline.core.errors import DipacoError, IslandError, StorageError
@@ -235,11 +236,15 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def check(args: argparse.Namespace, config: Config) -> None:
-    """Every refusal this command can know of before it writes (pipeline.preflight)."""
+def check(args: argparse.Namespace, config: Config, beside: ExitStack | None = None) -> None:
+    """Every refusal this command can know of before it writes (pipeline.preflight). A waiting
+    `dipaco island` compiles the path model meanwhile (pipeline/compile_warmup.py), in a
+    process that `beside` stops when the command is done."""
     if args.command != "clean":
         preflight.check_object_store(config)
     if args.command == "island" and args.wait:
+        if beside is not None:
+            beside.enter_context(compile_warmup.beside(config))
         preflight.wait_for_plan(config, args.wait)  # before the checks that need the run prepared
     if args.command in ("prepare", "run"):
         preflight.check_data(config)
@@ -264,7 +269,12 @@ def dispatch(args: argparse.Namespace) -> dict | None:
         return sweep.command(args.config, args.quick, args.predict, args.verify, args.overrides)
     config = load_config(args.config, args.overrides)
     configure_storage(config)
-    check(args, config)
+    with ExitStack() as beside:
+        check(args, config, beside)
+        return _dispatch_checked(args, config)
+
+
+def _dispatch_checked(args: argparse.Namespace, config: Config) -> dict | None:
     from pipeline import stages  # once the arguments are known good; torch loads in the stages that need it
     from pipeline.run import Run
 

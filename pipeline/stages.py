@@ -13,7 +13,7 @@ import logging
 import time
 
 from models.grid import all_job_ids
-from pipeline import init_from, preflight
+from pipeline import compile_warmup, init_from, preflight
 from pipeline.core.config import Config, dump_yaml
 from pipeline.core.errors import ConfigError, InputError
 from pipeline.evaluation.early_stopping import best_up_to, write_best
@@ -308,13 +308,14 @@ def run(run: Run, rounds: int | None = None) -> dict:
         run.tracker.log_run_config()
         precision = choose_precision(run)
         run.tracker.log_precision(precision.name, precision.reason)
-        prepare(run)
-        evaluate_initial(run)
-        todo = plan_rounds(run, rounds)
-        if not todo:
-            log.info("%s", nothing_to_train(run))
-        else:
-            supervisor.Supervisor(run.config, run.root, reshard).run(todo, report=lambda r: report_round(run, r))
+        with compile_warmup.beside(run.config):  # this host's first torch.compile while prepare runs
+            prepare(run)
+            evaluate_initial(run)
+            todo = plan_rounds(run, rounds)
+            if not todo:
+                log.info("%s", nothing_to_train(run))
+            else:
+                supervisor.Supervisor(run.config, run.root, reshard).run(todo, report=lambda r: report_round(run, r))
         summary = summarize(run)
         if run.config.eval.sample_prompt and summary.get("model_version"):
             from pipeline.tracking.registry import champion_continuation

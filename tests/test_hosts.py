@@ -124,7 +124,9 @@ def test_each_host_runs_on_its_own_cores_and_the_links_relays_on_any(tmp_path):
         shares = [lab.host_cores(i) for i in range(2)]
         sleeps = [lab.spawn(lab.hosts[i], ["sleep", "60"], tmp_path / f"sleep-{i}.log") for i in range(2)]
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(Path(f"/proc/{p.pid}/comm").read_text().strip() != "sleep" for p in sleeps):
+        while time.monotonic() < deadline and any(
+            Path(f"/proc/{p.pid}/comm").read_text().strip() != "sleep" for p in sleeps
+        ):
             time.sleep(0.05)  # until `ip netns exec`, unshare, sh and taskset have exec'd into sleep
         seen = [os.sched_getaffinity(p.pid) for p in sleeps]
         relays = [os.sched_getaffinity(p.pid) for p in lab.relays.values()]  # none where sch_netem delays

@@ -1,0 +1,138 @@
+"""A host's first torch.compile, done while the host would wait anyway.
+
+`train.compile` compiles the path model's forward at a task's first step: ~40 s the first time on a
+host (one core of a 2-core Xeon with AMX: 41.4 s), ~3.4 s in a later process that finds inductor's
+kernels on disk (its cache in the host's TMPDIR). A run's first round waits for that first compile
+on every host, and on the hosts benchmark it was most of what round 0 lost against one host: two
+islands on one machine share one cache, separate hosts do not.
+
+So a process that will launch islands compiles the path model once beforehand, beside the time
+it spends waiting: `dipaco run` beside prepare (the Beam job), `dipaco island --wait` beside its
+wait for the plan. It builds a fresh path model as a train task does (the same builder, precision,
+ds_config, ZeRO engine and compiled forward) and runs one forward and backward on random tokens:
+inductor keys its kernels by the graph, not the weights, so the island's first step finds them.
+Nothing is read from or written to the run root; what it leaves is the host's own compile cache.
+
+Only where the run will compile (`will_compile`, decided without importing torch: the islands'
+launcher never loads it); the warm-up itself asks compile_choice again and exits at once when it
+would not compile. It never holds anything up: the islands start when they are ready, beside it if
+it still runs, and it is stopped when its launcher is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from pipeline.core.config import Config, config_from_yaml, dump_yaml
+
+log = logging.getLogger("dipaco.warmup")
+STOP_GRACE_S = 5.0
+
+
+def will_compile(train, cpuinfo: str | None = None, cuda: bool | None = None) -> bool:
+    """Whether this host's islands will compile (zero.compile_choice's answer), told without torch:
+    `auto` compiles on CUDA and on a CPU with AMX (`amx_tile` among /proc/cpuinfo's flags).
+    `cpuinfo` and `cuda` stand in for the machine in tests."""
+    if train.compile is True or train.compile is False:
+        return train.compile
+    if train.compile != "auto":
+        return False  # the config check names it; nothing to warm
+    if cuda is None:  # as precision.accelerator: DS_ACCELERATOR when set, else whether a GPU is there
+        named = os.environ.get("DS_ACCELERATOR")
+        cuda = named == "cuda" if named else Path("/dev/nvidia0").exists()
+    if cuda:
+        return True
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return False
+    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    return "amx_tile" in flags.split()
+
+
+def warm(config: Config) -> float | None:
+    """One forward and backward of a fresh path model, built and compiled as a train task builds
+    it (pipeline.train.train_path), on random tokens; seconds, or None where it would not compile."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from models.modular import ModelShape, build_path_model
+    from pipeline.train.data import RowStream
+    from pipeline.train.distributed import apply_rank_threads, init_distributed
+    from pipeline.train.precision import resolve as resolve_precision
+    from pipeline.train.train_path import adamw_for
+    from pipeline.train.zero import compile_forward, load_ds_config, release_engine, wrap_with_zero
+
+    train = config.train
+    init_distributed()  # a one-rank job of its own
+    apply_rank_threads(train, islands=True)  # the threads an island's rank takes on this host
+    shape = ModelShape.from_config(config.model)
+    model = build_path_model(shape, None, seed=train.seed)
+    ds_config = load_ds_config(train, shape, 1, resolve_precision(train, shape))
+    if not compile_forward(model, train, ds_config):
+        return None
+    engine = wrap_with_zero(model, adamw_for(model, train), ds_config)
+    began = time.perf_counter()
+    rows = np.random.default_rng(0).integers(0, shape.vocab_size, (train.micro_batch_size, config.model.seq_len + 1))
+    batch = RowStream(rows, seed=0).micro_batch(0, train.micro_batch_size)  # the dtype and layout a task feeds
+    inputs, labels = (t.to(engine.device) for t in batch)
+    logits = engine(input_ids=inputs).logits  # as run_inner_loop calls it: the compiled forward
+    engine.backward(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()))  # its backward graph
+    seconds = time.perf_counter() - began
+    release_engine(engine)
+    return seconds
+
+
+@contextmanager
+def beside(config: Config) -> Iterator[None]:
+    """Run the warm-up in a process of its own while the body runs (where will_compile), and stop
+    it, if it still runs, when the body is done. Its output goes to this process's log, prefixed."""
+    model = config.model
+    if not will_compile(config.train) or (model.init_from and model.init_config is None):
+        yield  # a checkpoint's shape is known once init_run read it: nothing to build before
+        return
+    from pipeline.islands.launch import Launch, rank_threads
+
+    scratch = Path(tempfile.mkdtemp(prefix="dipaco-warmup-"))
+    config_file = scratch / "config.yaml"
+    config_file.write_text(dump_yaml(config))
+    command = [sys.executable, "-u", "-m", "pipeline.compile_warmup", "--config-yaml", str(config_file)]
+    launch = Launch(command, "warm-up", rank_threads(config.train, islands=True))
+    try:
+        yield
+    finally:
+        if launch.poll() is None:
+            log.info("warm-up: still compiling when its launcher was done; stopped")
+        launch.stop(STOP_GRACE_S)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.compile_warmup", description=__doc__.split("\n")[0])
+    parser.add_argument("--config-yaml", required=True, help="the whole config, as its launcher dumped it")
+    args = parser.parse_args(argv)
+    from pipeline.train.distributed import run_rank
+
+    def body() -> None:
+        config = config_from_yaml(Path(args.config_yaml).read_text(), args.config_yaml)
+        seconds = warm(config)
+        if seconds is None:
+            log.info("warm-up: this host's islands train eagerly; nothing to compile")
+        else:
+            log.info("warm-up: compiled the path model's forward and backward in %.1f s", seconds)
+
+    return run_rank("warm-up", body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
