@@ -236,15 +236,14 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def check(args: argparse.Namespace, config: Config, beside: ExitStack | None = None) -> None:
+def check(args: argparse.Namespace, config: Config, beside: ExitStack) -> None:
     """Every refusal this command can know of before it writes (pipeline.preflight). A waiting
     `dipaco island` compiles the path model meanwhile (pipeline/compile_warmup.py), in a
     process that `beside` stops when the command is done."""
     if args.command != "clean":
         preflight.check_object_store(config)
     if args.command == "island" and args.wait:
-        if beside is not None:
-            beside.enter_context(compile_warmup.beside(config))
+        beside.enter_context(compile_warmup.beside(config))
         preflight.wait_for_plan(config, args.wait)  # before the checks that need the run prepared
     if args.command in ("prepare", "run"):
         preflight.check_data(config)

@@ -103,18 +103,24 @@ def beside(config: Config) -> Iterator[None]:
         return
     from pipeline.islands.launch import Launch, rank_threads
 
-    scratch = Path(tempfile.mkdtemp(prefix="dipaco-warmup-"))
-    config_file = scratch / "config.yaml"
-    config_file.write_text(dump_yaml(config))
-    command = [sys.executable, "-u", "-m", "pipeline.compile_warmup", "--config-yaml", str(config_file)]
-    launch = Launch(command, "warm-up", rank_threads(config.train, islands=True))
+    scratch, launch = None, None
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix="dipaco-warmup-"))
+        config_file = scratch / "config.yaml"
+        config_file.write_text(dump_yaml(config))
+        command = [sys.executable, "-u", "-m", "pipeline.compile_warmup", "--config-yaml", str(config_file)]
+        launch = Launch(command, "warm-up", rank_threads(config.train, islands=True))
+    except OSError as exc:  # an optimisation: the islands compile at their first step instead
+        log.warning("warm-up: could not start (%s); the islands compile at their first step", exc)
     try:
         yield
     finally:
-        if launch.poll() is None:
-            log.info("warm-up: still compiling when its launcher was done; stopped")
-        launch.stop(STOP_GRACE_S)
-        shutil.rmtree(scratch, ignore_errors=True)
+        if launch is not None:
+            if launch.poll() is None:
+                log.info("warm-up: still compiling when its launcher was done; stopped")
+            launch.stop(STOP_GRACE_S)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -60,6 +61,19 @@ def test_an_eager_run_starts_no_warm_up_process(run_root):
             except OSError:
                 continue
     assert not any(b"compile_warmup" in c for c in commands)
+
+
+def test_a_warm_up_that_cannot_start_costs_the_run_nothing(run_root, tmp_path, monkeypatch, caplog):
+    """Its scratch directory cannot be made (a TMPDIR that is gone): the run goes on, one warning
+    says the islands compile at their first step."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    ran = False
+    with caplog.at_level("WARNING", logger="dipaco.warmup"):
+        with compile_warmup.beside(tiny_config(run_root, "train.compile=true")):
+            ran = True
+    assert ran
+    said = [r.getMessage() for r in caplog.records if r.name == "dipaco.warmup"]
+    assert len(said) == 1 and "could not start" in said[0] and "compile at their first step" in said[0]
 
 
 @pytest.mark.slow  # ~40 s: inductor compiles the tiny path once (cold cache), then a task reads it
