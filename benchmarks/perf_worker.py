@@ -41,7 +41,7 @@ from pipeline.core.errors import InputError
 from pipeline.train.data import RowStream, micro_batch_start, pack_documents
 from pipeline.train.distributed import close_distributed, init_distributed
 from pipeline.train.precision import accelerator
-from pipeline.train.train_path import adamw_for, lr_at, run_inner_loop
+from pipeline.train.train_path import adamw_for, lr_at, path_loss, run_inner_loop
 from pipeline.train.zero import load_ds_config, wrap_with_zero
 
 log = logging.getLogger("dipaco.bench.perf_worker")
@@ -171,7 +171,7 @@ class TrainerLoop:
         self.linear = torch.nn.functional.linear if stage == 3 else TORCH_LINEAR
 
     def loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.engine(input_ids=inputs).logits.flatten(0, 1).float(), labels.flatten())
+        return path_loss(self.engine, inputs, labels)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)

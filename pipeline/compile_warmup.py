@@ -64,13 +64,12 @@ def warm(config: Config) -> float | None:
     """One forward and backward of a fresh path model, built and compiled as a train task builds
     it (pipeline.train.train_path), on random tokens; seconds, or None where it would not compile."""
     import numpy as np
-    import torch.nn.functional as F
 
     from models.modular import ModelShape, build_path_model
     from pipeline.train.data import RowStream
     from pipeline.train.distributed import apply_rank_threads, init_distributed
     from pipeline.train.precision import resolve as resolve_precision
-    from pipeline.train.train_path import adamw_for
+    from pipeline.train.train_path import adamw_for, path_loss
     from pipeline.train.zero import compile_forward, load_ds_config, release_engine, wrap_with_zero
 
     train = config.train
@@ -86,8 +85,7 @@ def warm(config: Config) -> float | None:
     rows = np.random.default_rng(0).integers(0, shape.vocab_size, (train.micro_batch_size, config.model.seq_len + 1))
     batch = RowStream(rows, seed=0).micro_batch(0, train.micro_batch_size)  # the dtype and layout a task feeds
     inputs, labels = (t.to(engine.device) for t in batch)
-    logits = engine(input_ids=inputs).logits  # as run_inner_loop calls it: the compiled forward
-    engine.backward(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()))  # its backward graph
+    engine.backward(path_loss(engine, inputs, labels))  # the compiled forward, then its backward graph
     seconds = time.perf_counter() - began
     release_engine(engine)
     return seconds

@@ -83,27 +83,18 @@ def test_the_first_train_task_reads_the_warm_ups_kernels_instead_of_compiling(ru
     env = {**os.environ, "TMPDIR": str(host), "PYTHONPATH": str(REPO)}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     config = tiny_config(run_root, *TINY_PATH, "train.compile=true")
+
+    def on_the_host(argv: list[str]) -> subprocess.CompletedProcess:
+        """A process of that host: its TMPDIR, so its inductor cache."""
+        return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
     dumped = tmp_path / "config.yaml"
     dumped.write_text(dump_yaml(config))
-    warm = subprocess.run(
-        [sys.executable, "-m", "pipeline.compile_warmup", "--config-yaml", str(dumped)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    warm = on_the_host([sys.executable, "-m", "pipeline.compile_warmup", "--config-yaml", str(dumped)])
     assert warm.returncode == 0, warm.stderr[-2000:]
     assert "compiled the path model's forward and backward" in warm.stderr
     assert not run_root.exists()  # nothing of the run root: only the host's own cache
-    task = subprocess.run(
-        [sys.executable, "-c", TRAIN_AND_COUNT, str(run_root), *TINY_PATH, "train.compile=true"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    task = on_the_host([sys.executable, "-c", TRAIN_AND_COUNT, str(run_root), *TINY_PATH, "train.compile=true"])
     assert task.returncode == 0, task.stderr[-2000:]
     found = json.loads(task.stdout.strip().splitlines()[-1])
     assert found["compiled"] is True

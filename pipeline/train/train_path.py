@@ -312,6 +312,13 @@ def drop_staging(root: RunRoot, rel: str) -> None:
         log.info("%s not removed yet (another attempt still writes there): %s", rel, exc)
 
 
+def path_loss(engine, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A micro batch's next-token loss through the engine's (compiled) forward: the one graph every
+    step runs, and the one the compile warm-up (pipeline/compile_warmup.py) compiles beforehand."""
+    logits = engine(input_ids=inputs).logits  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
 def run_inner_loop(
     engine,
     stream: RowStream,
@@ -354,8 +361,7 @@ def run_inner_loop(
             inputs, labels = (
                 t.to(engine.device) for t in stream.micro_batch(first, train.micro_batch_size)
             )  # (B, T) each
-            logits = engine(input_ids=inputs).logits  # (B, T, V)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss = path_loss(engine, inputs, labels)
             engine.backward(loss)
             engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
             losses[step] += loss.detach() / train.gradient_accumulation_steps
