@@ -13,10 +13,14 @@ ds_config, ZeRO engine and compiled forward) and runs one forward and backward o
 inductor keys its kernels by the graph, not the weights, so the island's first step finds them.
 Nothing is read from or written to the run root; what it leaves is the host's own compile cache.
 
+The DAG does the same on each host's Celery queue: its `warm_up` task runs beside prepare and
+waits for the process (`compile_now`), on the worker whose island tasks read that cache.
+
 Only where the run will compile (`will_compile`, decided without importing torch: the islands'
 launcher never loads it); the warm-up itself asks compile_choice again and exits at once when it
 would not compile. It never holds anything up: the islands start when they are ready, beside it if
-it still runs, and it is stopped when its launcher is done.
+it still runs, and it is stopped when its launcher is done. A warm-up that cannot start or fails
+costs the run nothing but the compile it would have saved: one line says so.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +41,8 @@ from pipeline.core.config import Config, config_from_yaml, dump_yaml
 
 log = logging.getLogger("dipaco.warmup")
 STOP_GRACE_S = 5.0
+WAIT_S = 1800.0  # compile_now's bound: a large model's first compile on a GPU takes minutes
+DONE = "compiled the path model's forward and backward"  # the process's last line when it compiled
 
 
 def will_compile(train, cpuinfo: str | None = None, cuda: bool | None = None) -> bool:
@@ -91,34 +98,88 @@ def warm(config: Config) -> float | None:
     return seconds
 
 
+def nothing_to_warm(config: Config) -> bool:
+    """The islands train eagerly, or the model's shape is not known yet: a checkpoint's is known
+    once init_run read it (model.init_from without model.init_config)."""
+    model = config.model
+    return not will_compile(config.train) or bool(model.init_from and model.init_config is None)
+
+
+class Warming:
+    """The warm-up's process (`python -m pipeline.compile_warmup`), started on this host, and the
+    scratch directory holding the config it reads."""
+
+    def __init__(self, config: Config):
+        from pipeline.islands.launch import Launch, rank_threads
+
+        self.scratch = Path(tempfile.mkdtemp(prefix="dipaco-warmup-"))
+        try:
+            config_file = self.scratch / "config.yaml"
+            config_file.write_text(dump_yaml(config))
+            command = [sys.executable, "-u", "-m", "pipeline.compile_warmup", "--config-yaml", str(config_file)]
+            self.launch = Launch(command, "warm-up", rank_threads(config.train, islands=True))
+        except BaseException:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            raise
+
+    def said(self) -> str:
+        """The process's last line of its own (dipaco.warmup's), or its last line."""
+        lines = [line for line in self.launch.tail if "warm-up:" in line] or self.launch.tail or ["(no output)"]
+        return lines[-1].split("dipaco.warmup ")[-1]
+
+    def end(self) -> None:
+        """Stop the process if it still runs; remove the scratch directory."""
+        if self.launch.poll() is None:
+            log.info("warm-up: still compiling when its launcher was done; stopped")
+        self.launch.stop(STOP_GRACE_S)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
 @contextmanager
 def beside(config: Config) -> Iterator[None]:
     """Run the warm-up in a process of its own while the body runs (where will_compile), and stop
     it, if it still runs, when the body is done. Its output goes to this process's log, prefixed."""
-    model = config.model
-    if not will_compile(config.train) or (model.init_from and model.init_config is None):
-        yield  # a checkpoint's shape is known once init_run read it: nothing to build before
+    if nothing_to_warm(config):
+        yield
         return
-    from pipeline.islands.launch import Launch, rank_threads
-
-    scratch, launch = None, None
+    warming = None
     try:
-        scratch = Path(tempfile.mkdtemp(prefix="dipaco-warmup-"))
-        config_file = scratch / "config.yaml"
-        config_file.write_text(dump_yaml(config))
-        command = [sys.executable, "-u", "-m", "pipeline.compile_warmup", "--config-yaml", str(config_file)]
-        launch = Launch(command, "warm-up", rank_threads(config.train, islands=True))
+        warming = Warming(config)
     except OSError as exc:  # an optimisation: the islands compile at their first step instead
         log.warning("warm-up: could not start (%s); the islands compile at their first step", exc)
     try:
         yield
     finally:
-        if launch is not None:
-            if launch.poll() is None:
-                log.info("warm-up: still compiling when its launcher was done; stopped")
-            launch.stop(STOP_GRACE_S)
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        if warming is not None:
+            warming.end()
+
+
+def compile_now(config: Config, wait_s: float = WAIT_S) -> str | None:
+    """The warm-up on this host, waited for (at most `wait_s`): the DAG's `warm_up` task, beside
+    prepare on the queue of the host whose island tasks will read the cache. None where the
+    islands train eagerly; else one line saying what it did. Its own failure is that line, never
+    an exception: the islands then compile at their first step, as without it."""
+    if nothing_to_warm(config):
+        return None
+    try:
+        warming = Warming(config)
+    except OSError as exc:
+        said = f"warm-up: could not start ({exc}); the islands compile at their first step"
+        log.warning("%s", said)
+        return said
+    code = None
+    try:
+        code = warming.launch.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        said = f"warm-up: still compiling after {wait_s:g} s; stopped, the islands compile at their first step"
+    else:
+        said = warming.said()  # what it did: compiled, or found the islands train eagerly here
+        if code != 0:
+            said = f"warm-up: exited {code} ({said}); the islands compile at their first step"
+    finally:
+        warming.end()
+    (log.info if code == 0 else log.warning)("%s", said)
+    return said
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if seconds is None:
             log.info("warm-up: this host's islands train eagerly; nothing to compile")
         else:
-            log.info("warm-up: compiled the path model's forward and backward in %.1f s", seconds)
+            log.info("warm-up: %s in %.1f s", DONE, seconds)
 
     return run_rank("warm-up", body)
 

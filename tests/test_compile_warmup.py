@@ -1,6 +1,7 @@
-"""A host's first torch.compile done beside prepare or the wait for the plan
-(pipeline/compile_warmup.py): the path's first train task then reads its kernels instead of
-compiling them, and nothing is started where the islands train eagerly."""
+"""A host's first torch.compile done beside prepare or the wait for the plan, or by the DAG's
+warm_up task (pipeline/compile_warmup.py): the path's first train task then reads its kernels
+instead of compiling them, nothing is started where the islands train eagerly, and a warm-up that
+cannot start costs the run nothing."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import pytest
 from conftest import REPO, tiny_config
 from pipeline import compile_warmup
 from pipeline.compile_warmup import will_compile
-from pipeline.core.config import dump_yaml
 
 AMX_CPU = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
 ZEN4_CPU = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16\n"
@@ -76,25 +76,34 @@ def test_a_warm_up_that_cannot_start_costs_the_run_nothing(run_root, tmp_path, m
     assert len(said) == 1 and "could not start" in said[0] and "compile at their first step" in said[0]
 
 
+def test_a_warm_up_that_cannot_start_says_so_and_the_dag_task_goes_on(run_root, tmp_path, monkeypatch):
+    """compile_now, the DAG's warm_up task: no exception, one line naming why (a TMPDIR that is gone)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    said = compile_warmup.compile_now(tiny_config(run_root, "train.compile=true"))
+    assert said is not None and said.startswith("warm-up: could not start") and str(tmp_path / "gone") in said
+    assert compile_warmup.compile_now(tiny_config(run_root, "train.compile=false")) is None  # eager: nothing
+
+
 @pytest.mark.slow  # ~40 s: inductor compiles the tiny path once (cold cache), then a task reads it
-def test_the_first_train_task_reads_the_warm_ups_kernels_instead_of_compiling(run_root, tmp_path):
+def test_the_first_train_task_reads_the_warm_ups_kernels_instead_of_compiling(run_root, tmp_path, monkeypatch):
     host = tmp_path / "host-tmp"  # a host's TMPDIR, where inductor keeps its kernels: empty
     host.mkdir()
-    env = {**os.environ, "TMPDIR": str(host), "PYTHONPATH": str(REPO)}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    monkeypatch.setenv("TMPDIR", str(host))  # this host's processes: the warm-up's and the task's
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     config = tiny_config(run_root, *TINY_PATH, "train.compile=true")
 
-    def on_the_host(argv: list[str]) -> subprocess.CompletedProcess:
-        """A process of that host: its TMPDIR, so its inductor cache."""
-        return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-
-    dumped = tmp_path / "config.yaml"
-    dumped.write_text(dump_yaml(config))
-    warm = on_the_host([sys.executable, "-m", "pipeline.compile_warmup", "--config-yaml", str(dumped)])
-    assert warm.returncode == 0, warm.stderr[-2000:]
-    assert "compiled the path model's forward and backward" in warm.stderr
+    # as the DAG's warm_up task runs it (`dipaco run` and `dipaco island --wait` start the same process)
+    said = compile_warmup.compile_now(config)
+    assert said is not None and said.startswith("warm-up: compiled the path model's forward and backward in"), said
     assert not run_root.exists()  # nothing of the run root: only the host's own cache
-    task = on_the_host([sys.executable, "-c", TRAIN_AND_COUNT, str(run_root), *TINY_PATH, "train.compile=true"])
+    task = subprocess.run(
+        [sys.executable, "-c", TRAIN_AND_COUNT, str(run_root), *TINY_PATH, "train.compile=true"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert task.returncode == 0, task.stderr[-2000:]
     found = json.loads(task.stdout.strip().splitlines()[-1])
     assert found["compiled"] is True

@@ -88,11 +88,14 @@ def test_a_wrong_dipaco_config_fails_the_parse_in_one_line(tmp_path, monkeypatch
 
 def test_task_graph_wires_islands_beside_one_group_per_round(dag):
     downstream = {t.task_id: set(t.downstream_task_ids) for t in dag.tasks}
-    expected = {"configure", "prepare", "plan", "evaluate_initial", "islands", "island", "export", "report"} | {
-        f"round_{k}.{t}" for k in (0, 1) for t in ROUND_TASKS
+    expected = {"configure", "prepare", "warm_up", "plan", "evaluate_initial", "islands", "island", "export"} | {
+        "report",
+        *(f"round_{k}.{t}" for k in (0, 1) for t in ROUND_TASKS),
     }
     assert set(downstream) == expected  # no path-level tasks any more: islands pull them from the queue
-    assert "plan" in downstream["prepare"] and "prepare" in downstream["configure"]
+    assert "plan" in downstream["prepare"] and {"prepare", "warm_up"} <= downstream["configure"]
+    # the host's first compile beside prepare, holding nothing up
+    assert downstream["warm_up"] == set() and dag.task_dict["warm_up"].upstream_task_ids == {"configure"}
     assert {"evaluate_initial", "islands", "round_0.finished", "round_1.finished"} <= downstream["plan"]
     # round 0 is scored before training; then the islands and the round groups run side by side
     assert downstream["evaluate_initial"] == {"islands", "round_0.finished"}
@@ -149,6 +152,9 @@ def test_islands_on_several_hosts_each_go_to_their_hosts_celery_queue(tmp_path, 
         assert downstream[f"islands_{queue}"] == {f"island_{queue}"} and downstream[f"island_{queue}"] == {"report"}
         assert f"islands_{queue}" in downstream["evaluate_initial"]
         assert dag.task_dict["configure"].queue != queue  # the other tasks stay on the default queue
+        warm = dag.task_dict[f"warm_up_{queue}"]  # but for the host's first compile, on its worker
+        assert warm.queue == queue and warm.upstream_task_ids == {"configure"} and not warm.downstream_task_ids
+    assert "warm_up" not in downstream
     loaded = load_config(config)
     assert stages.list_islands(loaded, "host-b") == ["host-b-island-0", "host-b-island-1"]
     assert stages.list_islands(loaded) == ["island-0", "island-1"]
@@ -253,6 +259,7 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     assert reschedules >= 1
     for name in ONE_ROUND_DAG_TASKS:
         assert states[(name, -1)] == "success", name
+    assert states[("warm_up", -1)] == "skipped"  # tiny trains eagerly: nothing to compile
     # rounds_per_run=1: round 1's group is left to the next DAG run, skipped, not failed
     assert {s for (t, _), s in states.items() if t.startswith("round_1.")} == {"skipped"}
 
@@ -293,6 +300,12 @@ def test_dag_test_trains_a_round_and_registers_a_version(dag, airflow_db, tmp_pa
     assert [p for p in new if not str(p).startswith("exports")] == [] and root.exists("exports/round=1/export.json")
     assert len(client.search_model_versions(f"name = '{config.mlflow.registered_model}'")) == 1
     assert "raise train.rounds to train further" in xcom(again, "report")
+    # nor does a host compile for it: with train.compile on, the warm-up is skipped before it starts
+    compiled = AIRFLOW_HOME / f"{tmp_path.name}-compiled.yaml"
+    raw = yaml.safe_load(run_config.read_text())
+    compiled.write_text(yaml.safe_dump({**raw, "train": {**raw["train"], "compile": True}}))
+    with pytest.raises(AirflowSkipException, match="every round of train.rounds is committed"):
+        dag.task_dict["warm_up"].python_callable({**ref, "config": str(compiled), "overrides": done})
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,8 @@
 `dipaco` CLI calls (pipeline.stages), so a DAG run and `dipaco run` do the same work.
 
     configure -> prepare -> plan -> evaluate_initial --+--> islands -> island x n (mapped, pooled) ------+--> report
-                                                       |                                                  |
-                                                       +--> round_0 [finished (sensor) -> register]       |
+        |                                              |                                                  |
+        +--> warm_up (beside prepare)                  +--> round_0 [finished (sensor) -> register]       |
                                                             -> round_1 [...] -> ... -> export ------------+
 
 Training runs on islands, as in `dipaco run`: `island` is mapped over `train.islands` names, each
@@ -18,7 +18,15 @@ Islands on several hosts (docs/operations.md, "Run across hosts"): with `airflow
 `islands_<queue>` -> `island_<queue>` pair per queue replaces `islands` -> `island`, each island task
 sent to its Celery queue (the operator's `queue`): a Celery worker started on a host with
 `airflow celery worker --queues <queue>` runs that host's islands, `<queue>-island-<i>`, and only
-the object store and the MLflow server are shared. The other tasks go to the default queue.
+the object store and the MLflow server are shared. The other tasks go to the default queue, but
+for one `warm_up_<queue>` per queue.
+
+`warm_up` (per host queue with `airflow.queues`) is the host's first torch.compile, beside prepare,
+where the islands compile (`train.compile`: true, or auto on CUDA or a CPU with AMX): the island
+tasks on that worker then find inductor's kernels in its cache instead of compiling at their first
+step (pipeline/compile_warmup.py, as `dipaco run` does beside prepare). It holds nothing up and
+never fails a run on its own account: where it cannot compile it says so, and the islands compile
+at their first step as before. Skipped where they train eagerly.
 
 Beside the islands there is one task group per round of `train.rounds`, named after the round it
 trains: in `round_1`, `finished` (a sensor) waits until the islands merged round 1 and evaluated
@@ -154,6 +162,24 @@ def prepare(ref: dict) -> None:
     if run.root.is_committed(layout.SHARDS_DIR):
         raise AirflowSkipException("shards/ is committed")
     stages.prepare(run)
+
+
+@task
+def warm_up(ref: dict) -> str:
+    """This host's first torch.compile of the path model, beside prepare, so that its island
+    tasks' first step reads inductor's kernels from the host's cache (pipeline/compile_warmup.py,
+    as `dipaco run` and `dipaco island --wait` do). Skipped where the islands train eagerly or
+    nothing is left to train; a warm-up that fails says so and succeeds: it holds nothing up."""
+    from pipeline import compile_warmup
+    from pipeline.state import layout
+
+    run = _run(ref)
+    if layout.next_round(run.root) >= run.config.train.rounds:
+        raise AirflowSkipException("every round of train.rounds is committed: nothing to compile for")
+    said = compile_warmup.compile_now(run.config)
+    if said is None:
+        raise AirflowSkipException("the islands train eagerly here (train.compile): nothing to compile")
+    return said
 
 
 @task(trigger_rule="none_failed")
@@ -336,6 +362,8 @@ def dipaco_train():
     window >> initial
     trained = []
     for queue in SETTINGS.queues or [None]:  # airflow.queues: one host's islands on its own Celery queue
+        # the host's first compile beside prepare, on the worker whose island tasks read its cache
+        (warm_up.override(task_id=f"warm_up_{queue}", queue=queue) if queue else warm_up)(ref)
         listed = islands.override(task_id=f"islands_{queue}") if queue else islands
         names = listed(ref, window, queue=queue)
         initial >> names

@@ -230,7 +230,8 @@ class AirflowConfig:
     retry_delay_s: int = 60  # seconds between those retries
     trigger_run_roots: str | None = None  # a DAG trigger may set run_root only under this prefix; null: never
     queues: list[str] | None = None  # Celery queues, one per host: each starts train.islands islands named
-    #                                  <queue>-island-<i> on the workers of its queue; null: the default queue
+    #                                  <queue>-island-<i>, and the host's first compile (warm_up_<queue>), on the
+    #                                  workers of its queue; null: the default queue
 
 
 @dataclass
