@@ -13,9 +13,11 @@ reachable from a host.
 Each host runs `airflow celery worker --queues <its queue>` in its own UTS namespace, with the
 hostname `dipaco-h<i>`, so the task instances' and the leases' host names say where each task ran;
 host 0's worker also takes the default queue (configure, prepare, the round sensors, export,
-report). The run trains the tiny config on `s3://` across both hosts. It prints every task
-instance (queue, hostname, state), the islands' lease records by host, and each host's link
-bytes; exit 0 when the DAG run succeeded and every island ran on the host its queue names.
+report). The run trains the tiny config on `s3://` across both hosts (`--set K=V`: more
+overrides, e.g. `train.compile=true`, where each host's `warm_up_<queue>` compiles beside prepare).
+It prints every task instance (queue, hostname, state), what each host's warm-up did, the islands'
+lease records by host with their round-0 train task's seconds, and each host's link bytes; exit 0
+when the DAG run succeeded and every island and warm-up ran on the host its queue names.
 Everything it started, the namespaces, the database and the Redis keys go on every exit path.
 """
 
@@ -65,6 +67,7 @@ def write_config(path: Path, spec: hosts.Spec) -> Path:
         f"airflow.queues=[{', '.join(QUEUES)}]",
         "airflow.retries=0",
         "airflow.rounds_per_run=2",  # the tiny config's two rounds in one DAG run
+        *spec.overrides,
     ]
     path.write_text(dump_yaml(load_config(REPO / spec.config, overrides)))
     return path
@@ -136,6 +139,38 @@ def task_instances(pg_url: str, database: str, run_id: str) -> list[tuple]:
     )
 
 
+def warm_ups(pg_url: str, database: str, run_id: str) -> dict[str, str]:
+    """Each warm_up_<queue> task's line (its XCom: what the host's warm-up did)."""
+    rows = query(
+        pg_url,
+        database,
+        "SELECT task_id, value FROM xcom WHERE dag_id = 'dipaco_train' AND run_id = %s "
+        "AND key = 'return_value' AND task_id LIKE 'warm_up_%%'",
+        run_id,
+    )
+    return {task: value for task, value in rows}  # the JSON column, decoded by the driver
+
+
+def first_trains() -> dict[str, list[str]]:
+    """Each island's round-0 train attempts: task, seconds and inner-loop seconds (a first step
+    that compiled shows in both)."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(
+        endpoint_url=f"http://{netns.STORE_IP}:{hosts.S3_PORT}",
+        key=hosts.DUMMY_AWS["AWS_ACCESS_KEY_ID"],
+        secret=hosts.DUMMY_AWS["AWS_SECRET_ACCESS_KEY"],
+    )
+    found: dict[str, list[str]] = {}
+    for key in sorted(fs.glob(f"{hosts.BUCKET}/airflow/queue/leases/train.r0.*/attempt-*.json")):
+        record = json.loads(fs.cat_file(key))
+        if record.get("state") == "done":
+            task = key.split("/")[-2]
+            total, inner = (record.get(k, float("nan")) for k in ("seconds", "inner_seconds"))
+            found.setdefault(record["island"], []).append(f"{task} {total:.1f} s, inner loop {inner:.1f} s")
+    return found
+
+
 def island_leases() -> dict[str, set[str]]:
     """Hostnames of each island's train attempts, from the run root's lease records."""
     import s3fs
@@ -152,10 +187,10 @@ def island_leases() -> dict[str, set[str]]:
     return found
 
 
-def show(base: Path) -> int:
+def show(base: Path, overrides: list[str]) -> int:
     spec = hosts.Spec(
         config="configs/tiny.yaml",
-        overrides=[],
+        overrides=overrides,
         hosts=2,
         islands_per_host=1,
         shape=netns.LinkShape(None, None),
@@ -201,6 +236,7 @@ def show(base: Path) -> int:
             seconds = time.monotonic() - started
             rows = task_instances(settings.pg_url, database, run_id)
             leases = island_leases()
+            warmed, trained = warm_ups(settings.pg_url, database, run_id), first_trains()
             links = [lab.counters(i) for i in range(2)]
         finally:
             svc.stop(deployment.pids)
@@ -209,12 +245,23 @@ def show(base: Path) -> int:
             import redis
 
             redis.Redis.from_url(redis_url()).flushdb()  # the broker's and the results' keys: our database only
-    return report(state, seconds, rows, leases, links)
+    return report(state, seconds, rows, leases, links, warmed, trained, overrides)
 
 
-def report(state: str, seconds: float, rows: list[tuple], leases: dict, links: list[tuple[int, int]]) -> int:
+def report(
+    state: str,
+    seconds: float,
+    rows: list[tuple],
+    leases: dict,
+    links: list[tuple[int, int]],
+    warmed: dict[str, str],
+    trained: dict[str, list[str]],
+    overrides: list[str],
+) -> int:
+    settings = f", {' '.join(overrides)}" if overrides else ""
     lines = [
-        f"DAG run: {state} in {seconds:.0f} s (tiny config, s3:// run root, 2 hosts x 1 island, unshaped links)",
+        f"DAG run: {state} in {seconds:.0f} s (tiny config{settings}, s3:// run root, 2 hosts x 1 island, "
+        "unshaped links)",
         "",
         "| task | map index | queue | hostname | state |",
         "|---|---|---|---|---|",
@@ -225,6 +272,8 @@ def report(state: str, seconds: float, rows: list[tuple], leases: dict, links: l
         "- Train attempts' lease records, by island: "
         + "; ".join(f"{island} on {', '.join(sorted(names))}" for island, names in sorted(leases.items())),
     ]
+    lines += [f"- {task}: {said}" for task, said in sorted(warmed.items())]
+    lines += [f"- {island}'s round-0 train tasks: {'; '.join(done)}" for island, done in sorted(trained.items())]
     lines += [
         f"- Host {i}'s link: {up / 1e6:.1f} MB up, {down / 1e6:.1f} MB down" for i, (up, down) in enumerate(links)
     ]
@@ -234,7 +283,9 @@ def report(state: str, seconds: float, rows: list[tuple], leases: dict, links: l
     out.mkdir(parents=True, exist_ok=True)
     (out / "hosts_airflow.md").write_text(text + "\n")
     placed = all(
-        h == f"dipaco-h{QUEUES.index(q)}" for t, _, _, q, h, s in rows if t.startswith("island_") and s == "success"
+        h == f"dipaco-h{QUEUES.index(q)}"
+        for t, _, _, q, h, s in rows
+        if t.startswith(("island_", "warm_up_")) and s == "success"
     )
     islands_placed = all(names == {f"dipaco-h{island[len('host-')]}"} for island, names in leases.items())
     return 0 if state == "success" and placed and islands_placed and leases else 1
@@ -243,6 +294,7 @@ def report(state: str, seconds: float, rows: list[tuple], leases: dict, links: l
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hosts_airflow", description=__doc__.split("\n")[0])
     parser.add_argument("--keep", action="store_true", help="keep the lab's directories (logs) after the run")
+    parser.add_argument("--set", action="append", default=[], metavar="K=V", help="a config override (repeatable)")
     args = parser.parse_args(argv)
     why = netns.can_make_namespaces()
     if why:
@@ -256,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     base = Path(tempfile.mkdtemp(prefix="dipaco-hosts-airflow-"))
     try:
-        return show(base)
+        return show(base, args.set)
     finally:
         if args.keep:
             print(f"kept {base}", file=sys.stderr)
