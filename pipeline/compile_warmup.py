@@ -42,7 +42,6 @@ from pipeline.core.config import Config, config_from_yaml, dump_yaml
 log = logging.getLogger("dipaco.warmup")
 STOP_GRACE_S = 5.0
 WAIT_S = 1800.0  # compile_now's bound: a large model's first compile on a GPU takes minutes
-DONE = "compiled the path model's forward and backward"  # the process's last line when it compiled
 
 
 def will_compile(train, cpuinfo: str | None = None, cuda: bool | None = None) -> bool:
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if seconds is None:
             log.info("warm-up: this host's islands train eagerly; nothing to compile")
         else:
-            log.info("warm-up: %s in %.1f s", DONE, seconds)
+            log.info("warm-up: compiled the path model's forward and backward in %.1f s", seconds)
 
     return run_rank("warm-up", body)
 

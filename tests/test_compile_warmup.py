@@ -50,17 +50,29 @@ def test_it_warms_where_the_islands_compile_and_nowhere_else(run_root):
     assert will_compile(train("auto"), cpuinfo="", cuda=False) is False  # nothing known: no process
 
 
+def warm_up_processes() -> list[str]:
+    """The pids of the warm-up processes running now (`python -m pipeline.compile_warmup`)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if b"pipeline.compile_warmup" in open(f"/proc/{pid}/cmdline", "rb").read():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 def test_an_eager_run_starts_no_warm_up_process(run_root):
-    before = set(os.listdir("/proc"))
     with compile_warmup.beside(tiny_config(run_root, "train.compile=false")):
-        started = [p for p in set(os.listdir("/proc")) - before if p.isdigit()]
-        commands = []
-        for pid in started:
-            try:
-                commands.append(open(f"/proc/{pid}/cmdline", "rb").read())
-            except OSError:
-                continue
-    assert not any(b"compile_warmup" in c for c in commands)
+        assert warm_up_processes() == []
+
+
+def test_a_warm_up_past_its_bound_is_stopped_and_says_so(run_root):
+    """compile_now's bound (the DAG's task waits at most WAIT_S): the process is stopped, nothing of
+    it is left, and the line says the islands compile at their first step."""
+    said = compile_warmup.compile_now(tiny_config(run_root, "train.compile=true"), wait_s=0.5)
+    assert said == "warm-up: still compiling after 0.5 s; stopped, the islands compile at their first step"
+    assert warm_up_processes() == []
 
 
 def test_a_warm_up_that_cannot_start_costs_the_run_nothing(run_root, tmp_path, monkeypatch, caplog):
