@@ -151,9 +151,8 @@ def warm_ups(pg_url: str, database: str, run_id: str) -> dict[str, str]:
     return {task: value for task, value in rows}  # the JSON column, decoded by the driver
 
 
-def first_trains() -> dict[str, list[str]]:
-    """Each island's round-0 train attempts: task, seconds and inner-loop seconds (a first step
-    that compiled shows in both)."""
+def train_attempts() -> list[tuple[str, dict]]:
+    """(task, lease record) of every train attempt, from the run root."""
     import s3fs
 
     fs = s3fs.S3FileSystem(
@@ -161,28 +160,25 @@ def first_trains() -> dict[str, list[str]]:
         key=hosts.DUMMY_AWS["AWS_ACCESS_KEY_ID"],
         secret=hosts.DUMMY_AWS["AWS_SECRET_ACCESS_KEY"],
     )
+    keys = sorted(fs.glob(f"{hosts.BUCKET}/airflow/queue/leases/train.*/attempt-*.json"))
+    return [(key.split("/")[-2], json.loads(fs.cat_file(key))) for key in keys]
+
+
+def first_trains(attempts: list[tuple[str, dict]]) -> dict[str, list[str]]:
+    """Each island's round-0 train attempts that finished: task, seconds and inner-loop seconds (a
+    first step that compiled shows in both)."""
     found: dict[str, list[str]] = {}
-    for key in sorted(fs.glob(f"{hosts.BUCKET}/airflow/queue/leases/train.r0.*/attempt-*.json")):
-        record = json.loads(fs.cat_file(key))
-        if record.get("state") == "done":
-            task = key.split("/")[-2]
+    for task, record in attempts:
+        if task.startswith("train.r0.") and record.get("state") == "done":
             total, inner = (record.get(k, float("nan")) for k in ("seconds", "inner_seconds"))
             found.setdefault(record["island"], []).append(f"{task} {total:.1f} s, inner loop {inner:.1f} s")
     return found
 
 
-def island_leases() -> dict[str, set[str]]:
-    """Hostnames of each island's train attempts, from the run root's lease records."""
-    import s3fs
-
-    fs = s3fs.S3FileSystem(
-        endpoint_url=f"http://{netns.STORE_IP}:{hosts.S3_PORT}",
-        key=hosts.DUMMY_AWS["AWS_ACCESS_KEY_ID"],
-        secret=hosts.DUMMY_AWS["AWS_SECRET_ACCESS_KEY"],
-    )
+def island_leases(attempts: list[tuple[str, dict]]) -> dict[str, set[str]]:
+    """Hostnames of each island's train attempts, from their lease records."""
     found: dict[str, set[str]] = {}
-    for key in fs.glob(f"{hosts.BUCKET}/airflow/queue/leases/train.*/attempt-*.json"):
-        record = json.loads(fs.cat_file(key))
+    for _, record in attempts:
         found.setdefault(record["island"], set()).add(record.get("host", "?"))
     return found
 
@@ -235,8 +231,9 @@ def show(base: Path, overrides: list[str]) -> int:
             state = wait_for_run(settings.pg_url, database, run_id, RUN_TIMEOUT_S)
             seconds = time.monotonic() - started
             rows = task_instances(settings.pg_url, database, run_id)
-            leases = island_leases()
-            warmed, trained = warm_ups(settings.pg_url, database, run_id), first_trains()
+            attempts = train_attempts()
+            leases, trained = island_leases(attempts), first_trains(attempts)
+            warmed = warm_ups(settings.pg_url, database, run_id)
             links = [lab.counters(i) for i in range(2)]
         finally:
             svc.stop(deployment.pids)

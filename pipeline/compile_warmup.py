@@ -108,6 +108,17 @@ class Warming:
     """The warm-up's process (`python -m pipeline.compile_warmup`), started on this host, and the
     scratch directory holding the config it reads."""
 
+    @classmethod
+    def start(cls, config: Config) -> "Warming | str":
+        """The warm-up started, or the line (logged) saying why it could not be: an optimisation,
+        so the islands compile at their first step instead."""
+        try:
+            return cls(config)
+        except OSError as exc:
+            said = f"warm-up: could not start ({exc}); the islands compile at their first step"
+            log.warning("%s", said)
+            return said
+
     def __init__(self, config: Config):
         from pipeline.islands.launch import Launch, rank_threads
 
@@ -141,15 +152,11 @@ def beside(config: Config) -> Iterator[None]:
     if nothing_to_warm(config):
         yield
         return
-    warming = None
-    try:
-        warming = Warming(config)
-    except OSError as exc:  # an optimisation: the islands compile at their first step instead
-        log.warning("warm-up: could not start (%s); the islands compile at their first step", exc)
+    warming = Warming.start(config)
     try:
         yield
     finally:
-        if warming is not None:
+        if isinstance(warming, Warming):
             warming.end()
 
 
@@ -160,12 +167,9 @@ def compile_now(config: Config, wait_s: float = WAIT_S) -> str | None:
     an exception: the islands then compile at their first step, as without it."""
     if nothing_to_warm(config):
         return None
-    try:
-        warming = Warming(config)
-    except OSError as exc:
-        said = f"warm-up: could not start ({exc}); the islands compile at their first step"
-        log.warning("%s", said)
-        return said
+    warming = Warming.start(config)
+    if not isinstance(warming, Warming):
+        return warming  # why it could not start
     code = None
     try:
         code = warming.launch.wait(wait_s)

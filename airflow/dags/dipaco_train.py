@@ -170,12 +170,11 @@ def warm_up(ref: dict) -> str:
     tasks' first step reads inductor's kernels from the host's cache (pipeline/compile_warmup.py,
     as `dipaco run` and `dipaco island --wait` do). Skipped where the islands train eagerly or
     nothing is left to train; a warm-up that fails says so and succeeds: it holds nothing up."""
-    from pipeline import compile_warmup
-    from pipeline.state import layout
+    from pipeline import compile_warmup, stages
 
     run = _run(ref)
-    if layout.next_round(run.root) >= run.config.train.rounds:
-        raise AirflowSkipException("every round of train.rounds is committed: nothing to compile for")
+    if not stages.rounds_to_train(run):
+        raise AirflowSkipException(stages.nothing_to_train(run))
     said = compile_warmup.compile_now(run.config)
     if said is None:
         raise AirflowSkipException("the islands train eagerly here (train.compile): nothing to compile")
