@@ -9,6 +9,11 @@ alone. `--repeat N` runs each root N times, in the order local, S3, S3, local, .
 machine's speed falls on both alike), and takes the ratios of the pooled figures: on 4 rounds of the
 demo the same code read 1.66x and 2.48x past round 0 an hour apart. `--commit` puts the table into
 benchmarks/RESULTS.md between its `object-store` markers.
+
+`--store-cpu N` gives the store core N to itself and both runs the other cores (each process's
+affinity, set before it starts): a real store runs on machines of its own, while moto on loopback
+otherwise answers on the cores the islands train on. `--set K=V` passes overrides to both runs (with
+one core left on two: `--set train.islands=1`).
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ OUT = REPO / "benchmarks" / "out"
 TARGET_OVERHEAD, TARGET_UTILISATION = 1.5, 0.90
 
 
-def run_once(config: str, run_root: str, sets: list[str], env: dict) -> dict:
-    """`dipaco run` in a fresh process; its run root's figures for the last round."""
+def run_once(config: str, run_root: str, sets: list[str], env: dict, cpus: set[int] | None = None) -> dict:
+    """`dipaco run` in a fresh process (on `cpus`, with its islands and ranks: they inherit the
+    affinity, and size their threads by it); its run root's figures for the last round."""
     args = [sys.executable, "-m", "pipeline.cli", "run", "--config", config]
     for item in [f"run_root={run_root}", "mlflow.enabled=false", *sets]:
         args += ["--set", item]
     started = time.monotonic()
-    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, preexec_fn=pin)
     if done.returncode != 0:
         raise SystemExit(f"benchmarks.object_store: the run on {run_root} failed:\n{done.stderr[-3000:]}")
     seconds = time.monotonic() - started
@@ -116,10 +123,16 @@ def render(locals_: list[dict], s3s: list[dict], args: argparse.Namespace) -> st
         )
     # met only where the ratio past round 0 is met too (nan, with one round, is not)
     met = ratio <= TARGET_OVERHEAD and steady <= TARGET_OVERHEAD and s3["utilisation"] >= TARGET_UTILISATION
+    flags = "".join(
+        [
+            f" --repeat {args.repeat}" if args.repeat > 1 else "",
+            f" --store-cpu {args.store_cpu}" if args.store_cpu is not None else "",
+            *(f" --set {item}" for item in args.set),
+        ]
+    )
     return "\n".join(
         [
-            f"`python -m benchmarks.object_store --config {args.config} --rounds {args.rounds}"
-            f"{f' --repeat {args.repeat}' if args.repeat > 1 else ''}` on "
+            f"`python -m benchmarks.object_store --config {args.config} --rounds {args.rounds}{flags}` on "
             f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
             f"{time.strftime('%Y-%m-%d')}: S3 overhead {ratio:.2f}x the local root's over the run and "
             f"{steady:.2f}x past round 0 (target <= {TARGET_OVERHEAD}), "
@@ -142,27 +155,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--rounds", type=int, default=2, help="train.rounds of both runs (the overhead is per task)")
     parser.add_argument("--repeat", type=int, default=1, help="runs of each root, alternating (ABBA), pooled")
+    parser.add_argument("--store-cpu", type=int, help="the core the store runs on alone (the runs get the others)")
+    parser.add_argument("--set", action="append", default=[], metavar="K=V", help="a config override of both runs")
     parser.add_argument("--commit", action="store_true", help="write the table into benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    cores = os.sched_getaffinity(0)
+    if args.store_cpu is not None and (args.store_cpu not in cores or len(cores) < 2):
+        parser.error(f"--store-cpu {args.store_cpu}: not one of this process's cores {sorted(cores)} with one to spare")
+    store_cpus = {args.store_cpu} if args.store_cpu is not None else None
+    run_cpus = cores - store_cpus if store_cpus else None
     sys.path.insert(0, str(REPO / "tests"))
     from s3_endpoint import CREDENTIALS, start_moto
 
     env = {**os.environ, **CREDENTIALS, "PYTHONUNBUFFERED": "1"}
     env.pop("FSSPEC_S3", None)
-    sets = [f"train.rounds={args.rounds}"]
-    server = start_moto()
+    sets = [f"train.rounds={args.rounds}", *args.set]
+    server = start_moto(cpus=store_cpus)
     found: dict[str, list[dict]] = {"local": [], "s3": []}
     os.environ.update(CREDENTIALS)  # run_once reads the S3 root's figures in this process
     try:
         for number, root in enumerate(run_order(args.repeat)):
             if root == "local":
                 with tempfile.TemporaryDirectory(prefix="dipaco-bench-store-") as scratch:
-                    found["local"].append(run_once(args.config, f"{scratch}/run", sets, env))
+                    found["local"].append(run_once(args.config, f"{scratch}/run", sets, env, run_cpus))
             else:
                 run_root = f"s3://{server.new_bucket()}/run"
-                found["s3"].append(run_once(args.config, run_root, [*sets, server.storage_set()], env))
+                found["s3"].append(run_once(args.config, run_root, [*sets, server.storage_set()], env, run_cpus))
             print(f"benchmarks.object_store: run {number + 1} ({root}) done", file=sys.stderr, flush=True)
     finally:
         server.stop()

@@ -71,14 +71,17 @@ def _boto_credentials() -> dict:
     }
 
 
-def start_moto(timeout_s: float = 30.0) -> MotoServer:
-    """moto's server on a free loopback port, once it answers; raises if it does not within timeout_s."""
+def start_moto(timeout_s: float = 30.0, cpus: set[int] | None = None) -> MotoServer:
+    """moto's server on a free loopback port, once it answers; raises if it does not within timeout_s.
+    `cpus`: the cores it may run on (every thread of it: set before it starts), as a store's own
+    machine would be (benchmarks.object_store --store-cpu)."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, str(MOTO_S3), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **CREDENTIALS, **MOTO_SETTINGS},
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

@@ -100,7 +100,37 @@ def test_the_object_store_benchmarks_repeats_alternate_roots_and_pool_before_the
     locals_, s3s = [fig(0.20), fig(0.30)], [fig(0.40, 0.94), fig(0.35, 0.96)]
     assert pooled(locals_)["steady_task_overhead_seconds"] == pytest.approx(0.25)
     assert pooled(s3s)["utilisation"] == pytest.approx(0.95)
-    table = render(locals_, s3s, argparse.Namespace(config="configs/demo.yaml", rounds=4, repeat=2))
+    args = argparse.Namespace(config="configs/demo.yaml", rounds=4, repeat=2, store_cpu=None, set=[])
+    table = render(locals_, s3s, args)
     assert "1.50x past round 0" in table and ": met." in table  # 0.375 / 0.25, not the mean of 2.00x and 1.17x
     assert "run by run, past round 0: 2.00x, 1.17x" in table
     assert "| s3 (moto, loopback), pooled |" in table and "| local, run 2 |" in table
+    # the store on a core of its own and the overrides are part of the command the table names
+    pinned = render(locals_, s3s, argparse.Namespace(**{**vars(args), "store_cpu": 1, "set": ["train.islands=1"]}))
+    assert "--rounds 4 --repeat 2 --store-cpu 1 --set train.islands=1`" in pinned
+
+
+def test_the_object_store_benchmarks_store_runs_on_the_core_it_is_given():
+    """`--store-cpu`: moto's server and every thread it starts stay on that core, as a store on its
+    own machine would leave the islands' cores alone (the figure it gives means nothing otherwise)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from s3_endpoint import start_moto
+
+    core = min(os.sched_getaffinity(0))
+    server = start_moto(cpus={core})
+    try:
+        server.new_bucket()  # a request or two: the threads that answer exist now
+        tasks = Path(f"/proc/{server.process.pid}/task")
+        allowed = {
+            line.split(":", 1)[1].strip()
+            for task in tasks.iterdir()
+            for line in (task / "status").read_text().splitlines()
+            if line.startswith("Cpus_allowed_list:")
+        }
+        assert allowed == {str(core)}
+    finally:
+        server.stop()
