@@ -62,6 +62,11 @@ from fsspec.implementations.local import LocalFileSystem
 from pipeline.core.errors import ConfigError, StorageError
 
 log = logging.getLogger("dipaco.store")
+# botocore's "Found credentials in environment variables." at INFO: one line from every client of
+# every island and rank, and the only line besides the refusal when a preflight refuses a store
+# (a bad input gets one line). Where the credentials came from is still said at DEBUG.
+for _name in ("botocore.credentials", "aiobotocore.credentials"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 T = TypeVar("T")
 
 RETRY_S = 60.0  # how long a transient error is retried before it is a StorageError
