@@ -114,10 +114,8 @@ def test_the_object_store_benchmarks_store_runs_on_the_core_it_is_given():
     """`--store-cpu`: moto's server and every thread it starts stay on that core, as a store on its
     own machine would leave the islands' cores alone (the figure it gives means nothing otherwise)."""
     import os
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
     from s3_endpoint import start_moto
 
     core = min(os.sched_getaffinity(0))
