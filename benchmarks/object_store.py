@@ -35,15 +35,13 @@ OUT = REPO / "benchmarks" / "out"
 TARGET_OVERHEAD, TARGET_UTILISATION = 1.5, 0.90
 
 
-def run_once(config: str, run_root: str, sets: list[str], env: dict, cpus: set[int] | None = None) -> dict:
-    """`dipaco run` in a fresh process (on `cpus`, with its islands and ranks: they inherit the
-    affinity, and size their threads by it); its run root's figures for the last round."""
+def run_once(config: str, run_root: str, sets: list[str], env: dict) -> dict:
+    """`dipaco run` in a fresh process; its run root's figures for the last round."""
     args = [sys.executable, "-m", "pipeline.cli", "run", "--config", config]
     for item in [f"run_root={run_root}", "mlflow.enabled=false", *sets]:
         args += ["--set", item]
     started = time.monotonic()
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, preexec_fn=pin)
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"benchmarks.object_store: the run on {run_root} failed:\n{done.stderr[-3000:]}")
     seconds = time.monotonic() - started
@@ -165,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.store_cpu is not None and (args.store_cpu not in cores or len(cores) < 2):
         parser.error(f"--store-cpu {args.store_cpu}: not one of this process's cores {sorted(cores)} with one to spare")
     store_cpus = {args.store_cpu} if args.store_cpu is not None else None
-    run_cpus = cores - store_cpus if store_cpus else None
     sys.path.insert(0, str(REPO / "tests"))
     from s3_endpoint import CREDENTIALS, start_moto
 
@@ -173,16 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     env.pop("FSSPEC_S3", None)
     sets = [f"train.rounds={args.rounds}", *args.set]
     server = start_moto(cpus=store_cpus)
+    if store_cpus:  # the runs start from this process: they, their islands and ranks inherit the rest
+        os.sched_setaffinity(0, cores - store_cpus)  # (and size their threads by it)
     found: dict[str, list[dict]] = {"local": [], "s3": []}
     os.environ.update(CREDENTIALS)  # run_once reads the S3 root's figures in this process
     try:
         for number, root in enumerate(run_order(args.repeat)):
             if root == "local":
                 with tempfile.TemporaryDirectory(prefix="dipaco-bench-store-") as scratch:
-                    found["local"].append(run_once(args.config, f"{scratch}/run", sets, env, run_cpus))
+                    found["local"].append(run_once(args.config, f"{scratch}/run", sets, env))
             else:
                 run_root = f"s3://{server.new_bucket()}/run"
-                found["s3"].append(run_once(args.config, run_root, [*sets, server.storage_set()], env, run_cpus))
+                found["s3"].append(run_once(args.config, run_root, [*sets, server.storage_set()], env))
             print(f"benchmarks.object_store: run {number + 1} ({root}) done", file=sys.stderr, flush=True)
     finally:
         server.stop()
